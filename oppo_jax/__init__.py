@@ -1,0 +1,1 @@
+"""oppo_jax: overlapped PPO-RLHF in JAX."""

@@ -1,7 +1,28 @@
-"""oppo_jax: overlapped PPO-RLHF (OPPO) in JAX/Flax."""
+"""oppo_jax: overlapped PPO-RLHF (OPPO) in JAX/Flax.
 
-from oppo_jax.models.api import HFModel, load_hf_model
-from oppo_jax.models.hf_export import export_hf
+The public API is imported lazily so that ``oppo_jax.config`` can validate a configuration
+without importing JAX (bad input fails before any compilation or device start-up).
+"""
 
-__all__ = ["HFModel", "export_hf", "load_hf_model"]
+import importlib
+
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "HFModel": "oppo_jax.models.api",
+    "load_hf_model": "oppo_jax.models.api",
+    "export_hf": "oppo_jax.models.hf_export",
+    "load_config": "oppo_jax.config",
+    "Config": "oppo_jax.config",
+}
+_SUBMODULES = ("config", "data", "models", "ppo", "rollout", "sharding")
+
+__all__ = sorted(_PUBLIC) + list(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"oppo_jax.{name}")
+    raise AttributeError(f"module 'oppo_jax' has no attribute {name!r}")

@@ -1,0 +1,216 @@
+"""Checks of a run configuration's values; each problem names the dotted key and the bad value.
+
+Pure Python over the dataclass instances (no jax, no OmegaConf), so a notebook can build a
+`Config` by hand and still get the same errors as `load_config` gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oppo_jax.config import Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and/or the dotted key and value."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
+# Allowed values of the string-valued choices.
+ENUMS: dict[str, tuple[str, ...]] = {
+    "model.critic_init": ("reward", "actor"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "rollout.prompt_too_long": ("truncate", "reject"),
+    "ppo.kl_estimator": ("k1", "k2", "k3"),
+    "ppo.loss_agg": ("token_mean", "seq_mean"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "pipeline.mode": ("sync", "oppo"),
+    "pipeline.placement": ("colocated", "disaggregated"),
+}
+_POSITIVE_INTS = (
+    "rollout.batch_size", "rollout.max_prompt_len", "rollout.max_response_len",
+    "ppo.kl_horizon", "ppo.ppo_epochs", "ppo.num_minibatches", "ppo.grad_accum_steps",
+    "mesh.data", "mesh.fsdp", "mesh.tensor",
+    "pipeline.chunk_size", "pipeline.chunk_tuning_every", "pipeline.overcommit_window",
+    "train.steps", "train.max_to_keep", "train.log_every", "train.max_nonfinite_in_a_row",
+)  # fmt: skip
+_NONNEGATIVE = (
+    "rollout.top_k", "ppo.kl_coef", "ppo.vf_coef", "ppo.entropy_coef",
+    "optim.actor_lr", "optim.critic_lr", "optim.weight_decay", "optim.warmup_steps",
+    "mesh.scoring_devices", "pipeline.overcommit", "pipeline.overcommit_min",
+    "pipeline.overcommit_max", "pipeline.max_deferrals", "train.checkpoint_every",
+    "train.sft_steps", "train.rm_steps",
+)  # fmt: skip
+_POSITIVE_FLOATS = (
+    "ppo.target_kl", "ppo.cliprange", "ppo.cliprange_value", "optim.max_grad_norm",
+    "optim.adam_eps",
+)  # fmt: skip
+
+
+def type_name(hint: Any) -> str:
+    """Readable name of a field annotation: `int`, `str | None`, `list[int]`."""
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return str(hint).replace("typing.", "").replace("NoneType", "None")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if hint is float:  # an int is an exact float; bool is not a number here
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_problems(obj: Any, prefix: str = "") -> list[str]:
+    """Wrong types and non-finite floats, found by walking the dataclass tree."""
+    problems = []
+    for f in dataclasses.fields(obj):
+        key, value, hint = prefix + f.name, getattr(obj, f.name), _hints(type(obj))[f.name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):
+            problems += _type_problems(value, key + ".")
+        elif not _matches(value, hint):
+            problems.append(f"{key}={value!r}: expected {type_name(hint)}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}={value!r}: must be finite")
+    return problems
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def _value_problems(cfg: Config) -> list[str]:
+    """Per-key ranges and choices."""
+    problems = []
+    for key in _POSITIVE_INTS:
+        if (v := _get(cfg, key)) < 1:
+            problems.append(f"{key}={v!r}: must be a positive integer")
+    for key in _NONNEGATIVE:
+        if (v := _get(cfg, key)) < 0:
+            problems.append(f"{key}={v!r}: must be >= 0")
+    for key in _POSITIVE_FLOATS:
+        if (v := _get(cfg, key)) <= 0:
+            problems.append(f"{key}={v!r}: must be > 0")
+    for key, allowed in ENUMS.items():
+        if (v := _get(cfg, key)) not in allowed:
+            problems.append(f"{key}={v!r}: must be one of {', '.join(allowed)}")
+    for key in ("ppo.gamma", "ppo.lam"):
+        if not 0 <= (v := _get(cfg, key)) <= 1:
+            problems.append(f"{key}={v!r}: must lie in [0, 1]")
+    for key in ("optim.adam_b1", "optim.adam_b2"):
+        if not 0 <= (v := _get(cfg, key)) < 1:
+            problems.append(f"{key}={v!r}: must lie in [0, 1)")
+    if not 0 <= cfg.seed < 2**32:
+        problems.append(f"seed={cfg.seed!r}: must lie in [0, 2**32)")
+    r, ppo = cfg.rollout, cfg.ppo
+    if not r.greedy and r.temperature <= 0:
+        problems.append(f"rollout.temperature={r.temperature!r}: must be > 0 unless greedy")
+    if not 0 < r.top_p <= 1:
+        problems.append(f"rollout.top_p={r.top_p!r}: must lie in (0, 1]")
+    if ppo.importance_clip < 1:
+        problems.append(f"ppo.importance_clip={ppo.importance_clip!r}: must be >= 1")
+    if ppo.missing_eos_penalty is not None and ppo.missing_eos_penalty < 0:
+        problems.append(f"ppo.missing_eos_penalty={ppo.missing_eos_penalty!r}: must be >= 0")
+    cands = cfg.pipeline.chunk_candidates
+    if not cands or min(cands) < 1:
+        problems.append(f"pipeline.chunk_candidates={cands!r}: must be positive token counts")
+    return problems
+
+
+def _relation_problems(cfg: Config) -> list[str]:
+    """Constraints that tie several keys together (batch splits, Δ bounds, placement)."""
+    problems = []
+    b, ppo, mesh, p = cfg.rollout.batch_size, cfg.ppo, cfg.mesh, cfg.pipeline
+    splits, batch_shards = ppo.num_minibatches * ppo.grad_accum_steps, mesh.data * mesh.fsdp
+    if b % splits:
+        problems.append(
+            f"rollout.batch_size={b}: must be divisible by "
+            f"ppo.num_minibatches*ppo.grad_accum_steps={splits}"
+        )
+    elif b % batch_shards:
+        problems.append(
+            f"rollout.batch_size={b}: must be divisible by mesh.data*mesh.fsdp={batch_shards}"
+        )
+    elif (b // splits) % batch_shards:
+        # Every microbatch is sharded over the batch axes of the mesh.
+        problems.append(
+            f"rollout.batch_size={b}: its microbatches of {b // splits} sequences must be "
+            f"divisible by mesh.data*mesh.fsdp={batch_shards}"
+        )
+    if p.overcommit_min > p.overcommit_max:
+        problems.append(
+            f"pipeline.overcommit_min={p.overcommit_min}: must be <= "
+            f"pipeline.overcommit_max={p.overcommit_max}"
+        )
+    elif p.adaptive_overcommit and not p.overcommit_min <= p.overcommit <= p.overcommit_max:
+        problems.append(
+            f"pipeline.overcommit={p.overcommit}: must lie in [pipeline.overcommit_min, "
+            f"pipeline.overcommit_max]=[{p.overcommit_min}, {p.overcommit_max}] "
+            "when pipeline.adaptive_overcommit is on"
+        )
+    if p.placement == "disaggregated" and mesh.scoring_devices < 1:
+        problems.append(
+            f"mesh.scoring_devices={mesh.scoring_devices}: must be >= 1 when "
+            "pipeline.placement=disaggregated"
+        )
+    if p.placement == "colocated" and mesh.scoring_devices:
+        problems.append(
+            f"mesh.scoring_devices={mesh.scoring_devices}: must be 0 when "
+            "pipeline.placement=colocated (scorers share the mesh)"
+        )
+    return problems
+
+
+def _raise(problems: list[str]) -> None:
+    if len(problems) == 1:
+        raise ConfigError(problems[0], problems)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"{len(problems)} config problems:\n{lines}", problems)
+
+
+def validate(cfg: Config) -> None:
+    """Raise `ConfigError` listing every bad value in `cfg` (types, then ranges, then relations)."""
+    _raise(_type_problems(cfg))
+    _raise(_value_problems(cfg))
+    _raise(_relation_problems(cfg))  # may divide by axis sizes, so only once those are positive
+
+
+def validate_mesh(cfg: Config, num_devices: int) -> None:
+    """Check that the mesh plus the scoring devices use exactly `num_devices` devices.
+
+    The mesh (data × fsdp × tensor) holds actor generation and training; in disaggregated
+    placement the scorers run on `mesh.scoring_devices` further devices outside it (the
+    paper: 7 GPUs for generation and training, 1 for scoring).
+    """
+    m = cfg.mesh
+    used = m.data * m.fsdp * m.tensor + m.scoring_devices
+    if used != num_devices:
+        raise ConfigError(
+            f"mesh.data*mesh.fsdp*mesh.tensor={m.data}*{m.fsdp}*{m.tensor} plus "
+            f"mesh.scoring_devices={m.scoring_devices} uses {used} devices, but {num_devices} "
+            "are available; change the mesh so that they match"
+        )

@@ -1,0 +1,167 @@
+"""Prefill and chunked decoding: ``decode_chunk`` advances every slot by C tokens in a lax.scan.
+
+Dimension letters: S slots, P prompt width, R response capacity (max response length), V vocab.
+All slots decode in lockstep; a slot that has finished (EOS, max length, or empty) is frozen:
+it samples nothing, writes nothing and its cache length stops advancing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from oppo_jax.models.kv_cache import KVCache, init_cache
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.transformer import Transformer
+from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries from chunk to chunk, for S slots."""
+
+    cache: KVCache  # the actor's keys/values: prompt then response, per slot
+    next_logits: Float[Array, "S V"]  # logits of each slot's next token (float32)
+    tokens: Int[Array, "S R"]  # response tokens so far; pad_id after num_generated
+    logprobs: Float[Array, "S R"]  # behaviour log-prob of each response token; 0 after
+    num_generated: Int[Array, " S"]  # response tokens so far
+    finished: Bool[Array, " S"]  # stopped: EOS, max length, or an empty slot
+    finish_step: Int[Array, " S"]  # lockstep decode step at which the slot finished; -1 if not
+    prompt_id: Int[Array, " S"]  # id of the prompt in the slot (for the sampling key)
+    sample_index: Int[Array, " S"]  # which of the prompt's samples this is
+    step: Int[Array, ""]  # decode steps taken (the lockstep clock)
+    base_key: jax.Array  # the run's sampling key
+    eos_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(1,))
+    pad_id: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def response_capacity(self) -> int:
+        return self.tokens.shape[1]
+
+
+def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None):
+    return Transformer(cfg).apply({"params": params}, tokens, cache, n_valid)
+
+
+def prefill(
+    cfg: ModelConfig,
+    params,
+    cache: KVCache,
+    tokens: Int[Array, "S T"],
+    n_valid: Int[Array, " S"],
+) -> tuple[Float[Array, "S T O"], KVCache]:
+    """Append ``n_valid[s]`` tokens of each right-padded row to the cache; return head outputs.
+
+    Any split of a sequence into successive prefills gives the same outputs as one call.
+    """
+    out, cache = _apply(cfg, params, tokens, cache, n_valid)
+    return out.astype(jnp.float32), cache
+
+
+def start_decode(
+    cfg: ModelConfig,
+    params,
+    prompts: Int[Array, "S P"],
+    prompt_lens: Int[Array, " S"],
+    prompt_id: Int[Array, " S"],
+    sample_index: Int[Array, " S"],
+    base_key: jax.Array,
+    max_response_len: int,
+    eos_ids: tuple[int, ...],
+    pad_id: int = 0,
+    active: Bool[Array, " S"] | None = None,
+) -> DecodeState:
+    """Prefill the prompts into a fresh cache and set up the state for ``decode_chunk``.
+
+    ``active[s]`` False marks an empty slot: it starts finished and never samples.
+    """
+    num_slots, width = prompts.shape
+    if active is None:
+        active = jnp.ones((num_slots,), bool)
+    cache = init_cache(cfg, num_slots, width + max_response_len)
+    logits, cache = prefill(cfg, params, cache, prompts, prompt_lens)
+    last = jnp.maximum(prompt_lens - 1, 0)
+    next_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    return DecodeState(
+        cache=cache,
+        next_logits=next_logits,
+        tokens=jnp.full((num_slots, max_response_len), pad_id, jnp.int32),
+        logprobs=jnp.zeros((num_slots, max_response_len), jnp.float32),
+        num_generated=jnp.zeros((num_slots,), jnp.int32),
+        finished=~active,
+        finish_step=jnp.where(active, -1, 0).astype(jnp.int32),
+        prompt_id=prompt_id.astype(jnp.int32),
+        sample_index=sample_index.astype(jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        base_key=base_key,
+        eos_ids=tuple(eos_ids),
+        pad_id=pad_id,
+    )
+
+
+def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: DecodeState):
+    """Sample one token for every running slot, record it, and feed it to the model."""
+    running = ~state.finished
+    position = state.num_generated
+    keys = token_keys(state.base_key, state.prompt_id, state.sample_index, position)
+    token, logprob = sample_tokens(state.next_logits, keys, sampling)
+    rows = jnp.arange(token.shape[0])
+    write_at = jnp.where(running, position, state.response_capacity)  # out of range: dropped
+    num_generated = position + running.astype(jnp.int32)
+    is_eos = jnp.isin(token, jnp.asarray(state.eos_ids, jnp.int32))
+    just_done = running & (is_eos | (num_generated >= state.response_capacity))
+    feed = running & ~just_done
+
+    def forward(_):
+        logits, cache = _apply(cfg, params, token[:, None], state.cache, feed.astype(jnp.int32))
+        return jnp.where(feed[:, None], logits[:, 0].astype(jnp.float32), state.next_logits), cache
+
+    # Once every slot is done the forward pass is wasted work; skip it.
+    next_logits, cache = jax.lax.cond(
+        jnp.any(feed), forward, lambda _: (state.next_logits, state.cache), None
+    )
+    return state.replace(
+        cache=cache,
+        next_logits=next_logits,
+        tokens=state.tokens.at[rows, write_at].set(token, mode="drop"),
+        logprobs=state.logprobs.at[rows, write_at].set(logprob, mode="drop"),
+        num_generated=num_generated,
+        finished=state.finished | just_done,
+        finish_step=jnp.where(just_done, state.step + 1, state.finish_step),
+        step=state.step + 1,
+    )
+
+
+def decode_chunk(
+    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, params, state: DecodeState
+) -> DecodeState:
+    """Advance every slot by ``chunk_size`` lockstep decode steps (a ``lax.scan``)."""
+
+    def body(carry, _):
+        return decode_step(cfg, sampling, params, carry), None
+
+    state, _ = jax.lax.scan(body, state, None, length=chunk_size)
+    return state
+
+
+@functools.cache
+def make_decode_chunk(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int):
+    """``decode_chunk`` jitted for one (model, sampling, C), donating the state it replaces.
+
+    Cached, so every caller with the same static settings shares one compiled kernel.
+    """
+    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+@functools.cache
+def make_start_decode(cfg: ModelConfig, max_response_len: int, eos_ids, pad_id: int = 0):
+    """``start_decode`` jitted for one model and response capacity."""
+    fn = functools.partial(
+        start_decode, cfg, max_response_len=max_response_len, eos_ids=tuple(eos_ids), pad_id=pad_id
+    )
+    return jax.jit(fn)

@@ -1,0 +1,90 @@
+"""The PPO batch and the helpers that read per-response-token outputs out of full sequences.
+
+Layout. Each row holds one sequence contiguously: prompt (``prompt_len[b]`` tokens), then the
+response, then padding: ``tokens [B, L]``. Everything per response token is stored
+response-aligned, ``[B, R]``: column i is response token i, and ``mask[b, i]`` marks valid
+response tokens (a prefix of each row). A model output at sequence position p belongs to the
+token at p + 1 (the logits at p predict it, and the critic's value at p is the value of the
+state in which it was chosen, as in TRL), so response token i reads position
+``prompt_len[b] - 1 + i``.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.transformer import Transformer
+
+
+@flax.struct.dataclass
+class PPOBatch:
+    """B sequences ready for the update: tokens, rollout-time quantities and advantages."""
+
+    tokens: Int[Array, "B L"]  # prompt + response + padding, per row contiguous
+    prompt_len: Int[Array, " B"]  # prompt tokens at the start of each row
+    mask: Bool[Array, "B R"]  # valid response tokens (a prefix of each row)
+    old_logp: Float[Array, "B R"]  # log π_old(token) at rollout time (the proximal policy)
+    behaviour_logp: Float[Array, "B R"]  # log-prob recorded when the token was sampled
+    old_values: Float[Array, "B R"]  # critic values at rollout time
+    advantages: Float[Array, "B R"]  # GAE advantages (whitened)
+    returns: Float[Array, "B R"]  # advantages + values
+    ref_logp: Float[Array, "B R"]  # reference log-probs (for a KL term in the loss)
+
+    __no_type_check__ = True  # rebuilt with non-array leaves by tree maps (shardings, shapes)
+
+    @property
+    def response_len(self) -> int:
+        return self.mask.shape[1]
+
+
+def response_positions(prompt_len: Int[Array, " B"], response_len: int) -> Int[Array, "B R"]:
+    """Sequence positions whose outputs belong to response tokens 0..R-1.
+
+    Example: prompt_len [2, 3], R = 3 -> [[1, 2, 3], [2, 3, 4]].
+    """
+    return prompt_len[:, None] - 1 + jnp.arange(response_len, dtype=jnp.int32)[None, :]
+
+
+def gather_response(
+    out: Float[Array, "B L ..."], prompt_len: Int[Array, " B"], response_len: int
+) -> Float[Array, "B R ..."]:
+    """Pick the outputs that belong to each response token (positions clipped into range)."""
+    pos = jnp.clip(response_positions(prompt_len, response_len), 0, out.shape[1] - 1)
+    index = pos.reshape(pos.shape + (1,) * (out.ndim - 2))
+    return jnp.take_along_axis(out, index, axis=1)
+
+
+def response_tokens(tokens: Int[Array, "B L"], prompt_len, response_len: int) -> Array:
+    """The response tokens [B, R] of contiguous rows (clipped positions past the row's end)."""
+    pos = jnp.clip(response_positions(prompt_len, response_len) + 1, 0, tokens.shape[1] - 1)
+    return jnp.take_along_axis(tokens, pos, axis=1)
+
+
+def policy_logprobs(
+    cfg: ModelConfig,
+    params,
+    tokens: Int[Array, "B L"],
+    prompt_len: Int[Array, " B"],
+    response_len: int,
+    temperature: float,
+) -> tuple[Float[Array, "B R"], Float[Array, "B R"]]:
+    """log π(response token) under logits / temperature, and the per-token entropy (float32)."""
+    logits, _ = Transformer(cfg).apply({"params": params}, tokens)
+    logits = gather_response(logits, prompt_len, response_len).astype(jnp.float32) / temperature
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    targets = response_tokens(tokens, prompt_len, response_len)
+    token_logp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logprobs) * logprobs, axis=-1)
+    return token_logp, entropy
+
+
+def critic_values(
+    cfg: ModelConfig, params, tokens: Int[Array, "B L"], prompt_len, response_len: int
+) -> Float[Array, "B R"]:
+    """V(state before each response token) from a score-head model (float32)."""
+    out, _ = Transformer(cfg).apply({"params": params}, tokens)
+    return gather_response(out[..., 0], prompt_len, response_len).astype(jnp.float32)

@@ -1,0 +1,61 @@
+"""Tiny actor/critic and random PPO batches for the update tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.models import ModelConfig, init_params
+from oppo_jax.ppo.batch import critic_values, policy_logprobs
+from oppo_jax.ppo.experience import build_batch
+from oppo_jax.ppo.update import UpdateSpec, make_optimizer
+
+ACTOR = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8, qkv_bias=True,
+)  # fmt: skip
+CRITIC = dataclasses.replace(ACTOR, head="score")
+
+
+def make_spec(ppo: PPOConfig | None = None, lr: float = 1e-3, temperature: float = 0.7):
+    optim = OptimConfig(actor_lr=lr, critic_lr=lr)
+    return UpdateSpec(
+        actor=ACTOR,
+        critic=CRITIC,
+        ppo=ppo or PPOConfig(),
+        temperature=temperature,
+        actor_tx=make_optimizer(optim, optim.actor_lr, 100),
+        critic_tx=make_optimizer(optim, optim.critic_lr, 100),
+    )
+
+
+def random_batch(spec: UpdateSpec, actor_params, critic_params, seed=0, rows=8, resp=6):
+    """Random sequences scored by the given actor/critic, with random rewards."""
+    rng = np.random.default_rng(seed)
+    prompt_len = rng.integers(2, 5, rows)
+    resp_len = rng.integers(1, resp + 1, rows)
+    width = int(prompt_len.max()) + resp
+    tokens = np.zeros((rows, width), np.int32)
+    for b in range(rows):
+        n = prompt_len[b] + resp_len[b]
+        tokens[b, :n] = rng.integers(2, ACTOR.vocab_size, n)
+    mask = np.arange(resp)[None, :] < resp_len[:, None]
+    tokens, prompt_len, mask = map(jnp.asarray, (tokens, prompt_len, mask))
+    logp, _ = policy_logprobs(ACTOR, actor_params, tokens, prompt_len, resp, spec.temperature)
+    values = critic_values(CRITIC, critic_params, tokens, prompt_len, resp)
+    noise = jnp.asarray(rng.normal(0, 0.05, logp.shape), jnp.float32)
+    return build_batch(
+        spec.ppo, tokens, prompt_len, mask,
+        scores=jnp.asarray(rng.normal(size=rows), jnp.float32),
+        ended_with_eos=jnp.asarray(rng.random(rows) < 0.7),
+        old_logp=logp, behaviour_logp=logp + noise, ref_logp=logp + noise, values=values,
+        kl_coef=jnp.float32(0.05),
+    )[0]  # fmt: skip
+
+
+def tiny_params(seed=0):
+    return init_params(ACTOR, jax.random.key(seed)), init_params(CRITIC, jax.random.key(seed + 1))

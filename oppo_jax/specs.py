@@ -1,0 +1,111 @@
+"""From a run Config to the static specs the kernels are compiled for, and abstract checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from oppo_jax.config import Config
+from oppo_jax.models.model_config import ModelConfig, preset
+from oppo_jax.pipeline.kernels import RolloutSpec
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.update import UpdateSpec, make_optimizer, make_sharded_update
+from oppo_jax.rollout.sampling import SamplingConfig
+from oppo_jax.sharding import abstract_params, make_mesh, param_shardings, per_device_bytes
+
+
+def sampling_config(cfg: Config) -> SamplingConfig:
+    """The rollout's sampling settings."""
+    r = cfg.rollout
+    return SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy)
+
+
+def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateSpec:
+    """Static description of the PPO update for ``cfg`` (optimizers sized to the run)."""
+    updates = cfg.train.steps * cfg.ppo.ppo_epochs * cfg.ppo.num_minibatches
+    return UpdateSpec(
+        actor=actor,
+        critic=critic,
+        ppo=cfg.ppo,
+        temperature=cfg.rollout.temperature,
+        actor_tx=make_optimizer(cfg.optim, cfg.optim.actor_lr, updates),
+        critic_tx=make_optimizer(cfg.optim, cfg.optim.critic_lr, updates),
+    )
+
+
+def rollout_spec(cfg: Config, eos_ids: tuple[int, ...], pad_id: int) -> RolloutSpec:
+    """Static rollout shapes for ``cfg``."""
+    return RolloutSpec(
+        sampling=sampling_config(cfg),
+        prompt_width=cfg.rollout.max_prompt_len,
+        max_response_len=cfg.rollout.max_response_len,
+        eos_ids=tuple(eos_ids),
+        pad_id=pad_id,
+    )
+
+
+def preset_models(cfg: Config) -> tuple[ModelConfig, ModelConfig]:
+    """Actor (lm head) and critic (score head) architectures of a config's ``model.preset``."""
+    if cfg.model.preset is None:
+        raise ValueError("model.preset is not set; abstract checks need an architecture")
+    dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
+    return preset(cfg.model.preset, **dtypes), preset(cfg.model.preset, head="score", **dtypes)
+
+
+def abstract_batch(cfg: Config, shardings: PPOBatch | None = None) -> PPOBatch:
+    """A PPOBatch of ShapeDtypeStructs for B rows (nothing allocated)."""
+    b, p, r = cfg.rollout.batch_size, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len
+
+    def leaf(name, shape, dtype):
+        sharding = None if shardings is None else getattr(shardings, name)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    fields = {f.name: leaf(f.name, (b, r), jnp.float32) for f in dataclasses.fields(PPOBatch)}
+    fields["tokens"] = leaf("tokens", (b, p + r), jnp.int32)
+    fields["prompt_len"] = leaf("prompt_len", (b,), jnp.int32)
+    fields["mask"] = leaf("mask", (b, r), jnp.bool_)
+    return PPOBatch(**fields)
+
+
+def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, devices=None):
+    """Lower the sharded update of ``cfg`` on its declared mesh without allocating anything.
+
+    Returns a dict with the mesh shape, the per-device parameter bytes of actor and critic
+    (from the shardings), and the lowered computation (``.as_text()`` is the StableHLO).
+    """
+    from oppo_jax.ppo.update import batch_shardings, train_state_shardings
+
+    m = cfg.mesh
+    count = m.data * m.fsdp * m.tensor
+    devices = list(jax.devices()[:count] if devices is None else devices)
+    mesh = make_mesh(m.data, m.fsdp, m.tensor, devices)
+    spec = update_spec(cfg, actor, critic)
+    update, state_sh = make_sharded_update(spec, mesh)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        jax.eval_shape(
+            lambda a, c: _init_state(spec, a, c), abstract_params(actor), abstract_params(critic)
+        ),
+        state_sh,
+    )
+    batch = abstract_batch(cfg, batch_shardings(mesh))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    lowered = update.lower(abstract_state, batch, key, jax.ShapeDtypeStruct((), jnp.float32))
+    return {
+        "mesh": (m.data, m.fsdp, m.tensor),
+        "actor_bytes_per_device": per_device_bytes(
+            abstract_params(actor), param_shardings(actor, mesh)
+        ),
+        "critic_bytes_per_device": per_device_bytes(
+            abstract_params(critic), param_shardings(critic, mesh)
+        ),
+        "lowered": lowered,
+    }
+
+
+def _init_state(spec, actor_params, critic_params):
+    from oppo_jax.ppo.update import init_train_state
+
+    return init_train_state(spec, actor_params, critic_params)

@@ -1,0 +1,44 @@
+"""Real-size configs build their models and lower their sharded update without allocating."""
+
+import math
+
+import jax
+import pytest
+
+from oppo_jax.config import CONFIG_DIR, load_config
+from oppo_jax.specs import abstract_update_check, preset_models
+
+REAL_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if load_config(p).model.preset)
+
+
+def _check(cfg):
+    actor, critic = preset_models(cfg)
+    result = abstract_update_check(cfg, actor, critic)
+    shards = cfg.mesh.fsdp * cfg.mesh.tensor  # parameters are replicated over "data"
+    itemsize = 2 if cfg.model.param_dtype == "bfloat16" else 4
+    for model, key in ((actor, "actor_bytes_per_device"), (critic, "critic_bytes_per_device")):
+        ideal = model.num_params() * itemsize / shards
+        # Norm scales (a few thousand numbers per layer) stay replicated: within 1% of ideal.
+        assert ideal <= result[key] <= ideal * 1.01, (key, result[key], ideal)
+    text = result["lowered"].as_text()
+    assert "sharding" in text
+    return result
+
+
+def test_there_are_real_size_configs():
+    assert {"qwen2.5-7b_gh200x4", "qwen2.5-7b_tpu-v5p-8", "qwen2.5-3b_gh200x1"} <= set(REAL_CONFIGS)
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_config_lowers_on_its_declared_mesh(name):
+    cfg = load_config(name)
+    assert math.prod((cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)) <= len(jax.devices())
+    _check(cfg)
+
+
+def test_qwen7b_update_on_a_4x2_mesh_has_an_eighth_of_the_parameters_per_device():
+    cfg = load_config("qwen2.5-7b_gh200x4", ["mesh.fsdp=4", "mesh.tensor=2"])
+    result = _check(cfg)
+    actor, _ = preset_models(cfg)
+    assert 7.5e9 < actor.num_params() < 7.7e9
+    assert result["actor_bytes_per_device"] < actor.num_params() * 2 / 8 * 1.01

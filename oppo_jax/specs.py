@@ -11,7 +11,13 @@ from oppo_jax.config import Config
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.pipeline.kernels import RolloutSpec
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.update import UpdateSpec, make_optimizer, make_sharded_update
+from oppo_jax.ppo.update import (
+    UpdateSpec,
+    batch_shardings,
+    init_train_state,
+    make_optimizer,
+    make_sharded_update,
+)
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.sharding import abstract_params, make_mesh, param_shardings, per_device_bytes
 
@@ -75,8 +81,6 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
     Returns a dict with the mesh shape, the per-device parameter bytes of actor and critic
     (from the shardings), and the lowered computation (``.as_text()`` is the StableHLO).
     """
-    from oppo_jax.ppo.update import batch_shardings, train_state_shardings
-
     m = cfg.mesh
     count = m.data * m.fsdp * m.tensor
     devices = list(jax.devices()[:count] if devices is None else devices)
@@ -86,7 +90,9 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         jax.eval_shape(
-            lambda a, c: _init_state(spec, a, c), abstract_params(actor), abstract_params(critic)
+            lambda a, c: init_train_state(spec, a, c),
+            abstract_params(actor),
+            abstract_params(critic),
         ),
         state_sh,
     )
@@ -103,9 +109,3 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
         ),
         "lowered": lowered,
     }
-
-
-def _init_state(spec, actor_params, critic_params):
-    from oppo_jax.ppo.update import init_train_state
-
-    return init_train_state(spec, actor_params, critic_params)

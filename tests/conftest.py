@@ -11,3 +11,10 @@ import jax  # noqa: E402
 
 # Parity tests compare against float32 references; keep XLA from using lower-precision matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests compile the same kernels (each run builds its own jit objects): share the
+# compiled executables through JAX's persistent cache, in a per-session temporary directory.
+_CACHE = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"oppo_jax_test_xla_cache_{os.getpid()}")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,82 @@
+"""The ``oppo-jax`` command: train, sft, rm."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="YAML file or a name in configs/ (default: the CPU demo)",
+    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set rollout.batch_size=32 (repeatable)")  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oppo-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run PPO-RLHF (with no CONFIG: the embedded CPU demo)")
+    _config_args(train)
+    train.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name, what in (("sft", "the demo actor (supervised)"), ("rm", "the demo reward model")):
+        p = sub.add_parser(name, help=f"build {what} into the cache (or --out)")
+        _config_args(p)
+        p.add_argument("--out", default=None, help="directory to write the model to")
+    return parser
+
+
+def _demo_build(args, which: str) -> int:
+    from oppo_jax.config import load_config
+    from oppo_jax.data.demo_task import DemoTaskSpec
+    from oppo_jax.demo.reward_model import train_reward_model
+    from oppo_jax.demo.sft import train_sft
+    from oppo_jax.run_setup import cache_dir
+
+    cfg = load_config(args.config, args.overrides)
+    spec = DemoTaskSpec(max_response_len=cfg.rollout.max_response_len)
+    out = args.out or str(cache_dir() / "demo-manual" / ("actor" if which == "sft" else "reward"))
+    if which == "sft":
+        stats = train_sft(spec, out, cfg.train.sft_steps, seed=cfg.seed)
+    else:
+        stats = train_reward_model(spec, out, cfg.train.rm_steps, seed=cfg.seed)
+    print(f"wrote {out}: {stats}")
+    return 0
+
+
+def _train(args) -> int:
+    from oppo_jax.config import load_config
+    from oppo_jax.train import train
+
+    cfg = load_config(args.config, args.overrides)  # validated before anything compiles
+    summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
+    print(f"\nRun directory: {args.out}")
+    for key, value in summary.items():
+        print(f"  {key:>22}: {value:.4g}" if isinstance(value, float) else f"  {key:>22}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``oppo-jax`` console script."""
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from oppo_jax.config import ConfigError
+
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _demo_build(args, args.command)
+    except ConfigError as e:
+        print(f"oppo-jax: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

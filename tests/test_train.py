@@ -1,0 +1,78 @@
+"""End-to-end runs of the demo: determinism, resume, and the run directory's contents."""
+
+import json
+
+import pytest
+
+from oppo_jax.config import load_config
+from oppo_jax.run_log import read_metrics
+from oppo_jax.train import train
+
+TIMING_KEYS = {"step_time_s", "stage_time_s"}
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory, monkeypatch_module):
+    """Small demo assets built once for this module (the real demo trains them longer)."""
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch_module.setenv("OPPO_JAX_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _cfg(*extra):
+    return load_config(None, [
+        "train.sft_steps=40", "train.rm_steps=40", "train.steps=4", "train.checkpoint_every=2",
+        "rollout.batch_size=8", "rollout.max_response_len=32", "pipeline.mode=sync", *extra,
+    ])  # fmt: skip
+
+
+def _values(path):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(path)]
+
+
+def test_run_directory_and_metrics(demo_cache, tmp_path):
+    train(_cfg(), tmp_path, progress=False)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    required = {
+        "step", "reward", "gold", "kl", "policy_loss", "value_loss", "clipfrac", "entropy",
+        "response_len_mean", "response_len_max", "step_time_s", "stage_time_s",
+    }  # fmt: skip
+    assert required <= set(records[0])
+    assert set(records[0]["stage_time_s"]) == {"generate", "score", "update"}
+    assert (tmp_path / "config.yaml").is_file()
+    assert load_config(tmp_path / "config.yaml") == _cfg()
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "2", "4"
+    ]  # fmt: skip
+
+
+def test_same_seed_same_metrics_and_resume_matches(demo_cache, tmp_path):
+    train(_cfg(), tmp_path / "a", progress=False)
+    train(_cfg(), tmp_path / "b", progress=False)
+    full = _values(tmp_path / "a" / "metrics.jsonl")
+    assert full == _values(tmp_path / "b" / "metrics.jsonl")
+    # Half the run, then resume for the rest: identical to the uninterrupted run.
+    train(_cfg("train.steps=2"), tmp_path / "c", progress=False)
+    train(_cfg(), tmp_path / "c", resume=True, progress=False)
+    assert _values(tmp_path / "c" / "metrics.jsonl") == full
+    other = _values(train_and_path(_cfg("seed=1"), tmp_path / "d"))
+    assert [r["reward"] for r in other] != [r["reward"] for r in full]
+
+
+def train_and_path(cfg, out):
+    train(cfg, out, progress=False)
+    return out / "metrics.jsonl"
+
+
+def test_metrics_lines_are_json_objects(demo_cache, tmp_path):
+    train(_cfg("train.steps=1"), tmp_path, progress=False)
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    assert isinstance(json.loads(line), dict)

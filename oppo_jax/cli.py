@@ -14,8 +14,14 @@ def _config_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="YAML file or a name in configs/ (default: the CPU demo)",
     )
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set rollout.batch_size=32 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set rollout.batch_size=32 (repeatable)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -136,6 +136,35 @@ def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: Decod
     )
 
 
+@flax.struct.dataclass
+class ChunkTokens:
+    """The response tokens one decode chunk produced, left-aligned per slot (for the scorers).
+
+    Example: a slot that had 5 response tokens and made 3 more in a chunk of C = 4 has
+    start 5, count 3 and tokens [t5, t6, t7, pad].
+    """
+
+    tokens: Int[Array, "S C"]  # new response tokens; pad past count
+    start: Int[Array, " S"]  # response index of tokens[:, 0]
+    count: Int[Array, " S"]  # valid new tokens per slot (0 once a slot has finished)
+    all_finished: Bool[Array, ""]  # every slot finished by the end of this chunk
+
+
+def decode_chunk_emit(
+    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, params, state: DecodeState
+) -> tuple[DecodeState, ChunkTokens]:
+    """``decode_chunk`` that also returns the chunk's new tokens as fresh (undonated) arrays."""
+    start = state.num_generated
+    state = decode_chunk(cfg, sampling, chunk_size, params, state)
+    cols = jnp.clip(
+        start[:, None] + jnp.arange(chunk_size)[None, :], 0, state.response_capacity - 1
+    )
+    count = state.num_generated - start
+    tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
+    tokens = jnp.where(jnp.arange(chunk_size)[None, :] < count[:, None], tokens, state.pad_id)
+    return state, ChunkTokens(tokens, start, count, jnp.all(state.finished))
+
+
 def decode_chunk(
     cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, params, state: DecodeState
 ) -> DecodeState:
@@ -155,6 +184,13 @@ def make_decode_chunk(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: in
     Cached, so every caller with the same static settings shares one compiled kernel.
     """
     fn = functools.partial(decode_chunk, cfg, sampling, chunk_size)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+@functools.cache
+def make_decode_chunk_emit(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int):
+    """``decode_chunk_emit`` jitted for one (model, sampling, C), donating the decode state."""
+    fn = functools.partial(decode_chunk_emit, cfg, sampling, chunk_size)
     return jax.jit(fn, donate_argnums=(1,))
 
 

@@ -1,0 +1,114 @@
+"""Streaming scorers: each keeps its own KV cache and prefills the actor's tokens chunk by chunk.
+
+Three kinds of consumer share one mechanism. A model output at sequence position p belongs to
+the token at p + 1, so each scorer keeps the output at the last position it has fed
+(``last_out``); when a chunk of new tokens arrives, token i's quantity comes from the output
+before it:
+    logprob (reference):  log softmax(out / temperature)[token]   per response token
+    value   (critic):     out[0]                                  per response token
+    score   (reward):     out[0] at the last fed token            per sequence
+Because every scorer is a causal decoder, chunked prefill equals one full forward pass, so the
+streamed quantities equal those of the sync path (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from oppo_jax.models.kv_cache import KVCache, init_cache
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.rollout.decode import ChunkTokens, prefill
+
+ScorerKind = Literal["logprob", "value", "score"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerSpec:
+    """Static description of one streaming scorer."""
+
+    model: ModelConfig
+    kind: ScorerKind
+    response_len: int  # R, response capacity in tokens
+    temperature: float = 1.0  # logits are divided by this (reference log-probs only)
+
+
+@flax.struct.dataclass
+class ScorerState:
+    """A scorer's cache and what it has produced so far, for S slots."""
+
+    cache: KVCache  # prompt + fed response tokens
+    last_out: Float[Array, "S O"]  # head output at each slot's last fed position (float32)
+    per_token: Float[Array, "S R"]  # log-prob or value per response token fed so far
+    num_fed: Int[Array, " S"]  # response tokens consumed
+
+    @property
+    def score(self) -> Float[Array, " S"]:
+        """The sequence score: the output at the last fed (last valid) token."""
+        return self.last_out[:, 0]
+
+
+def scorer_start(
+    spec: ScorerSpec, params, prompts: Int[Array, "S P"], prompt_lens: Int[Array, " S"]
+) -> ScorerState:
+    """Prefill the prompts into a fresh cache sized for prompt + response."""
+    slots, width = prompts.shape
+    cache = init_cache(spec.model, slots, width + spec.response_len)
+    out, cache = prefill(spec.model, params, cache, prompts, prompt_lens)
+    last = jnp.maximum(prompt_lens - 1, 0)
+    last_out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+    return ScorerState(
+        cache=cache,
+        last_out=last_out,
+        per_token=jnp.zeros((slots, spec.response_len), jnp.float32),
+        num_fed=jnp.zeros((slots,), jnp.int32),
+    )
+
+
+def _per_token(spec: ScorerSpec, before: Float[Array, "S C O"], tokens: Int[Array, "S C"]):
+    if spec.kind == "logprob":
+        logprobs = jax.nn.log_softmax(before / spec.temperature, axis=-1)
+        return jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    return before[..., 0]
+
+
+def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens) -> ScorerState:
+    """Append one chunk of each slot's new tokens to the cache and record their quantities."""
+    width = chunk.tokens.shape[1]
+    out, cache = prefill(spec.model, params, state.cache, chunk.tokens, chunk.count)
+    before = jnp.concatenate([state.last_out[:, None], out[:, :-1]], axis=1)
+    rows = jnp.arange(chunk.tokens.shape[0])[:, None]
+    offsets = jnp.arange(width)[None, :]
+    at = jnp.where(
+        offsets < chunk.count[:, None], state.num_fed[:, None] + offsets, spec.response_len
+    )
+    per_token = state.per_token
+    if spec.kind != "score":
+        per_token = per_token.at[rows, at].set(_per_token(spec, before, chunk.tokens), mode="drop")
+    last = jnp.maximum(chunk.count - 1, 0)
+    newest = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+    return ScorerState(
+        cache=cache,
+        last_out=jnp.where(chunk.count[:, None] > 0, newest, state.last_out),
+        per_token=per_token,
+        num_fed=state.num_fed + chunk.count,
+    )
+
+
+@functools.cache
+def make_scorer_kernels(spec: ScorerSpec):
+    """(start, chunk) jitted for one scorer; ``chunk`` donates the state it replaces and also
+    returns a tiny fresh array that completes with it (for timing without host syncs)."""
+
+    def chunk_with_marker(params, state, chunk):
+        new = score_chunk(spec, params, state, chunk)
+        return new, jnp.sum(new.num_fed)
+
+    start = jax.jit(functools.partial(scorer_start, spec))
+    return start, jax.jit(chunk_with_marker, donate_argnums=(1,))

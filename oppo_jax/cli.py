@@ -57,11 +57,23 @@ def _demo_build(args, which: str) -> int:
     return 0
 
 
+def _ensure_cpu_devices(cfg) -> None:
+    """On a CPU, fake as many devices as the config's placement needs (before jax loads)."""
+    from oppo_jax.config import devices_needed
+
+    flag = "--xla_force_host_platform_device_count"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}={devices_needed(cfg)}".strip()
+
+
 def _train(args) -> int:
     from oppo_jax.config import load_config
-    from oppo_jax.train import train
 
     cfg = load_config(args.config, args.overrides)  # validated before anything compiles
+    _ensure_cpu_devices(cfg)
+    from oppo_jax.train import train
+
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
     print(f"\nRun directory: {args.out}")
     for key, value in summary.items():

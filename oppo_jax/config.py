@@ -392,3 +392,10 @@ def config_keys_doc() -> str:
         cells = (f"`{key}`", f"`{type_name(hint)}`", f"`{_yaml_value(default)}`", meaning)
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+def devices_needed(cfg: Config) -> int:
+    """Devices the config's mesh and placement use (generation/training + scoring)."""
+    m = cfg.mesh
+    extra = m.scoring_devices if cfg.pipeline.placement == "disaggregated" else 0
+    return m.data * m.fsdp * m.tensor + extra

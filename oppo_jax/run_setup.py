@@ -11,15 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oppo_jax.config import Config
+from oppo_jax.config import Config, devices_needed
 from oppo_jax.data.prompts import PromptIterator, load_prompt_file, tokenize_prompts
 from oppo_jax.models.api import load_hf_model
 from oppo_jax.models.hf_io import load_params
 from oppo_jax.models.tokenizer import same_vocabulary
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
+from oppo_jax.pipeline.placement import Placement
 from oppo_jax.ppo.update import TrainState, make_sharded_init, make_sharded_update
-from oppo_jax.scoring.full import reward_scores
-from oppo_jax.sharding import make_mesh
+from oppo_jax.sharding import make_device_groups
 from oppo_jax.specs import rollout_spec, update_spec
 
 NUM_DEMO_PROMPTS = 4096  # size of the built-in demo's prompt set
@@ -43,7 +43,7 @@ class RunContext:
     tokenizer: object
     actor_dir: Path
     gold_fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None  # (responses, lengths) -> [B]
-    mesh: jax.sharding.Mesh
+    placement: Placement
 
     def prompt_iterator(self, state: dict | None = None) -> PromptIterator:
         """Prompts in the run's deterministic order, optionally resumed from ``state``."""
@@ -84,12 +84,19 @@ def _user_prompts(cfg: Config, tokenizer) -> list[np.ndarray]:
     return prompts
 
 
-def _reward_fn(reward_cfg):
-    def score(params, tokens, prompt_len, seq_len):
-        del prompt_len
-        return reward_scores(reward_cfg, params, tokens, seq_len)
-
-    return score
+def _placement(cfg: Config) -> Placement:
+    m, have = cfg.mesh, len(jax.devices())
+    if devices_needed(cfg) > have:
+        raise ValueError(
+            f"the config needs {devices_needed(cfg)} devices (mesh {m.data}x{m.fsdp}x{m.tensor}"
+            f" + scoring_devices {m.scoring_devices}) but {have} are visible; on a CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_needed(cfg)}"
+        )
+    groups = make_device_groups(
+        cfg.pipeline.placement, m.data, m.fsdp, m.tensor, m.scoring_devices,
+        jax.devices()[: devices_needed(cfg)],
+    )  # fmt: skip
+    return Placement(groups)
 
 
 def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
@@ -118,15 +125,15 @@ def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
     tok = actor.tokenizer
     eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    m = cfg.mesh
-    mesh = make_mesh(m.data, m.fsdp, m.tensor, jax.devices()[: m.data * m.fsdp * m.tensor])
+    placement = _placement(cfg)
+    mesh = placement.groups.training
     spec = update_spec(cfg, actor.config, critic_cfg)
     update, _ = make_sharded_update(spec, mesh)
-    kernels = build_kernels(
-        spec, rollout_spec(cfg, eos_ids, pad_id), _reward_fn(reward.config), update
-    )
+    rollout = rollout_spec(cfg, eos_ids, pad_id)
+    kernels = build_kernels(spec, rollout, reward_model=reward.config, update=update)
     state = make_sharded_init(spec, mesh)(actor.params, critic_params)
     return RunContext(
-        cfg, kernels, state, ref_params=actor.params, reward_params=reward.params,
-        prompts=prompts, tokenizer=tok, actor_dir=actor_dir, gold_fn=gold_fn, mesh=mesh,
+        cfg, kernels, state, ref_params=placement.to_scoring(actor.params),
+        reward_params=placement.to_scoring(reward.params), prompts=prompts, tokenizer=tok,
+        actor_dir=actor_dir, gold_fn=gold_fn, placement=placement,
     )  # fmt: skip

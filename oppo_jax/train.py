@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import Config, to_yaml
-from oppo_jax.pipeline.sync import PromptBatch, sync_step
+from oppo_jax.pipeline.schedule import PromptBatch, run_step
+from oppo_jax.pipeline.timeline import Timeline, TraceWriter
 from oppo_jax.ppo.kl_control import make_kl_controller
 from oppo_jax.run_log import RunLog, read_metrics
 from oppo_jax.run_setup import RunContext, prepare_run
@@ -42,7 +41,7 @@ def _step_keys(seed: int, step: int):
     return jax.random.key(seed), jax.random.fold_in(jax.random.key(seed + 1), step)
 
 
-def _record(ctx: RunContext, step: int, result, kl_coef: float, wall: float) -> dict:
+def _record(ctx: RunContext, step: int, result, kl_coef: float, chunk_size: int) -> dict:
     metrics = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
     lengths = result.response_len
     record = {
@@ -54,8 +53,10 @@ def _record(ctx: RunContext, step: int, result, kl_coef: float, wall: float) -> 
         "value_mean": metrics["value_mean"],
         "response_len_mean": float(np.mean(lengths)),
         "response_len_max": int(np.max(lengths)),
-        "step_time_s": wall,
+        "step_time_s": result.wall_s,
         "stage_time_s": result.stage_time_s,
+        "busy_fraction": result.busy_fraction,
+        "chunk_size": chunk_size,
         **{k: metrics[k] for k in _UPDATE_KEYS if k in metrics},
     }
     if ctx.gold_fn is not None:
@@ -71,9 +72,10 @@ def _restore(ctx: RunContext, ckpt: RunCheckpointer) -> LoopState:
 
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
     """Run ``cfg.train.steps`` PPO steps, writing the run directory; returns a summary."""
-    if cfg.pipeline.mode != "sync":
+    if cfg.pipeline.mode == "oppo" and cfg.pipeline.overcommit > 0:
         raise NotImplementedError(
-            f"pipeline.mode={cfg.pipeline.mode!r} is not available yet; use pipeline.mode=sync"
+            f"pipeline.overcommit={cfg.pipeline.overcommit}: carrying sequences across steps "
+            "(inter-step overlap) is not implemented yet; use pipeline.overcommit=0"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,22 +90,24 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     )
     prompts = ctx.prompt_iterator(loop.prompt_state)
     log = RunLog(out, cfg.train.steps, loop.step, progress)
+    timeline, trace = Timeline(), TraceWriter(out / "trace.json")
+    chunk_size = cfg.pipeline.chunk_size
     sample_key_base = _step_keys(cfg.seed, 0)[0]
     try:
         for step in range(loop.step, cfg.train.steps):
-            t0 = time.perf_counter()
             batch = PromptBatch.from_pairs(
                 prompts.take(cfg.rollout.batch_size), cfg.rollout.max_prompt_len,
                 ctx.kernels.rollout.pad_id,
             )  # fmt: skip
             kl_coef = float(kl_ctl.value)
-            result = sync_step(
-                ctx.kernels, ctx.train_state, ctx.ref_params, ctx.reward_params, batch,
-                sample_key_base, _step_keys(cfg.seed, step)[1], jnp.float32(kl_coef),
-                cfg.pipeline.chunk_size,
+            result = run_step(
+                ctx.kernels, ctx.placement, timeline, cfg.pipeline.mode, chunk_size,
+                ctx.train_state, ctx.ref_params, ctx.reward_params, batch, sample_key_base,
+                _step_keys(cfg.seed, step)[1], kl_coef,
             )  # fmt: skip
             ctx.train_state = result.train_state
-            record = _record(ctx, step, result, kl_coef, time.perf_counter() - t0)
+            trace.add_step(step, result.events, result.wall_s)
+            record = _record(ctx, step, result, kl_coef, chunk_size)
             kl_ctl = kl_ctl.update(record["kl"], cfg.rollout.batch_size)
             log.write(record)
             loop = LoopState(step + 1, float(kl_ctl.value), prompts.state())
@@ -111,6 +115,7 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
             if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
                 ckpt.save(step + 1, ctx.train_state, {"loop": loop.to_json()})
     finally:
+        trace.write()
         ckpt.wait()
         ckpt.close()
         log.close()

@@ -6,18 +6,21 @@ import numpy as np
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.schedule import PromptBatch, run_step
 from oppo_jax.pipeline.sequences import response_mask
-from oppo_jax.pipeline.sync import PromptBatch, sync_step
+from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.batch import response_tokens
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import SamplingConfig
+from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import make_spec, tiny_params
 
 GOOD = (2, 12)  # token ids in [2, 12) are "good": ~16% of a uniform policy's tokens
 R = 8
 
 
-def fraction_good(_params, tokens, prompt_len, seq_len):
+def fraction_good(tokens, prompt_len, seq_len):
     """Reward: the fraction of response tokens in the good range (0..1)."""
     resp = response_tokens(tokens, prompt_len, R)
     mask = response_mask(seq_len - prompt_len, R)
@@ -30,7 +33,9 @@ def test_ppo_raises_a_fixed_reward():
                      temperature=1.0)  # fmt: skip
     rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompt_width=4, max_response_len=R,
                           eos_ids=(1,))  # fmt: skip
-    kernels = build_kernels(spec, rollout, fraction_good)
+    kernels = build_kernels(spec, rollout, reward_fn=fraction_good)
+    placement = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
+    timeline = Timeline()
     actor, critic = tiny_params(seed=4)
     ref = jax.tree.map(jnp.copy, actor)
     state = init_train_state(spec, actor, critic)
@@ -40,8 +45,8 @@ def test_ppo_raises_a_fixed_reward():
         pairs = [(step * 16 + i, rng.integers(12, 64, 4)) for i in range(16)]
         prompts = PromptBatch.from_pairs(pairs, width=4)
         keys = jax.random.split(jax.random.key(step), 2)
-        result = sync_step(kernels, state, ref, None, prompts, keys[0], keys[1],
-                           jnp.float32(0.01), chunk_size=4)  # fmt: skip
+        result = run_step(kernels, placement, timeline, "oppo", 4, state, ref, None, prompts,
+                          keys[0], keys[1], 0.01)  # fmt: skip
         state = result.train_state
         rewards.append(float(result.metrics["reward"]))
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])

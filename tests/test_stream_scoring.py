@@ -35,7 +35,7 @@ def test_streamed_scores_equal_full_sequence_pass(chunk):
         "reward": (ScorerSpec(CRITIC, "score", R), reward),
     }
     scorer_states = {
-        name: make_scorer_kernels(spec)[0](params, prompts, lens)
+        name: make_scorer_kernels(spec)[0](params, prompts, lens)[0]
         for name, (spec, params) in specs.items()
     }
     decode = make_decode_chunk_emit(ACTOR, SamplingConfig(temperature=1.0), chunk)

@@ -103,12 +103,16 @@ def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens
 
 @functools.cache
 def make_scorer_kernels(spec: ScorerSpec):
-    """(start, chunk) jitted for one scorer; ``chunk`` donates the state it replaces and also
-    returns a tiny fresh array that completes with it (for timing without host syncs)."""
+    """(start, chunk) jitted for one scorer. ``chunk`` donates the state it replaces. Both
+    also return a tiny fresh array that completes with them, so a timeline can wait on it
+    after the state itself has been donated to the next call."""
+
+    def start_with_marker(params, prompts, prompt_lens):
+        state = scorer_start(spec, params, prompts, prompt_lens)
+        return state, jnp.sum(state.last_out)
 
     def chunk_with_marker(params, state, chunk):
         new = score_chunk(spec, params, state, chunk)
         return new, jnp.sum(new.num_fed)
 
-    start = jax.jit(functools.partial(scorer_start, spec))
-    return start, jax.jit(chunk_with_marker, donate_argnums=(1,))
+    return jax.jit(start_with_marker), jax.jit(chunk_with_marker, donate_argnums=(1,))

@@ -45,7 +45,13 @@ def test_run_directory_and_metrics(demo_cache, tmp_path):
         "response_len_mean", "response_len_max", "step_time_s", "stage_time_s",
     }  # fmt: skip
     assert required <= set(records[0])
-    assert set(records[0]["stage_time_s"]) == {"generate", "score", "update"}
+    assert {"decode", "score reward", "score critic", "score reference", "update"} <= set(
+        records[0]["stage_time_s"]
+    )
+    assert set(records[0]["busy_fraction"]) == {"generation"}  # colocated: one group
+    assert records[0]["chunk_size"] == 16
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"]} >= {"decode", "update", "score reward"}
     assert (tmp_path / "config.yaml").is_file()
     assert load_config(tmp_path / "config.yaml") == _cfg()
     assert list((tmp_path / "tensorboard").iterdir())

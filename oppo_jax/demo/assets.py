@@ -1,0 +1,146 @@
+"""The demo's trained actor and reward model: build once, cache on disk, and check their shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Int
+
+from oppo_jax.data.demo_task import (
+    EOS_ID,
+    PAD_ID,
+    DemoTaskSpec,
+    gold_scores,
+    pad_batch,
+    sample_prompts,
+)
+from oppo_jax.demo.common import demo_model_config
+from oppo_jax.demo.reward_model import train_reward_model
+from oppo_jax.demo.sft import train_sft
+from oppo_jax.models.api import load_hf_model
+from oppo_jax.rollout.decode import make_decode_chunk, make_start_decode
+from oppo_jax.rollout.sampling import SamplingConfig
+
+DEFAULT_SFT_STEPS = 600  # SFT optimiser steps of 32 sequences for the cached demo actor
+DEFAULT_RM_STEPS = 800  # Bradley–Terry steps of 32 pairs for the cached demo reward model
+MARKER = "assets.json"  # written last: its presence means both checkpoints are complete
+_DECODE_CHUNK = 16  # decode steps per compiled chunk when sampling for length statistics
+
+__all__ = [
+    "DEFAULT_RM_STEPS",
+    "DEFAULT_SFT_STEPS",
+    "demo_model_config",
+    "ensure_demo_assets",
+    "response_length_stats",
+    "sample_responses",
+    "train_reward_model",
+    "train_sft",
+]
+
+
+def _recipe(spec: DemoTaskSpec, sft_steps: int, rm_steps: int, seed: int) -> dict:
+    """Everything that determines the cached checkpoints; any change means a rebuild."""
+    return {
+        "spec": dataclasses.asdict(spec),
+        "sft_steps": sft_steps,
+        "rm_steps": rm_steps,
+        "seed": seed,
+        "actor_config": dataclasses.asdict(demo_model_config(spec, "lm")),
+        "reward_config": dataclasses.asdict(demo_model_config(spec, "score")),
+    }
+
+
+def _cached_recipe(cache: Path) -> dict | None:
+    try:
+        return json.loads((cache / MARKER).read_text())["recipe"]
+    except (OSError, ValueError, KeyError):
+        return None  # missing or half-written marker: treat as no cache
+
+
+def ensure_demo_assets(
+    cache_dir: str | os.PathLike,
+    spec: DemoTaskSpec = DemoTaskSpec(),  # noqa: B008 (frozen dataclass, safe default)
+    sft_steps: int = DEFAULT_SFT_STEPS,
+    rm_steps: int = DEFAULT_RM_STEPS,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[Path, Path]:
+    """Return (actor_dir, reward_dir) under ``cache_dir``, training both first if not cached.
+
+    The cache is valid only when its marker file records the same spec, step counts, seed and
+    architectures; the marker is written last (atomically), so an interrupted build is redone.
+    """
+    cache = Path(cache_dir)
+    actor_dir, reward_dir = cache / "actor", cache / "reward"
+    recipe = json.loads(json.dumps(_recipe(spec, sft_steps, rm_steps, seed)))  # tuples -> lists
+    if _cached_recipe(cache) == recipe:
+        return actor_dir, reward_dir
+    (cache / MARKER).unlink(missing_ok=True)  # invalid from here until the rebuild finishes
+    for d in (actor_dir, reward_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    if progress:
+        print(f"Building demo actor and reward model in {cache} (runs once, then cached)")
+    sft = train_sft(spec, actor_dir, sft_steps, seed=seed, progress=progress)
+    rm = train_reward_model(spec, reward_dir, rm_steps, seed=seed, progress=progress)
+    if progress:
+        print(
+            f"SFT: loss {sft['final_loss']:.3f} in {sft['seconds']:.0f}s; RM: loss "
+            f"{rm['final_loss']:.3f}, pair accuracy {rm['pair_accuracy']:.3f}, gold corr "
+            f"{rm['gold_corr']:.3f} in {rm['seconds']:.0f}s"
+        )
+    tmp = cache / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({"recipe": recipe, "sft": sft, "reward": rm}, indent=2))
+    os.replace(tmp, cache / MARKER)
+    return actor_dir, reward_dir
+
+
+def sample_responses(
+    actor_dir: str | os.PathLike,
+    spec: DemoTaskSpec,
+    n_prompts: int = 256,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> tuple[Int[np.ndarray, "N R"], Int[np.ndarray, " N"]]:
+    """One sampled response per random prompt from the saved actor: (tokens, lengths incl. eos)."""
+    model = load_hf_model(actor_dir)
+    prompts, prompt_lens = pad_batch(
+        sample_prompts(spec, n_prompts, np.random.default_rng([seed, 4])), PAD_ID
+    )
+    start = make_start_decode(model.config, spec.max_response_len, (EOS_ID,), PAD_ID)
+    ids = jnp.arange(n_prompts)
+    state = start(
+        model.params, prompts, prompt_lens, ids, jnp.zeros_like(ids), jax.random.key(seed)
+    )
+    chunk = make_decode_chunk(model.config, SamplingConfig(temperature=temperature), _DECODE_CHUNK)
+    for _ in range(-(-spec.max_response_len // _DECODE_CHUNK)):
+        state = chunk(model.params, state)
+    return np.asarray(state.tokens), np.asarray(state.num_generated)
+
+
+def response_length_stats(
+    actor_dir: str | os.PathLike,
+    spec: DemoTaskSpec,
+    n_prompts: int = 256,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> dict:
+    """Length distribution (tokens incl. eos) and mean gold of the actor's sampled responses.
+
+    Returns {"median", "p99", "ratio" (p99 / median), "mean_gold"}.
+    """
+    tokens, lengths = sample_responses(actor_dir, spec, n_prompts, temperature, seed)
+    median = float(np.median(lengths))
+    p99 = float(np.percentile(lengths, 99))
+    return {
+        "median": median,
+        "p99": p99,
+        "ratio": p99 / max(median, 1.0),
+        "mean_gold": float(np.mean(gold_scores(tokens, lengths, spec))),
+    }

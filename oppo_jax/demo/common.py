@@ -1,0 +1,193 @@
+"""Shared pieces of the demo trainers: model shape, optimiser, train loop, checkpoint writing."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int
+from tqdm.auto import tqdm
+
+from oppo_jax.data.demo_task import BOS_ID, EOS_ID, PAD_ID, DemoTaskSpec, pad_batch, save_tokenizer
+from oppo_jax.models.hf_export import export_hf, hf_config_for
+from oppo_jax.models.model_config import HeadKind, ModelConfig
+from oppo_jax.models.transformer import Transformer, init_params
+
+# Batches drawn (then grouped by length) at once; larger pools group more tightly.
+POOL_BATCHES = 8
+# How many of the first / last step losses are averaged into initial_loss / final_loss: two
+# pools, so short and long batches are both represented.
+_LOSS_WINDOW = 2 * POOL_BATCHES
+_WIDTHS = (16, 32)  # batch widths below the full width (one compiled train step per width)
+
+
+def demo_model_config(
+    spec: DemoTaskSpec,
+    head: HeadKind = "lm",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+) -> ModelConfig:
+    """A tiny Qwen2-layout decoder over the demo vocabulary (``head="score"`` for the RM)."""
+    return ModelConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        qkv_bias=True,
+        max_position_embeddings=128,
+        head=head,
+        num_labels=1,
+        pad_token_id=PAD_ID,
+        model_type="qwen2",
+    )
+
+
+def sequence_width(spec: DemoTaskSpec) -> int:
+    """Longest prompt + response in tokens."""
+    return spec.max_prompt_len + spec.max_response_len
+
+
+def bucket_width(longest: int, cap: int) -> int:
+    """Pad width for a batch: the first of 16, 32 or ``cap`` that holds ``longest`` tokens.
+
+    Example: bucket_width(21, 74) -> 32; bucket_width(40, 74) -> 74. Each width is one compile;
+    three are enough, as grouped batches are mostly short.
+    """
+    return next(w for w in (*_WIDTHS, cap) if w >= min(longest, cap))
+
+
+def length_groups(
+    lengths: Int[np.ndarray, " N"], batch_size: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Split a pool into batches of similar length (in random batch order).
+
+    Long-tailed lengths make a random batch almost always as wide as its longest member, so
+    grouping by length cuts the padded work several-fold (as HF's group_by_length does).
+    """
+    order = np.argsort(lengths, kind="stable")
+    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    return [groups[i] for i in rng.permutation(len(groups))]
+
+
+def join_batch(
+    prompts: list[np.ndarray], responses: list[np.ndarray], width: int
+) -> tuple[Int[np.ndarray, "B T"], Int[np.ndarray, " B"], Int[np.ndarray, " B"]]:
+    """Concatenate prompt and response rows and right-pad: (ids, prompt_lens, total_lens)."""
+    seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses, strict=True)]
+    ids, total = pad_batch(seqs, PAD_ID, width)
+    prompt_lens = np.array([len(p) for p in prompts], np.int32)
+    return ids, prompt_lens, total
+
+
+def forward(cfg: ModelConfig, params, ids: Int[Array, "B T"]) -> Float[Array, "B T O"]:
+    """Full causal forward pass, head output in float32."""
+    out, _ = Transformer(cfg).apply({"params": params}, ids)
+    return out.astype(jnp.float32)
+
+
+def lr_schedule(lr: float, steps: int) -> optax.Schedule:
+    """Linear warmup (10% of the steps, at most 100) to ``lr``, then cosine decay to 5% of it."""
+    warmup = max(1, min(100, steps // 10))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.05
+    )
+
+
+def _adamw(learning_rate):
+    return optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, weight_decay=0.01)
+    )
+
+
+# The learning rate is a state entry set on every step, not a closure over a schedule, so one
+# compiled train step serves every run of a model (the test suite trains several).
+OPTIMIZER = optax.inject_hyperparams(_adamw)(learning_rate=0.0)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Parameters and optimiser state, replaced whole by each train step."""
+
+    params: Any  # parameter pytree
+    opt_state: Any  # OPTIMIZER's state for ``params``
+
+
+@functools.cache
+def train_step_for(loss_fn: Callable, cfg: ModelConfig):
+    """Jitted ``(state, lr, *batch) -> (state, loss)`` for ``loss_fn(cfg, params, *batch)``.
+
+    Cached per (loss, model) so that repeated trainings reuse their compilations.
+    """
+
+    def step(state: TrainState, lr: Float[Array, ""], *batch):
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(cfg, state.params, *batch)
+        opt_state = state.opt_state
+        opt_state.hyperparams["learning_rate"] = lr  # a fresh copy inside the trace
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state), loss
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def run_training(
+    cfg: ModelConfig,
+    loss_fn: Callable,
+    batches: Iterator[tuple],
+    steps: int,
+    lr: float,
+    seed: int,
+    desc: str,
+    progress: bool,
+) -> tuple[Any, dict]:
+    """Train fresh parameters for ``steps`` steps over ``batches``; return (params, stats)."""
+    params = init_params(cfg, jax.random.key(seed))
+    state = TrainState(params, OPTIMIZER.init(params))
+    train_step, schedule = train_step_for(loss_fn, cfg), lr_schedule(lr, steps)
+    start = time.perf_counter()
+    losses = []
+    bar = tqdm(total=steps, desc=desc, disable=not progress, mininterval=1.0)
+    for i in range(steps):
+        # The next batch is sampled on the host while the previous step runs on the device.
+        state, loss = train_step(state, np.float32(schedule(i)), *next(batches))
+        losses.append(loss)
+        bar.update(1)
+        if progress and (i % 100 == 99 or i == steps - 1):
+            bar.set_postfix(loss=f"{float(loss):.4f}")  # syncing only every 100 steps
+    bar.close()
+    losses = np.asarray(jax.device_get(losses), np.float64)
+    stats = {
+        "initial_loss": float(losses[:_LOSS_WINDOW].mean()),
+        "final_loss": float(losses[-_LOSS_WINDOW:].mean()),
+        "seconds": time.perf_counter() - start,
+    }
+    return state.params, stats
+
+
+def save_checkpoint(params, cfg: ModelConfig, spec: DemoTaskSpec, out_dir: str | os.PathLike):
+    """Write weights, config.json (with the demo's special ids) and the demo tokenizer."""
+    out = Path(out_dir)
+    save_tokenizer(spec, out)
+    export_hf(params, cfg, out)
+    # export_hf leaves the special ids unset; samplers and HF generate() read them from here.
+    hf_config = hf_config_for(cfg)
+    hf_config.eos_token_id, hf_config.bos_token_id = EOS_ID, BOS_ID
+    hf_config.pad_token_id = PAD_ID
+    hf_config.save_pretrained(out)
+    generation = {"eos_token_id": EOS_ID, "bos_token_id": BOS_ID, "pad_token_id": PAD_ID}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -8,7 +8,7 @@ from oppo_jax.config import load_config
 from oppo_jax.run_log import read_metrics
 from oppo_jax.train import train
 
-TIMING_KEYS = {"step_time_s", "stage_time_s"}
+TIMING_KEYS = {"step_time_s", "stage_time_s", "busy_fraction"}
 
 
 @pytest.fixture(scope="module")

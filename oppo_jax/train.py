@@ -10,6 +10,7 @@ import numpy as np
 
 from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import Config, to_yaml
+from oppo_jax.pipeline.chunk_control import ChunkSizeController
 from oppo_jax.pipeline.schedule import PromptBatch, run_step
 from oppo_jax.pipeline.timeline import Timeline, TraceWriter
 from oppo_jax.ppo.kl_control import make_kl_controller
@@ -30,6 +31,7 @@ class LoopState:
     step: int
     kl_coef: float
     prompt_state: dict
+    chunk_state: dict
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,16 +84,20 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     ctx = prepare_run(cfg, progress)
     (out / "config.yaml").write_text(to_yaml(cfg))
     ckpt = RunCheckpointer(out / "checkpoints", max_to_keep=cfg.train.max_to_keep)
-    loop = LoopState(step=0, kl_coef=cfg.ppo.kl_coef, prompt_state=ctx.prompt_iterator().state())
+    p = cfg.pipeline
+    chunks = ChunkSizeController(
+        p.chunk_size, tuple(p.chunk_candidates), p.chunk_tuning_every, p.chunk_tuning
+    )
+    loop = LoopState(0, cfg.ppo.kl_coef, ctx.prompt_iterator().state(), chunks.state())
     if resume and ckpt.latest_step() is not None:
         loop = _restore(ctx, ckpt)
+        chunks.restore(loop.chunk_state)
     kl_ctl = make_kl_controller(
         loop.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.target_kl, cfg.ppo.kl_horizon
     )
     prompts = ctx.prompt_iterator(loop.prompt_state)
     log = RunLog(out, cfg.train.steps, loop.step, progress)
     timeline, trace = Timeline(), TraceWriter(out / "trace.json")
-    chunk_size = cfg.pipeline.chunk_size
     sample_key_base = _step_keys(cfg.seed, 0)[0]
     try:
         for step in range(loop.step, cfg.train.steps):
@@ -100,6 +106,7 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
                 ctx.kernels.rollout.pad_id,
             )  # fmt: skip
             kl_coef = float(kl_ctl.value)
+            chunk_size = chunks.size_for(step)
             result = run_step(
                 ctx.kernels, ctx.placement, timeline, cfg.pipeline.mode, chunk_size,
                 ctx.train_state, ctx.ref_params, ctx.reward_params, batch, sample_key_base,
@@ -109,8 +116,9 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
             trace.add_step(step, result.events, result.wall_s)
             record = _record(ctx, step, result, kl_coef, chunk_size)
             kl_ctl = kl_ctl.update(record["kl"], cfg.rollout.batch_size)
+            chunks.observe(step, chunk_size, result.wall_s)
             log.write(record)
-            loop = LoopState(step + 1, float(kl_ctl.value), prompts.state())
+            loop = LoopState(step + 1, float(kl_ctl.value), prompts.state(), chunks.state())
             every = cfg.train.checkpoint_every
             if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
                 ckpt.save(step + 1, ctx.train_state, {"loop": loop.to_json()})

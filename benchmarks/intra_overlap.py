@@ -21,6 +21,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+class iter_of:  # noqa: N801 (a tiny prompt source over a fixed list)
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+
+    def take(self, k):
+        taken, self.pairs = self.pairs[:k], self.pairs[k:]
+        return taken
+
+
 def _time_to_batch(result) -> float:
     starts = [e.start for e in result.events if e.stage == "build batch"]
     return starts[0] if starts else result.wall_s
@@ -38,12 +47,14 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from oppo_jax.config import load_config
-    from oppo_jax.pipeline.schedule import PromptBatch, run_step
+    from oppo_jax.pipeline.carry import CarryBuffer, admit
+    from oppo_jax.pipeline.schedule import run_step
     from oppo_jax.pipeline.timeline import Timeline
     from oppo_jax.run_setup import prepare_run
 
     cfg = load_config(None, [
         "pipeline.placement=disaggregated", "mesh.scoring_devices=1", "pipeline.overcommit=0",
+        "pipeline.adaptive_overcommit=false",
         *args.overrides,
     ])  # fmt: skip
     ctx = prepare_run(cfg)
@@ -52,14 +63,16 @@ def main(argv=None) -> int:
     timeline = Timeline()
     rows = {mode: [] for mode in states}
     for step in range(args.warmup + args.steps):
-        batch = PromptBatch.from_pairs(prompts.take(cfg.rollout.batch_size),
-                                       cfg.rollout.max_prompt_len)  # fmt: skip
+        b = cfg.rollout.batch_size
+        pairs = prompts.take(b)
+        slots = {mode: admit(CarryBuffer(), iter_of(pairs), b, b, cfg.rollout.max_prompt_len,
+                             cfg.rollout.max_response_len, False, 0) for mode in states}  # fmt: skip
         keys = jax.random.key(cfg.seed), jax.random.fold_in(jax.random.key(cfg.seed + 1), step)
         order = ("sync", "oppo") if step % 2 == 0 else ("oppo", "sync")
         for mode in order:
             result = run_step(ctx.kernels, ctx.placement, timeline, mode, cfg.pipeline.chunk_size,
-                              states[mode], ctx.ref_params, ctx.reward_params, batch, *keys,
-                              cfg.ppo.kl_coef)  # fmt: skip
+                              states[mode], ctx.ref_params, ctx.reward_params, slots[mode], b,
+                              *keys, cfg.ppo.kl_coef)  # fmt: skip
             states[mode] = result.train_state
             if step >= args.warmup:
                 rows[mode].append({

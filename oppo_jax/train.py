@@ -6,12 +6,16 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import Config, to_yaml
+from oppo_jax.data.prompts import PromptIterator
+from oppo_jax.pipeline.carry import CarryBuffer, SlotBatch, admit, carry_out
 from oppo_jax.pipeline.chunk_control import ChunkSizeController
-from oppo_jax.pipeline.schedule import PromptBatch, run_step
+from oppo_jax.pipeline.overcommit import OvercommitController
+from oppo_jax.pipeline.schedule import run_step
 from oppo_jax.pipeline.timeline import Timeline, TraceWriter
 from oppo_jax.ppo.kl_control import make_kl_controller
 from oppo_jax.run_log import RunLog, read_metrics
@@ -25,22 +29,72 @@ _UPDATE_KEYS = (
 
 
 @dataclasses.dataclass
-class LoopState:
-    """Host-side state that a checkpoint must carry besides the arrays."""
+class HostState:
+    """Everything host-side that a checkpoint must carry besides the arrays."""
 
-    step: int
-    kl_coef: float
-    prompt_state: dict
-    chunk_state: dict
+    step: int  # next step to run
+    kl_ctl: object  # KL controller (its coefficient is the only state)
+    prompts: PromptIterator  # position in the prompt stream
+    chunks: ChunkSizeController
+    deltas: OvercommitController
+    buffer: CarryBuffer  # sequences carried into the next step
+
+    @classmethod
+    def fresh(cls, cfg: Config, ctx: RunContext) -> HostState:
+        p, oppo = cfg.pipeline, cfg.pipeline.mode == "oppo"
+        return cls(
+            step=0,
+            kl_ctl=make_kl_controller(
+                cfg.ppo.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.target_kl, cfg.ppo.kl_horizon
+            ),
+            prompts=ctx.prompt_iterator(),
+            chunks=ChunkSizeController(
+                p.chunk_size, tuple(p.chunk_candidates), p.chunk_tuning_every, p.chunk_tuning
+            ),
+            # The sync baseline never overcommits: Δ is an OPPO setting.
+            deltas=OvercommitController(
+                p.overcommit if oppo else 0,
+                p.overcommit_min,
+                p.overcommit_max,
+                p.overcommit_window,
+                p.adaptive_overcommit and oppo,
+            ),  # fmt: skip
+            buffer=CarryBuffer(),
+        )
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {
+            "step": self.step, "kl_coef": float(self.kl_ctl.value),
+            "prompts": self.prompts.state(), "chunks": self.chunks.state(),
+            "deltas": self.deltas.state(), "buffer": self.buffer.state(),
+        }  # fmt: skip
+
+    def restore(self, data: dict, ctx: RunContext) -> None:
+        self.step = int(data["step"])
+        self.kl_ctl = self.kl_ctl.replace(value=jnp.float32(data["kl_coef"]))
+        self.prompts = ctx.prompt_iterator(data["prompts"])
+        self.chunks.restore(data["chunks"])
+        self.deltas.restore(data["deltas"])
+        self.buffer = CarryBuffer.from_state(data["buffer"])
 
 
 def _step_keys(seed: int, step: int):
     """(sampling base key, update key): the former is fixed per run, so a token's randomness
     depends on (seed, prompt id, sample index, position) only; the latter changes every step."""
     return jax.random.key(seed), jax.random.fold_in(jax.random.key(seed + 1), step)
+
+
+def _staleness(slots: SlotBatch, result, carried: int, delta: int) -> dict:
+    """Inter-step overlap metrics of the batch (DESIGN.md §4, §6)."""
+    rows = result.selection.batch
+    tokens = max(int(result.response_len.sum()), 1)
+    return {
+        "carried": carried,
+        "overcommit": delta,
+        "deferral_age_mean": float(slots.deferrals[rows].mean()),
+        "deferral_age_max": int(slots.deferrals[rows].max()),
+        "stale_token_frac": float(slots.prefix_len[rows].sum()) / tokens,
+    }
 
 
 def _record(ctx: RunContext, step: int, result, kl_coef: float, chunk_size: int) -> dict:
@@ -66,68 +120,62 @@ def _record(ctx: RunContext, step: int, result, kl_coef: float, chunk_size: int)
     return record
 
 
-def _restore(ctx: RunContext, ckpt: RunCheckpointer) -> LoopState:
-    state, extra = ckpt.restore(None, abstract_like(ctx.train_state))
-    ctx.train_state = state
-    return LoopState(**extra["loop"])
-
-
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
     """Run ``cfg.train.steps`` PPO steps, writing the run directory; returns a summary."""
-    if cfg.pipeline.mode == "oppo" and cfg.pipeline.overcommit > 0:
-        raise NotImplementedError(
-            f"pipeline.overcommit={cfg.pipeline.overcommit}: carrying sequences across steps "
-            "(inter-step overlap) is not implemented yet; use pipeline.overcommit=0"
-        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx = prepare_run(cfg, progress)
     (out / "config.yaml").write_text(to_yaml(cfg))
     ckpt = RunCheckpointer(out / "checkpoints", max_to_keep=cfg.train.max_to_keep)
-    p = cfg.pipeline
-    chunks = ChunkSizeController(
-        p.chunk_size, tuple(p.chunk_candidates), p.chunk_tuning_every, p.chunk_tuning
-    )
-    loop = LoopState(0, cfg.ppo.kl_coef, ctx.prompt_iterator().state(), chunks.state())
+    host = HostState.fresh(cfg, ctx)
     if resume and ckpt.latest_step() is not None:
-        loop = _restore(ctx, ckpt)
-        chunks.restore(loop.chunk_state)
-    kl_ctl = make_kl_controller(
-        loop.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.target_kl, cfg.ppo.kl_horizon
-    )
-    prompts = ctx.prompt_iterator(loop.prompt_state)
-    log = RunLog(out, cfg.train.steps, loop.step, progress)
-    timeline, trace = Timeline(), TraceWriter(out / "trace.json")
-    sample_key_base = _step_keys(cfg.seed, 0)[0]
+        ctx.train_state, extra = ckpt.restore(None, abstract_like(ctx.train_state))
+        host.restore(extra["host"], ctx)
+    log = RunLog(out, cfg.train.steps, host.step, progress)
+    trace = TraceWriter(out / "trace.json")
     try:
-        for step in range(loop.step, cfg.train.steps):
-            batch = PromptBatch.from_pairs(
-                prompts.take(cfg.rollout.batch_size), cfg.rollout.max_prompt_len,
-                ctx.kernels.rollout.pad_id,
-            )  # fmt: skip
-            kl_coef = float(kl_ctl.value)
-            chunk_size = chunks.size_for(step)
-            result = run_step(
-                ctx.kernels, ctx.placement, timeline, cfg.pipeline.mode, chunk_size,
-                ctx.train_state, ctx.ref_params, ctx.reward_params, batch, sample_key_base,
-                _step_keys(cfg.seed, step)[1], kl_coef,
-            )  # fmt: skip
-            ctx.train_state = result.train_state
-            trace.add_step(step, result.events, result.wall_s)
-            record = _record(ctx, step, result, kl_coef, chunk_size)
-            kl_ctl = kl_ctl.update(record["kl"], cfg.rollout.batch_size)
-            chunks.observe(step, chunk_size, result.wall_s)
-            log.write(record)
-            loop = LoopState(step + 1, float(kl_ctl.value), prompts.state(), chunks.state())
-            every = cfg.train.checkpoint_every
-            if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
-                ckpt.save(step + 1, ctx.train_state, {"loop": loop.to_json()})
+        _loop(cfg, ctx, host, ckpt, log, trace)
     finally:
         trace.write()
         ckpt.wait()
         ckpt.close()
         log.close()
     return summarize(out / "metrics.jsonl")
+
+
+def _loop(cfg: Config, ctx: RunContext, host: HostState, ckpt, log: RunLog, trace) -> None:
+    """Steps from ``host.step`` to the end: admit, run, record, carry, control, checkpoint."""
+    b, r = cfg.rollout.batch_size, cfg.rollout.max_response_len
+    num_slots = b + host.deltas.slots_needed
+    carrying = host.deltas.slots_needed > 0
+    timeline = Timeline()
+    while host.step < cfg.train.steps:
+        step, delta = host.step, host.deltas.delta
+        slots = admit(
+            host.buffer, host.prompts, b + delta, num_slots, cfg.rollout.max_prompt_len, r,
+            carrying, cfg.pipeline.max_deferrals, ctx.kernels.rollout.pad_id,
+        )  # fmt: skip
+        kl_coef, chunk_size = float(host.kl_ctl.value), host.chunks.size_for(step)
+        result = run_step(
+            ctx.kernels, ctx.placement, timeline, cfg.pipeline.mode, chunk_size,
+            ctx.train_state, ctx.ref_params, ctx.reward_params, slots, b,
+            _step_keys(cfg.seed, 0)[0], _step_keys(cfg.seed, step)[1], kl_coef,
+        )  # fmt: skip
+        ctx.train_state = result.train_state
+        carried = carry_out(slots, result.selection, result.tokens, result.logprobs,
+                            result.num_generated, result.finish_step, step)  # fmt: skip
+        host.buffer.extend(carried)
+        record = _record(ctx, step, result, kl_coef, chunk_size)
+        record.update(_staleness(slots, result, len(carried), delta))
+        trace.add_step(step, result.events, result.wall_s)
+        log.write(record)
+        host.kl_ctl = host.kl_ctl.update(record["kl"], b)
+        host.chunks.observe(step, chunk_size, result.wall_s)
+        host.deltas.observe(record["reward"])
+        host.step = step + 1
+        every = cfg.train.checkpoint_every
+        if every and (host.step % every == 0 or host.step == cfg.train.steps):
+            ckpt.save(host.step, ctx.train_state, {"host": host.to_json()})
 
 
 def summarize(metrics_path: Path, window: int = 5) -> dict:

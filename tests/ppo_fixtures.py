@@ -59,3 +59,22 @@ def random_batch(spec: UpdateSpec, actor_params, critic_params, seed=0, rows=8, 
 
 def tiny_params(seed=0):
     return init_params(ACTOR, jax.random.key(seed)), init_params(CRITIC, jax.random.key(seed + 1))
+
+
+class ListPrompts:
+    """A prompt source over a fixed list of (prompt_id, tokens), for schedule tests."""
+
+    def __init__(self, pairs):
+        self._pairs = list(pairs)
+
+    def take(self, k):
+        taken, self._pairs = self._pairs[:k], self._pairs[k:]
+        return taken
+
+
+def fresh_slots(pairs, prompt_width, response_len, extra_slots=0):
+    """Admit ``pairs`` (no carried sequences) into len(pairs) + extra_slots slots."""
+    from oppo_jax.pipeline.carry import CarryBuffer, admit
+
+    return admit(CarryBuffer(), ListPrompts(pairs), len(pairs), len(pairs) + extra_slots,
+                 prompt_width, response_len, with_prefix=False, max_deferrals=2)  # fmt: skip

@@ -7,14 +7,13 @@ import numpy as np
 from oppo_jax.config import PPOConfig
 from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.schedule import PromptBatch, run_step
-from oppo_jax.pipeline.sequences import response_mask
+from oppo_jax.pipeline.schedule import run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.batch import response_tokens
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import SamplingConfig
+from oppo_jax.rollout.layout import response_mask, response_tokens
 from oppo_jax.sharding import make_device_groups
-from tests.ppo_fixtures import make_spec, tiny_params
+from tests.ppo_fixtures import fresh_slots, make_spec, tiny_params
 
 GOOD = (2, 12)  # token ids in [2, 12) are "good": ~16% of a uniform policy's tokens
 R = 8
@@ -43,9 +42,9 @@ def test_ppo_raises_a_fixed_reward():
     rewards = []
     for step in range(30):
         pairs = [(step * 16 + i, rng.integers(12, 64, 4)) for i in range(16)]
-        prompts = PromptBatch.from_pairs(pairs, width=4)
+        slots = fresh_slots(pairs, 4, R)
         keys = jax.random.split(jax.random.key(step), 2)
-        result = run_step(kernels, placement, timeline, "oppo", 4, state, ref, None, prompts,
+        result = run_step(kernels, placement, timeline, "oppo", 4, state, ref, None, slots, 16,
                           keys[0], keys[1], 0.01)  # fmt: skip
         state = result.train_state
         rewards.append(float(result.metrics["reward"]))

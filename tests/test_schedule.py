@@ -5,18 +5,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
 from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.schedule import PromptBatch, run_step
+from oppo_jax.pipeline.schedule import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import SamplingConfig
 from oppo_jax.sharding import make_device_groups
-from tests.ppo_fixtures import CRITIC, make_spec, tiny_params
+from tests.ppo_fixtures import CRITIC, fresh_slots, make_spec, tiny_params
 
 R = 16
 
@@ -31,7 +30,7 @@ def _setup():
     reward = init_params(CRITIC, jax.random.key(11))
     rng = np.random.default_rng(0)
     pairs = [(i, rng.integers(2, 64, rng.integers(2, 5))) for i in range(8)]
-    return spec, kernels, actor, critic, reward, PromptBatch.from_pairs(pairs, 4)
+    return spec, kernels, actor, critic, reward, pairs
 
 
 def _placement(kind):
@@ -40,12 +39,13 @@ def _placement(kind):
 
 
 def _run(mode, chunk, placement="colocated"):
-    spec, kernels, actor, critic, reward, prompts = _setup()
+    spec, kernels, actor, critic, reward, pairs = _setup()
     place = _placement(placement)
     state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))
     ref, rm = place.to_scoring(jax.tree.map(jnp.copy, (actor, reward)))
     keys = jax.random.split(jax.random.key(1), 2)
-    return run_step(kernels, place, Timeline(), mode, chunk, state, ref, rm, prompts, *keys, 0.05)
+    slots = fresh_slots(pairs, 4, R)
+    return run_step(kernels, place, Timeline(), mode, chunk, state, ref, rm, slots, 8, *keys, 0.05)
 
 
 def _assert_same_step(a, b, rtol=1e-5):
@@ -102,7 +102,8 @@ def test_chunk_loop_reads_the_device_only_once_per_chunk(monkeypatch):
     monkeypatch.undo()
     decodes = sum(e.stage == "decode" for e in result.events)
     assert decodes >= 3
-    # One "all finished?" flag per decode chunk but the last, then the responses and their
-    # lengths once the update has been dispatched.
+    # One "ready to cut?" flag per decode chunk but the last; then, after the loop, the
+    # finish positions (to choose the batch) and, once the update is dispatched, the slots'
+    # tokens, log-probs and lengths.
     assert reads.count(()) == decodes - 1
-    assert sorted(r for r in reads if r != ()) == [(8,), (8, R)]
+    assert sorted(r for r in reads if r != ()) == [(8,), (8,), (8, R), (8, R)]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
-from oppo_jax.pipeline.sequences import assemble_sequences
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.rollout import SamplingConfig
 from oppo_jax.rollout.decode import make_decode_chunk_emit, make_start_decode
+from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.full import reward_scores
 from oppo_jax.scoring.stream import ScorerSpec, make_scorer_kernels
 from tests.ppo_fixtures import ACTOR, CRITIC

@@ -45,16 +45,17 @@ __all__ = [
 ]
 
 
-def _recipe(spec: DemoTaskSpec, sft_steps: int, rm_steps: int, seed: int) -> dict:
+def _recipe(spec: DemoTaskSpec, sft_steps: int, rm_steps: int, seed: int, configs) -> dict:
     """Everything that determines the cached checkpoints; any change means a rebuild."""
-    return {
+    recipe = {
         "spec": dataclasses.asdict(spec),
         "sft_steps": sft_steps,
         "rm_steps": rm_steps,
         "seed": seed,
-        "actor_config": dataclasses.asdict(demo_model_config(spec, "lm")),
-        "reward_config": dataclasses.asdict(demo_model_config(spec, "score")),
+        "actor_config": dataclasses.asdict(configs[0]),
+        "reward_config": dataclasses.asdict(configs[1]),
     }
+    return json.loads(json.dumps(recipe))  # tuples become lists, as in the saved marker
 
 
 def _cached_recipe(cache: Path) -> dict | None:
@@ -71,24 +72,30 @@ def ensure_demo_assets(
     rm_steps: int = DEFAULT_RM_STEPS,
     seed: int = 0,
     progress: bool = True,
+    model_sizes: dict | None = None,
 ) -> tuple[Path, Path]:
     """Return (actor_dir, reward_dir) under ``cache_dir``, training both first if not cached.
 
     The cache is valid only when its marker file records the same spec, step counts, seed and
     architectures; the marker is written last (atomically), so an interrupted build is redone.
+    ``model_sizes`` overrides ``demo_model_config``'s size arguments (tests use a smaller model).
     """
     cache = Path(cache_dir)
     actor_dir, reward_dir = cache / "actor", cache / "reward"
-    recipe = json.loads(json.dumps(_recipe(spec, sft_steps, rm_steps, seed)))  # tuples -> lists
-    if _cached_recipe(cache) == recipe:
+    configs = [demo_model_config(spec, head, **(model_sizes or {})) for head in ("lm", "score")]
+    recipe = _recipe(spec, sft_steps, rm_steps, seed, configs)
+    complete = all((d / "model.safetensors").is_file() for d in (actor_dir, reward_dir))
+    if complete and _cached_recipe(cache) == recipe:
         return actor_dir, reward_dir
     (cache / MARKER).unlink(missing_ok=True)  # invalid from here until the rebuild finishes
     for d in (actor_dir, reward_dir):
         shutil.rmtree(d, ignore_errors=True)
     if progress:
         print(f"Building demo actor and reward model in {cache} (runs once, then cached)")
-    sft = train_sft(spec, actor_dir, sft_steps, seed=seed, progress=progress)
-    rm = train_reward_model(spec, reward_dir, rm_steps, seed=seed, progress=progress)
+    sft = train_sft(spec, actor_dir, sft_steps, seed=seed, progress=progress, model_cfg=configs[0])
+    rm = train_reward_model(
+        spec, reward_dir, rm_steps, seed=seed, progress=progress, model_cfg=configs[1]
+    )
     if progress:
         print(
             f"SFT: loss {sft['final_loss']:.3f} in {sft['seconds']:.0f}s; RM: loss "

@@ -23,12 +23,9 @@ from oppo_jax.models.hf_export import export_hf, hf_config_for
 from oppo_jax.models.model_config import HeadKind, ModelConfig
 from oppo_jax.models.transformer import Transformer, init_params
 
-# Batches drawn (then grouped by length) at once; larger pools group more tightly.
-POOL_BATCHES = 8
-# How many of the first / last step losses are averaged into initial_loss / final_loss: two
-# pools, so short and long batches are both represented.
-_LOSS_WINDOW = 2 * POOL_BATCHES
-_WIDTHS = (16, 32)  # batch widths below the full width (one compiled train step per width)
+# How many of the first / last step losses are averaged into initial_loss / final_loss.
+_LOSS_WINDOW = 20
+SHORT_WIDTH = 32  # pad width of a batch's short part, in tokens, when its rows fit
 
 
 def demo_model_config(
@@ -63,26 +60,22 @@ def sequence_width(spec: DemoTaskSpec) -> int:
     return spec.max_prompt_len + spec.max_response_len
 
 
-def bucket_width(longest: int, cap: int) -> int:
-    """Pad width for a batch: the first of 16, 32 or ``cap`` that holds ``longest`` tokens.
+def split_by_length(lengths: Int[np.ndarray, " B"], cap: int) -> list[tuple[np.ndarray, int]]:
+    """Split a batch into its shortest three quarters and the rest: [(row indices, width)].
 
-    Example: bucket_width(21, 74) -> 32; bucket_width(40, 74) -> 74. Each width is one compile;
-    three are enough, as grouped batches are mostly short.
-    """
-    return next(w for w in (*_WIDTHS, cap) if w >= min(longest, cap))
+    A long-tailed batch padded whole is as wide as its longest row; padding the short part
+    separately (almost always to ``SHORT_WIDTH``) roughly halves the work. The batch itself
+    stays a random mix of lengths: grouping whole batches by length (cheaper still) kept the
+    actor from learning that responses opened by a long-marker word stop later. Two widths per
+    part at most, so few compilations.
 
-
-def length_groups(
-    lengths: Int[np.ndarray, " N"], batch_size: int, rng: np.random.Generator
-) -> list[np.ndarray]:
-    """Split a pool into batches of similar length (in random batch order).
-
-    Long-tailed lengths make a random batch almost always as wide as its longest member, so
-    grouping by length cuts the padded work several-fold (as HF's group_by_length does).
+    Example: lengths [40, 5, 7, 9], cap 74 -> [([1, 2, 3], 32), ([0], 74)].
     """
     order = np.argsort(lengths, kind="stable")
-    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    return [groups[i] for i in rng.permutation(len(groups))]
+    n_short = len(order) - max(1, len(order) // 4)
+    short, long = order[:n_short], order[n_short:]
+    short_width = SHORT_WIDTH if lengths[short].max() <= SHORT_WIDTH else cap
+    return [(short, short_width), (long, cap)]
 
 
 def join_batch(

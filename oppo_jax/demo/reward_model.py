@@ -17,15 +17,13 @@ from oppo_jax.data.demo_task import (
     sample_sft_corpus,
 )
 from oppo_jax.demo.common import (
-    POOL_BATCHES,
-    bucket_width,
     demo_model_config,
     forward,
     join_batch,
-    length_groups,
     run_training,
     save_checkpoint,
     sequence_width,
+    split_by_length,
 )
 from oppo_jax.models.model_config import ModelConfig
 
@@ -44,13 +42,17 @@ def sequence_scores(
     return jnp.take_along_axis(per_token, last[:, None], axis=1)[:, 0]
 
 
-def bradley_terry_loss(
-    cfg: ModelConfig, params, ids: Int[Array, "B2 T"], total_lens: Int[Array, " B2"]
-) -> Float[Array, ""]:
-    """mean over pairs of -log σ(r_chosen - r_rejected); rows are [chosen..., rejected...]."""
-    scores = sequence_scores(cfg, params, ids, total_lens)
-    chosen, rejected = jnp.split(scores, 2)
-    return jnp.mean(jax.nn.softplus(rejected - chosen))  # softplus(-x) = -log σ(x)
+def bradley_terry_loss(cfg: ModelConfig, params, parts: tuple) -> Float[Array, ""]:
+    """Mean over pairs of -log σ(r_chosen - r_rejected).
+
+    ``parts`` is the batch of pairs split by length into (ids[2P_i, T_i], total_lens[2P_i])
+    parts, each holding its pairs' chosen rows first, then their rejected rows.
+    """
+    losses = []
+    for ids, total_lens in parts:
+        chosen, rejected = jnp.split(sequence_scores(cfg, params, ids, total_lens), 2)
+        losses.append(jax.nn.softplus(rejected - chosen))  # softplus(-x) = -log σ(x)
+    return jnp.mean(jnp.concatenate(losses))
 
 
 def _pair_rows(spec: DemoTaskSpec, pairs, width: int | None = None) -> tuple[np.ndarray, ...]:
@@ -62,14 +64,13 @@ def _pair_rows(spec: DemoTaskSpec, pairs, width: int | None = None) -> tuple[np.
 
 
 def _pair_batches(spec: DemoTaskSpec, batch_size: int, rng: np.random.Generator) -> Iterator:
-    """Fresh preference pairs for every step, grouped by the longer response of each pair."""
+    """Fresh preference pairs for every step, split by the longer sequence of each pair."""
     cap = sequence_width(spec)
     while True:
-        pool = sample_preference_pairs(spec, batch_size * POOL_BATCHES, rng)
-        longest = np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in pool])
-        for idx in length_groups(longest, batch_size, rng):
-            width = bucket_width(int(longest[idx].max()), cap)
-            yield _pair_rows(spec, [pool[i] for i in idx], width)
+        pairs = sample_preference_pairs(spec, batch_size, rng)
+        longest = np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in pairs])
+        parts = split_by_length(longest, cap)
+        yield (tuple(_pair_rows(spec, [pairs[i] for i in idx], width) for idx, width in parts),)
 
 
 _scores = jax.jit(sequence_scores, static_argnums=0)

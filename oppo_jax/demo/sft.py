@@ -12,15 +12,13 @@ from jaxtyping import Array, Float, Int
 
 from oppo_jax.data.demo_task import DemoTaskSpec, sample_sft_corpus
 from oppo_jax.demo.common import (
-    POOL_BATCHES,
-    bucket_width,
     demo_model_config,
     forward,
     join_batch,
-    length_groups,
     run_training,
     save_checkpoint,
     sequence_width,
+    split_by_length,
 )
 from oppo_jax.models.model_config import ModelConfig
 
@@ -37,35 +35,35 @@ def response_target_mask(
     return inside.astype(jnp.float32)
 
 
-def sft_loss(
-    cfg: ModelConfig,
-    params,
-    ids: Int[Array, "B T"],
-    prompt_lens: Int[Array, " B"],
-    total_lens: Int[Array, " B"],
-    norm: Float[Array, ""],
-) -> Float[Array, ""]:
-    """Next-token cross-entropy over response tokens: -sum log p(y_t | x, y_<t) / norm."""
+def _response_nll(cfg: ModelConfig, params, ids, prompt_lens, total_lens):
+    """(summed response-token negative log-likelihood, number of response tokens) of one part."""
     logits = forward(cfg, params, ids[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     token_logp = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
     mask = response_target_mask(prompt_lens, total_lens, ids.shape[1])
-    return -jnp.sum(token_logp * mask) / norm
+    return -jnp.sum(token_logp * mask), jnp.sum(mask)
+
+
+def sft_loss(cfg: ModelConfig, params, parts: tuple) -> Float[Array, ""]:
+    """Mean next-token cross-entropy over the batch's response tokens: -mean log p(y_t | x, y_<t).
+
+    ``parts`` is the batch split by length into (ids[B_i, T_i], prompt_lens, total_lens) parts.
+    """
+    nll, count = zip(*(_response_nll(cfg, params, *part) for part in parts), strict=True)
+    return sum(nll) / jnp.maximum(sum(count), 1.0)
 
 
 def _sft_batches(spec: DemoTaskSpec, batch_size: int, rng: np.random.Generator) -> Iterator:
-    """Fresh corpus samples (nothing repeats, so nothing overfits), grouped by length."""
+    """Fresh corpus samples every step (nothing repeats, so nothing overfits), split by length."""
     cap = sequence_width(spec)
     while True:
-        corpus = sample_sft_corpus(spec, batch_size * POOL_BATCHES, rng)
+        corpus = sample_sft_corpus(spec, batch_size, rng)
         total = np.array([len(e.prompt) + len(e.response) for e in corpus])
-        # Mean response tokens per batch over the pool: every token of the pool then weighs the
-        # same whichever batch it lands in (a per-batch mean would underweight long responses).
-        norm = np.float32(sum(len(e.response) for e in corpus) / POOL_BATCHES)
-        for idx in length_groups(total, batch_size, rng):
-            width = bucket_width(int(total[idx].max()), cap)
+        parts = []
+        for idx, width in split_by_length(total, cap):
             rows = [corpus[i] for i in idx]
-            yield *join_batch([e.prompt for e in rows], [e.response for e in rows], width), norm
+            parts.append(join_batch([e.prompt for e in rows], [e.response for e in rows], width))
+        yield (tuple(parts),)
 
 
 def train_sft(
@@ -88,7 +86,7 @@ def train_sft(
       progress: show a progress bar with the loss.
       model_cfg: architecture (default ``demo_model_config(spec, "lm")``).
     Returns:
-      {"initial_loss", "final_loss" (means of the first / last 16 steps), "seconds"}.
+      {"initial_loss", "final_loss" (means of the first / last 20 steps), "seconds"}.
     """
     cfg = model_cfg or demo_model_config(spec, "lm")
     if cfg.head != "lm":

@@ -10,12 +10,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oppo_jax.pipeline.sequences import assemble_sequences, response_mask
 from oppo_jax.ppo.experience import build_batch
 from oppo_jax.ppo.update import UpdateSpec, ppo_update
-from oppo_jax.rollout.decode import DecodeState, make_decode_chunk_emit, start_decode
+from oppo_jax.rollout.decode import DecodeState, admit_decode, make_decode_chunk_emit
+from oppo_jax.rollout.layout import assemble_sequences, response_mask
 from oppo_jax.rollout.sampling import SamplingConfig
-from oppo_jax.scoring.stream import ScorerSpec, make_scorer_kernels
+from oppo_jax.scoring.stream import ScorerSpec, make_scorer_admit, make_scorer_kernels
 
 # reward_fn(tokens [B, L], prompt_len [B], seq_len [B]) -> scores [B]: a programmatic reward
 # (e.g. a rule-based checker), applied after generation; jittable.
@@ -38,37 +38,52 @@ def experience(
     rollout: RolloutSpec,
     reward_fn: RewardFn | None,
     decoded: DecodeState,
-    prompts: jax.Array,
+    rows: jax.Array,
+    context: jax.Array,
     prompt_len: jax.Array,
+    prefix_len: jax.Array,
+    prefix_behaviour: jax.Array,
     ref_logp: jax.Array,
     values: jax.Array,
     scores: jax.Array | None,
     kl_coef: jax.Array,
 ):
-    """Build the PPO batch from a finished rollout and its scorers' outputs.
+    """Build the PPO batch from the selected slots ``rows`` [B] of a rollout.
 
-    ``old_logp`` is the log-prob recorded when each token was sampled, under the parameters of
-    this step: the quantity TRL recomputes after generation, without a second actor pass.
+    ``old_logp`` is each token's log-prob under this step's parameters: recorded when it was
+    sampled this step, or recomputed by the admission prefill for a carried prefix (the
+    quantity TRL recomputes after generation, without a second actor pass). The behaviour
+    log-prob is the one recorded when the token was actually sampled, possibly steps ago.
     """
+    take = functools.partial(jnp.take, indices=rows, axis=0)
+    response, logprobs, resp_len = map(
+        take, (decoded.tokens, decoded.logprobs, decoded.num_generated)
+    )
+    prompt_len, prefix_len = take(prompt_len), take(prefix_len)
     width = rollout.max_response_len
-    resp_len = decoded.num_generated
-    tokens = assemble_sequences(prompts, prompt_len, decoded.tokens, resp_len, rollout.pad_id)
+    prompts = take(context)[:, : rollout.prompt_width]
+    tokens = assemble_sequences(prompts, prompt_len, response, resp_len, rollout.pad_id)
     if reward_fn is not None:
         scores = reward_fn(tokens, prompt_len, prompt_len + resp_len)
-    last = jnp.take_along_axis(decoded.tokens, jnp.maximum(resp_len - 1, 0)[:, None], axis=1)
+    else:
+        scores = take(scores)
+    last = jnp.take_along_axis(response, jnp.maximum(resp_len - 1, 0)[:, None], axis=1)
     ended_with_eos = (resp_len > 0) & jnp.isin(last[:, 0], jnp.asarray(rollout.eos_ids))
+    in_prefix = jnp.arange(width)[None, :] < prefix_len[:, None]
+    behaviour = jnp.where(in_prefix, take(prefix_behaviour), logprobs)
     batch, stats = build_batch(
         spec.ppo, tokens, prompt_len, response_mask(resp_len, width), scores, ended_with_eos,
-        old_logp=decoded.logprobs, behaviour_logp=decoded.logprobs, ref_logp=ref_logp,
-        values=values, kl_coef=kl_coef,
+        old_logp=logprobs, behaviour_logp=behaviour, ref_logp=take(ref_logp),
+        values=take(values), kl_coef=kl_coef,
     )  # fmt: skip
     return batch, {**stats, "reward": jnp.mean(scores)}
 
 
-def _start_with_marker(spec: UpdateSpec, rollout: RolloutSpec, *args):
-    state = start_decode(
-        spec.actor, *args, max_response_len=rollout.max_response_len,
-        eos_ids=rollout.eos_ids, pad_id=rollout.pad_id,
+def _admit_with_marker(spec: UpdateSpec, rollout: RolloutSpec, *args):
+    state = admit_decode(
+        spec.actor, *args, prompt_width=rollout.prompt_width,
+        max_response_len=rollout.max_response_len, eos_ids=rollout.eos_ids,
+        pad_id=rollout.pad_id, temperature=spec.temperature,
     )  # fmt: skip
     return state, state.num_generated + 0  # a fresh array: the state itself gets donated
 
@@ -81,7 +96,7 @@ class Kernels:
     rollout: RolloutSpec
     reward_fn: RewardFn | None  # programmatic reward; None: the reward model scores
     reward_model: Any  # ModelConfig of the reward model (None with reward_fn)
-    start: Callable
+    admit: Callable
     experience: Callable
     update: Callable
 
@@ -100,9 +115,13 @@ class Kernels:
             specs["reward"] = ScorerSpec(self.reward_model, "score", r)
         return specs
 
-    def scorer(self, role: str):
-        """(start, chunk) kernels of one scorer role."""
-        return make_scorer_kernels(self.scorer_specs()[role])
+    def scorer_admit(self, role: str) -> Callable:
+        """Admission prefill of one scorer role (prompt + carried prefix)."""
+        return make_scorer_admit(self.scorer_specs()[role], self.rollout.prompt_width)
+
+    def scorer_chunk(self, role: str) -> Callable:
+        """Chunk prefill of one scorer role."""
+        return make_scorer_kernels(self.scorer_specs()[role])[1]
 
 
 def build_kernels(
@@ -116,8 +135,8 @@ def build_kernels(
     head) and ``reward_fn`` is given. ``update`` defaults to a plain jit of ``ppo_update``."""
     if (reward_model is None) == (reward_fn is None):
         raise ValueError("give exactly one of reward_model and reward_fn")
-    start = jax.jit(functools.partial(_start_with_marker, spec, rollout))
+    admit = jax.jit(functools.partial(_admit_with_marker, spec, rollout))
     build = jax.jit(functools.partial(experience, spec, rollout, reward_fn))
     if update is None:
         update = jax.jit(functools.partial(ppo_update, spec), donate_argnums=(0,))
-    return Kernels(spec, rollout, reward_fn, reward_model, start, build, update)
+    return Kernels(spec, rollout, reward_fn, reward_model, admit, build, update)

@@ -16,41 +16,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.pipeline.carry import Selection, SlotBatch, select_batch
 from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION, Placement
 from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
-from oppo_jax.rollout.decode import ChunkTokens
-
-
-@dataclasses.dataclass
-class PromptBatch:
-    """B prompts right-padded to the rollout's prompt width, with their ids."""
-
-    tokens: np.ndarray  # [B, P] int32
-    lengths: np.ndarray  # [B] int32
-    prompt_ids: np.ndarray  # [B] int64, unique per (epoch, prompt)
-
-    @classmethod
-    def from_pairs(cls, pairs, width: int, pad_id: int = 0) -> PromptBatch:
-        tokens = np.full((len(pairs), width), pad_id, np.int32)
-        lengths = np.zeros(len(pairs), np.int32)
-        for i, (_, toks) in enumerate(pairs):
-            tokens[i, : len(toks)] = toks
-            lengths[i] = len(toks)
-        return cls(tokens, lengths, np.asarray([pid for pid, _ in pairs], np.int64))
+from oppo_jax.rollout.decode import ChunkTokens, CutRule
 
 
 @dataclasses.dataclass
 class StepResult:
-    """What one step produced."""
+    """What one step produced (host arrays cover all S slots, in admission order)."""
 
     train_state: object
     metrics: dict  # device scalars: rollout statistics and update metrics
-    responses: np.ndarray  # [B, R] response tokens (host copy: gold scores, logs)
-    response_len: np.ndarray  # [B]
+    selection: Selection  # batch slots and the cut position
+    tokens: np.ndarray  # [S, R] response tokens of every slot
+    logprobs: np.ndarray  # [S, R] log-probs recorded by this step's decode/admission
+    num_generated: np.ndarray  # [S] response tokens per slot at the end of decoding
+    finish_step: np.ndarray  # [S] decode position at which each slot finished (-1: running)
     events: list[Event]  # the step's timeline
     wall_s: float  # the step's wall time
     batch: object = None  # the PPOBatch the update consumed (device arrays, for inspection)
+
+    @property
+    def responses(self) -> np.ndarray:
+        """[B, R] the batch's responses, in batch order."""
+        return self.tokens[self.selection.batch]
+
+    @property
+    def response_len(self) -> np.ndarray:
+        """[B] the batch's response lengths."""
+        return self.num_generated[self.selection.batch]
 
     @property
     def stage_time_s(self) -> dict[str, float]:
@@ -69,31 +65,31 @@ class Scorers:
         self.params = params  # role -> parameters already on the scoring group
         self.states: dict = {}
 
-    def start(self, prompts, lengths) -> None:
+    def admit(self, context, prompt_len, prefix_len) -> None:
         for role, params in self.params.items():
-            self.states[role], marker = self.kernels.scorer(role)[0](params, prompts, lengths)
+            admit = self.kernels.scorer_admit(role)
+            self.states[role], marker = admit(params, context, prompt_len, prefix_len)
             self.timeline.track(f"prefill {role}", self.placement.scoring_group, marker)
 
     def feed(self, chunk: ChunkTokens) -> None:
         for role, params in self.params.items():
-            self.states[role], marker = self.kernels.scorer(role)[1](
-                params, self.states[role], chunk
-            )
+            chunk_fn = self.kernels.scorer_chunk(role)
+            self.states[role], marker = chunk_fn(params, self.states[role], chunk)
             self.timeline.track(f"score {role}", self.placement.scoring_group, marker)
 
 
-def _decode_loop(kernels, timeline, params, state, chunk_size, on_chunk=None):
-    """Decode until every slot has finished; ``on_chunk`` receives each chunk's tokens."""
+def _decode_loop(kernels, timeline, params, state, rule, chunk_size, on_chunk=None):
+    """Decode until ``rule`` allows the cut; ``on_chunk`` receives each chunk's tokens."""
     decode = kernels.decode(chunk_size)
-    state, chunk = decode(params, state)
+    state, chunk = decode(params, state, rule)
     timeline.track("decode", GENERATION, chunk.count)
     while True:
         if on_chunk is not None:
             on_chunk(chunk)
-        done = chunk.all_finished
-        state, chunk = decode(params, state)  # dispatched before the host reads `done`
+        ready = chunk.ready
+        state, chunk = decode(params, state, rule)  # dispatched before the host reads `ready`
         timeline.track("decode", GENERATION, chunk.count)
-        if jax.device_get(done):  # the loop's only host read (explicit, one boolean)
+        if jax.device_get(ready):  # the loop's only host read (explicit, one boolean)
             return state
 
 
@@ -106,7 +102,8 @@ def run_step(
     train_state,
     ref_params,
     reward_params,
-    prompts: PromptBatch,
+    slots: SlotBatch,
+    batch_size: int,
     sample_key,
     update_key,
     kl_coef: float,
@@ -115,13 +112,16 @@ def run_step(
     if mode not in ("sync", "oppo"):
         raise ValueError(f"pipeline.mode={mode!r}: expected 'sync' or 'oppo'")
     timeline.begin_step()
-    gen_prompts = (jnp.asarray(prompts.tokens), jnp.asarray(prompts.lengths))
+    host = (slots.context, slots.prompt_len, slots.prefix_len)
+    gen = tuple(jnp.asarray(x) for x in host)
     actor = train_state.actor_params
-    state, marker = kernels.start(
-        actor, *gen_prompts, jnp.asarray(prompts.prompt_ids, jnp.int32),
-        jnp.zeros(len(prompts.lengths), jnp.int32), sample_key,
+    state, marker = kernels.admit(
+        actor, *gen, jnp.asarray(slots.prefix_finished), jnp.asarray(slots.prompt_ids, jnp.int32),
+        jnp.zeros(slots.num_slots, jnp.int32), sample_key, jnp.asarray(slots.active),
     )  # fmt: skip
     timeline.track("prefill actor", GENERATION, marker)
+    rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish),
+                   jnp.int32(batch_size))  # fmt: skip
     scorer_params = {
         "reference": ref_params,
         "critic": placement.to_scoring(train_state.critic_params),
@@ -129,34 +129,50 @@ def run_step(
     if kernels.reward_fn is None:
         scorer_params["reward"] = reward_params
     scorers = Scorers(kernels, placement, timeline, scorer_params)
-    score_prompts = placement.to_scoring(gen_prompts)
+    scoring_inputs = placement.to_scoring(gen)
     if mode == "oppo":
-        scorers.start(*score_prompts)
-        state = _decode_loop(kernels, timeline, actor, state, chunk_size,
+        scorers.admit(*scoring_inputs)
+        state = _decode_loop(kernels, timeline, actor, state, rule, chunk_size,
                              lambda c: scorers.feed(placement.to_scoring(c)))  # fmt: skip
     else:
-        state = _decode_loop(kernels, timeline, actor, state, chunk_size)
-        whole = ChunkTokens(state.tokens, jnp.zeros_like(state.num_generated),
-                            state.num_generated, jnp.bool_(True))  # fmt: skip
-        scorers.start(*score_prompts)
-        scorers.feed(placement.to_scoring(whole))
-    return _finish(kernels, placement, timeline, scorers, state, gen_prompts, train_state,
-                   update_key, kl_coef)  # fmt: skip
+        state = _decode_loop(kernels, timeline, actor, state, rule, chunk_size)
+        # Whole responses past any carried prefix, as one chunk, after generation ended.
+        start = jnp.asarray(slots.prefix_len)
+        offsets = jnp.arange(state.response_capacity)[None, :]
+        cols = jnp.clip(start[:, None] + offsets, 0, state.response_capacity - 1)
+        count = state.num_generated - start
+        fresh = jnp.where(offsets < count[:, None], jnp.take_along_axis(state.tokens, cols, 1), 0)
+        scorers.admit(*scoring_inputs)
+        scorers.feed(placement.to_scoring(ChunkTokens(fresh, start, count, jnp.bool_(True))))
+    return _finish(kernels, placement, timeline, scorers, state, slots, gen, batch_size,
+                   train_state, update_key, kl_coef)  # fmt: skip
 
 
-def _finish(kernels, placement, timeline, scorers, state, gen_prompts, train_state, key, kl_coef):
-    """Gather the scorers' outputs, build the batch, update, and close the timeline."""
+def _finish(kernels, placement, timeline, scorers, state, slots, gen, batch_size, train_state,
+            key, kl_coef):  # fmt: skip
+    """Cut the rollout, build the batch from the chosen slots, update, close the timeline."""
+    finish_step = np.asarray(jax.device_get(state.finish_step))
+    selection = select_batch(finish_step, slots.active, slots.must_finish, batch_size)
+    if selection is None:  # the decode loop only stops when the rule holds
+        raise RuntimeError("rollout ended before enough sequences finished")
     outputs = placement.to_generation({
         "ref_logp": scorers.states["reference"].per_token,
         "values": scorers.states["critic"].per_token,
         "scores": scorers.states["reward"].score if "reward" in scorers.states else None,
     })  # fmt: skip
     kl = jnp.float32(kl_coef)
-    batch, stats = kernels.experience(state, *gen_prompts, **outputs, kl_coef=kl)
+    batch, stats = kernels.experience(
+        state, jnp.asarray(selection.batch, jnp.int32), *gen,
+        jnp.asarray(slots.prefix_behaviour), **outputs, kl_coef=kl,
+    )  # fmt: skip
     timeline.track("build batch", GENERATION, stats["reward"])
     train_state, update_metrics = kernels.update(train_state, batch, key, kl)
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
-    responses, lengths = jax.device_get((state.tokens, state.num_generated))
+    tokens, logprobs, num_generated = jax.device_get(
+        (state.tokens, state.logprobs, state.num_generated)
+    )
     events, wall = timeline.end_step()
-    return StepResult(train_state, {**stats, **update_metrics}, np.asarray(responses),
-                      np.asarray(lengths), events, wall, batch)  # fmt: skip
+    return StepResult(
+        train_state, {**stats, **update_metrics}, selection, np.asarray(tokens),
+        np.asarray(logprobs), np.asarray(num_generated), finish_step, events, wall, batch,
+    )  # fmt: skip

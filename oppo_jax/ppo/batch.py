@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
+from oppo_jax.rollout.layout import gather_response, response_tokens
 
 
 @flax.struct.dataclass
@@ -39,29 +40,6 @@ class PPOBatch:
     @property
     def response_len(self) -> int:
         return self.mask.shape[1]
-
-
-def response_positions(prompt_len: Int[Array, " B"], response_len: int) -> Int[Array, "B R"]:
-    """Sequence positions whose outputs belong to response tokens 0..R-1.
-
-    Example: prompt_len [2, 3], R = 3 -> [[1, 2, 3], [2, 3, 4]].
-    """
-    return prompt_len[:, None] - 1 + jnp.arange(response_len, dtype=jnp.int32)[None, :]
-
-
-def gather_response(
-    out: Float[Array, "B L ..."], prompt_len: Int[Array, " B"], response_len: int
-) -> Float[Array, "B R ..."]:
-    """Pick the outputs that belong to each response token (positions clipped into range)."""
-    pos = jnp.clip(response_positions(prompt_len, response_len), 0, out.shape[1] - 1)
-    index = pos.reshape(pos.shape + (1,) * (out.ndim - 2))
-    return jnp.take_along_axis(out, index, axis=1)
-
-
-def response_tokens(tokens: Int[Array, "B L"], prompt_len, response_len: int) -> Array:
-    """The response tokens [B, R] of contiguous rows (clipped positions past the row's end)."""
-    pos = jnp.clip(response_positions(prompt_len, response_len) + 1, 0, tokens.shape[1] - 1)
-    return jnp.take_along_axis(tokens, pos, axis=1)
 
 
 def policy_logprobs(

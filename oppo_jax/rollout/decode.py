@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 from oppo_jax.models.kv_cache import KVCache, init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
+from oppo_jax.rollout.layout import gather_response, response_tokens
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
 
 
@@ -103,6 +104,62 @@ def start_decode(
     )
 
 
+def admit_decode(
+    cfg: ModelConfig,
+    params,
+    context: Int[Array, "S W"],
+    prompt_lens: Int[Array, " S"],
+    prefix_len: Int[Array, " S"],
+    prefix_finished: Bool[Array, " S"],
+    prompt_id: Int[Array, " S"],
+    sample_index: Int[Array, " S"],
+    base_key: jax.Array,
+    active: Bool[Array, " S"],
+    *,
+    prompt_width: int,
+    max_response_len: int,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    temperature: float,
+) -> DecodeState:
+    """Admit slots that may carry a partial response (prompt + prefix in ``context``).
+
+    The whole context is prefilled under the current parameters, which rebuilds the actor's
+    cache and also yields the current policy's log-probs of the prefix tokens (stored in
+    ``logprobs``: the "old" log-probs of this step). Decoding then continues at each slot's
+    response position ``prefix_len[s]``, with the same sampling keys it would have used had
+    it never been interrupted. ``prefix_finished`` slots are complete already.
+    """
+    num_slots = context.shape[0]
+    cache = init_cache(cfg, num_slots, prompt_width + max_response_len)
+    context_len = prompt_lens + prefix_len
+    logits, cache = prefill(cfg, params, cache, context, context_len)
+    last = jnp.maximum(context_len - 1, 0)
+    next_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    prefix = response_tokens(context, prompt_lens, max_response_len)
+    in_prefix = jnp.arange(max_response_len)[None, :] < prefix_len[:, None]
+    logp = jax.nn.log_softmax(
+        gather_response(logits, prompt_lens, max_response_len) / temperature, axis=-1
+    )
+    prefix_logp = jnp.take_along_axis(logp, prefix[..., None], axis=-1)[..., 0]
+    finished = ~active | prefix_finished
+    return DecodeState(
+        cache=cache,
+        next_logits=next_logits,
+        tokens=jnp.where(in_prefix, prefix, pad_id).astype(jnp.int32),
+        logprobs=jnp.where(in_prefix, prefix_logp, 0.0),
+        num_generated=prefix_len.astype(jnp.int32),
+        finished=finished,
+        finish_step=jnp.where(finished, 0, -1).astype(jnp.int32),
+        prompt_id=prompt_id.astype(jnp.int32),
+        sample_index=sample_index.astype(jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        base_key=base_key,
+        eos_ids=tuple(eos_ids),
+        pad_id=pad_id,
+    )
+
+
 def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: DecodeState):
     """Sample one token for every running slot, record it, and feed it to the model."""
     running = ~state.finished
@@ -147,22 +204,40 @@ class ChunkTokens:
     tokens: Int[Array, "S C"]  # new response tokens; pad past count
     start: Int[Array, " S"]  # response index of tokens[:, 0]
     count: Int[Array, " S"]  # valid new tokens per slot (0 once a slot has finished)
-    all_finished: Bool[Array, ""]  # every slot finished by the end of this chunk
+    ready: Bool[Array, ""]  # the rollout can be cut (see CutRule) at the end of this chunk
+
+
+@flax.struct.dataclass
+class CutRule:
+    """When a rollout may stop: ``target`` active slots finished, and every must-finish one."""
+
+    active: Bool[Array, " S"]  # slots holding a sequence this step
+    must_finish: Bool[Array, " S"]  # slots whose sequence may not be carried again
+    target: Int[Array, ""]  # B, sequences the step needs
+
+    def ready(self, finished: Bool[Array, " S"]) -> Bool[Array, ""]:
+        enough = jnp.sum(finished & self.active) >= self.target
+        return enough & ~jnp.any(self.must_finish & ~finished)
 
 
 def decode_chunk_emit(
-    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, params, state: DecodeState
+    cfg: ModelConfig,
+    sampling: SamplingConfig,
+    chunk_size: int,
+    params,
+    state: DecodeState,
+    rule: CutRule,
 ) -> tuple[DecodeState, ChunkTokens]:
-    """``decode_chunk`` that also returns the chunk's new tokens as fresh (undonated) arrays."""
+    """``decode_chunk`` that also returns the chunk's new tokens as fresh (undonated) arrays,
+    and whether ``rule`` allows the rollout to stop after this chunk."""
     start = state.num_generated
     state = decode_chunk(cfg, sampling, chunk_size, params, state)
-    cols = jnp.clip(
-        start[:, None] + jnp.arange(chunk_size)[None, :], 0, state.response_capacity - 1
-    )
+    offsets = jnp.arange(chunk_size)[None, :]
+    cols = jnp.clip(start[:, None] + offsets, 0, state.response_capacity - 1)
     count = state.num_generated - start
     tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
-    tokens = jnp.where(jnp.arange(chunk_size)[None, :] < count[:, None], tokens, state.pad_id)
-    return state, ChunkTokens(tokens, start, count, jnp.all(state.finished))
+    tokens = jnp.where(offsets < count[:, None], tokens, state.pad_id)
+    return state, ChunkTokens(tokens, start, count, rule.ready(state.finished))
 
 
 def decode_chunk(

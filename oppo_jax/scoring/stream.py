@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 from oppo_jax.models.kv_cache import KVCache, init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.rollout.decode import ChunkTokens, prefill
+from oppo_jax.rollout.layout import gather_response, response_tokens
 
 ScorerKind = Literal["logprob", "value", "score"]
 
@@ -68,6 +69,31 @@ def scorer_start(
         last_out=last_out,
         per_token=jnp.zeros((slots, spec.response_len), jnp.float32),
         num_fed=jnp.zeros((slots,), jnp.int32),
+    )
+
+
+def scorer_admit(
+    spec: ScorerSpec,
+    params,
+    context: Int[Array, "S W"],
+    prompt_lens: Int[Array, " S"],
+    prefix_len: Int[Array, " S"],
+    prompt_width: int,
+) -> ScorerState:
+    """Prefill prompt + carried partial response; the prefix's quantities come out at once."""
+    slots = context.shape[0]
+    cache = init_cache(spec.model, slots, prompt_width + spec.response_len)
+    context_len = prompt_lens + prefix_len
+    out, cache = prefill(spec.model, params, cache, context, context_len)
+    last = jnp.maximum(context_len - 1, 0)
+    before = gather_response(out, prompt_lens, spec.response_len)
+    prefix = response_tokens(context, prompt_lens, spec.response_len)
+    in_prefix = jnp.arange(spec.response_len)[None, :] < prefix_len[:, None]
+    return ScorerState(
+        cache=cache,
+        last_out=jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0],
+        per_token=jnp.where(in_prefix, _per_token(spec, before, prefix), 0.0),
+        num_fed=prefix_len.astype(jnp.int32),
     )
 
 
@@ -116,3 +142,14 @@ def make_scorer_kernels(spec: ScorerSpec):
         return new, jnp.sum(new.num_fed)
 
     return jax.jit(start_with_marker), jax.jit(chunk_with_marker, donate_argnums=(1,))
+
+
+@functools.cache
+def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
+    """``scorer_admit`` jitted, returning (state, marker) like the other scorer kernels."""
+
+    def admit_with_marker(params, context, prompt_lens, prefix_len):
+        state = scorer_admit(spec, params, context, prompt_lens, prefix_len, prompt_width)
+        return state, jnp.sum(state.last_out)
+
+    return jax.jit(admit_with_marker)

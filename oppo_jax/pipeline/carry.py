@@ -1,0 +1,195 @@
+"""Inter-step overlap bookkeeping on the host: admission, the cut, and the carried buffer.
+
+A step admits up to B + Δ sequences: carried ones first (FIFO), then new prompts. All slots
+decode in lockstep; the step's rollout ends at the decode position where the B-th sequence
+completes. The batch is the B completed sequences in a fixed order — sequences that reached
+``max_deferrals`` first, then by completion position, then by admission order — and every
+other sequence is carried with the tokens it had at the cut. Nothing here touches a device:
+it is plain Python over small integer arrays, so its invariants are property-tested directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Carried:
+    """A sequence waiting for the next step, with the work it has done so far."""
+
+    prompt_id: int
+    prompt: list[int]  # prompt tokens
+    response: list[int]  # response tokens sampled so far
+    behaviour_logp: list[float]  # log-prob of each response token when it was sampled
+    version: list[int]  # step (policy version) that sampled each response token
+    deferrals: int  # steps this sequence has been carried so far
+    finished: bool = False  # completed (EOS or max length) but not taken into a batch yet
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class CarryBuffer:
+    """FIFO of carried sequences; its state is plain JSON (it goes into checkpoints)."""
+
+    def __init__(self, items: list[Carried] | None = None):
+        self._items = collections.deque(items or [])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def take(self, k: int) -> list[Carried]:
+        """The oldest ``k`` carried sequences (fewer if fewer wait)."""
+        return [self._items.popleft() for _ in range(min(k, len(self._items)))]
+
+    def extend(self, items: list[Carried]) -> None:
+        self._items.extend(items)
+
+    def state(self) -> list[dict]:
+        return [c.to_json() for c in self._items]
+
+    @classmethod
+    def from_state(cls, state: list[dict]) -> CarryBuffer:
+        return cls([Carried(**c) for c in state])
+
+
+@dataclasses.dataclass
+class Selection:
+    """Which slots form the batch, and where the rollout was cut."""
+
+    batch: np.ndarray  # slot indices of the B sequences, in batch order
+    cut: int  # decode position (lockstep clock) at which the rollout ends
+
+
+def select_batch(
+    finish_step: np.ndarray,
+    active: np.ndarray,
+    must_finish: np.ndarray,
+    batch_size: int,
+) -> Selection | None:
+    """Choose the batch once enough slots have finished; None if the rollout must go on.
+
+    ``finish_step[s]`` is the lockstep decode position at which slot s finished (-1 while
+    running; 0 if it was already complete when admitted). Slots are in admission order.
+
+    Example: finish_step [3, -1, 1, 3], all active, none must finish, B = 2 -> batch [2, 0],
+    cut 3 (slot 3 also finished at 3 but was admitted after slot 0, so it is carried).
+    """
+    done = active & (finish_step >= 0)
+    if np.any(must_finish & active & ~done) or done.sum() < batch_size:
+        return None
+    slots = np.flatnonzero(done)
+    # Lexicographic: must-finish first, then completion position, then admission order.
+    order = np.lexsort((slots, finish_step[slots], ~must_finish[slots]))
+    batch = slots[order[:batch_size]]
+    return Selection(batch=batch, cut=int(finish_step[batch].max()) if len(batch) else 0)
+
+
+def ready_to_cut(
+    finished: np.ndarray, active: np.ndarray, must_finish: np.ndarray, batch_size: int
+) -> bool:
+    """The condition the decode loop waits for (the device computes the same)."""
+    return bool((finished & active).sum() >= batch_size and not np.any(must_finish & ~finished))
+
+
+@dataclasses.dataclass
+class SlotBatch:
+    """The host's view of one step's slots (S = B + Δ_max), in admission order."""
+
+    context: np.ndarray  # [S, W] prompt then carried response prefix, right-padded
+    prompt_len: np.ndarray  # [S]
+    prefix_len: np.ndarray  # [S] response tokens carried in (0 for new prompts)
+    prefix_finished: np.ndarray  # [S] bool: carried in already complete
+    prefix_behaviour: np.ndarray  # [S, R] sampling-time log-probs of the prefix tokens
+    prefix_version: np.ndarray  # [S, R] policy version (step) that sampled each prefix token
+    prompt_ids: np.ndarray  # [S]
+    deferrals: np.ndarray  # [S] times each sequence has been carried so far
+    active: np.ndarray  # [S] bool: slot holds a sequence
+    must_finish: np.ndarray  # [S] bool: deferrals reached max_deferrals
+    entries: list  # [S] Carried (or None for empty slots): what to carry out
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.prompt_len)
+
+
+def admit(
+    buffer: CarryBuffer,
+    prompts,
+    num_sequences: int,
+    num_slots: int,
+    prompt_width: int,
+    response_len: int,
+    with_prefix: bool,
+    max_deferrals: int,
+    pad_id: int = 0,
+) -> SlotBatch:
+    """Fill ``num_sequences`` of ``num_slots`` slots: carried first (FIFO), then new prompts.
+
+    ``prompts`` is an iterator of (prompt_id, tokens). ``with_prefix`` chooses a context
+    width of P + R (carrying on) or P (carrying off), so each setting compiles once.
+    """
+    entries: list = buffer.take(num_sequences)
+    for prompt_id, tokens in prompts.take(num_sequences - len(entries)):
+        entries.append(Carried(int(prompt_id), [int(t) for t in tokens], [], [], [], 0))
+    width = prompt_width + (response_len if with_prefix else 0)
+    s = SlotBatch(
+        context=np.full((num_slots, width), pad_id, np.int32),
+        prompt_len=np.zeros(num_slots, np.int32),
+        prefix_len=np.zeros(num_slots, np.int32),
+        prefix_finished=np.zeros(num_slots, bool),
+        prefix_behaviour=np.zeros((num_slots, response_len), np.float32),
+        prefix_version=np.zeros((num_slots, response_len), np.int32),
+        prompt_ids=np.zeros(num_slots, np.int64),
+        deferrals=np.zeros(num_slots, np.int32),
+        active=np.zeros(num_slots, bool),
+        must_finish=np.zeros(num_slots, bool),
+        entries=entries + [None] * (num_slots - len(entries)),
+    )
+    for i, c in enumerate(entries):
+        row = c.prompt + c.response
+        s.context[i, : len(row)] = row
+        s.prompt_len[i], s.prefix_len[i] = len(c.prompt), len(c.response)
+        s.prefix_finished[i], s.prompt_ids[i], s.deferrals[i] = c.finished, c.prompt_id, c.deferrals
+        s.prefix_behaviour[i, : len(c.response)] = c.behaviour_logp
+        s.prefix_version[i, : len(c.response)] = c.version
+        s.active[i] = True
+        s.must_finish[i] = c.deferrals >= max_deferrals
+    return s
+
+
+def carry_out(
+    slots: SlotBatch,
+    selection: Selection,
+    tokens: np.ndarray,
+    logprobs: np.ndarray,
+    num_generated: np.ndarray,
+    finish_step: np.ndarray,
+    step: int,
+) -> list[Carried]:
+    """The sequences not taken into the batch, cut at ``selection.cut``, in admission order.
+
+    A running slot keeps the tokens it had at the cut (prefix + cut new tokens); one that
+    finished at or before the cut but did not fit into the batch is carried complete.
+    """
+    taken = set(selection.batch.tolist())
+    out = []
+    for i in range(slots.num_slots):
+        if not slots.active[i] or i in taken:
+            continue
+        done = 0 <= finish_step[i] <= selection.cut
+        keep = int(num_generated[i]) if done else int(slots.prefix_len[i]) + selection.cut
+        keep = min(keep, int(num_generated[i]))
+        n0 = int(slots.prefix_len[i])
+        entry = slots.entries[i]
+        out.append(Carried(
+            prompt_id=entry.prompt_id, prompt=entry.prompt,
+            response=[int(t) for t in tokens[i, :keep]],
+            behaviour_logp=entry.behaviour_logp + [float(x) for x in logprobs[i, n0:keep]],
+            version=entry.version + [step] * (keep - n0),
+            deferrals=entry.deferrals + 1, finished=bool(done),
+        ))  # fmt: skip
+    return out

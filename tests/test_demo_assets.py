@@ -1,0 +1,173 @@
+"""The demo's SFT actor and reward model: training, Hugging Face round trip, cache, length stats."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oppo_jax
+from oppo_jax.data import (
+    EOS_ID,
+    DemoTaskSpec,
+    gold_scores,
+    pad_batch,
+    sample_preference_pairs,
+    sample_sft_corpus,
+)
+from oppo_jax.demo import assets
+from oppo_jax.demo.common import demo_model_config, split_by_length
+from oppo_jax.demo.sft import response_target_mask, sft_loss
+from oppo_jax.models import init_params
+
+SPEC = DemoTaskSpec()
+# A smaller backbone than the default, so the whole file stays within a CPU minute.
+SIZES = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+STEPS = 60  # SFT and RM steps at the test budget
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Tiny SFT actor and reward model, trained once for the module."""
+    root = tmp_path_factory.mktemp("demo")
+    sft = assets.train_sft(
+        SPEC, root / "actor", STEPS, progress=False, model_cfg=demo_model_config(SPEC, **SIZES)
+    )
+    rm = assets.train_reward_model(
+        SPEC,
+        root / "reward",
+        STEPS,
+        progress=False,
+        model_cfg=demo_model_config(SPEC, "score", **SIZES),
+    )
+    return root, sft, rm
+
+
+def test_mask_and_width_helpers():
+    mask = response_target_mask(jnp.array([2, 3]), jnp.array([4, 5]), 5)
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 0], [0, 0, 1, 1]])
+    parts = split_by_length(np.array([40, 5, 7, 9]), 74)
+    assert [(idx.tolist(), width) for idx, width in parts] == [([1, 2, 3], 32), ([0], 74)]
+    lengths = np.random.default_rng(0).integers(1, 70, 32)
+    (short, short_width), (long, long_width) = split_by_length(lengths, 74)
+    assert sorted([*short, *long]) == list(range(32)) and len(long) == 8
+    assert lengths[short].max() <= min(lengths[long]) and long_width == 74
+    assert short_width == (32 if lengths[short].max() <= 32 else 74)
+
+
+def test_sft_loss_is_the_mean_response_token_nll():
+    cfg = demo_model_config(SPEC, num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1)
+    params = init_params(cfg, jax.random.key(0))
+    corpus = sample_sft_corpus(SPEC, 6, np.random.default_rng(0))
+    prompts, responses = [e.prompt for e in corpus], [e.response for e in corpus]
+
+    def part(rows, width=None):
+        ids, total = pad_batch([np.concatenate([prompts[i], responses[i]]) for i in rows], 0, width)
+        return jnp.asarray(ids), jnp.array([len(prompts[i]) for i in rows]), jnp.asarray(total)
+
+    # Rows split into parts padded to different widths, as in training.
+    whole = jax.jit(sft_loss, static_argnums=0)(cfg, params, (part([0, 1, 2, 3]), part([4, 5])))
+    # Independent reference: a NumPy loop over each row's response tokens.
+    ids = part(range(6), 74)[0]
+    out, _ = jax.jit(oppo_jax.models.Transformer(cfg).apply)({"params": params}, ids)
+    logp = np.asarray(jax.nn.log_softmax(out.astype(jnp.float32), axis=-1), np.float64)
+    nll = [
+        -logp[i, t - 1, ids[i, t]]
+        for i in range(6)
+        for t in range(len(prompts[i]), len(prompts[i]) + len(responses[i]))
+    ]
+    np.testing.assert_allclose(whole, np.mean(nll), rtol=1e-4)
+
+
+def test_sft_actor_learns_and_loads_like_a_real_checkpoint(trained):
+    root, sft, _ = trained
+    assert sft["final_loss"] < sft["initial_loss"] - 0.1  # from ~ln(52) = 3.95
+    config = json.loads((root / "actor" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+    model = oppo_jax.load_hf_model(root / "actor")
+    ids = model.tokenizer.encode("w4 w5 <eos>", add_special_tokens=False)
+    assert ids == [8, 9, 1]
+    assert model.tokenizer.decode(ids) == "w4 w5 <eos>"
+    # The exported weights reproduce the trained loss on fresh data (a broken export would not).
+    corpus = sample_sft_corpus(SPEC, 128, np.random.default_rng(7))
+    seqs = [np.concatenate([e.prompt, e.response]) for e in corpus]
+    ids, total = pad_batch(seqs, 0)
+    logp = jax.nn.log_softmax(model.logits(ids), axis=-1)
+    prompt_lens = jnp.array([len(e.prompt) for e in corpus])
+    mask = response_target_mask(prompt_lens, jnp.asarray(total), ids.shape[1])
+    token_logp = jnp.take_along_axis(logp[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
+    held_out = float(-jnp.sum(token_logp * mask) / jnp.sum(mask))
+    assert abs(held_out - sft["final_loss"]) < 0.1
+
+
+def test_reward_model_ranks_held_out_pairs(trained):
+    root, _, rm = trained
+    config = json.loads((root / "reward" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"]
+    model = oppo_jax.load_hf_model(root / "reward")
+    assert model.tokenizer.encode("w4 w5 <eos>", add_special_tokens=False) == [8, 9, 1]
+    pairs = sample_preference_pairs(SPEC, 256, np.random.default_rng(11))
+    rows = [np.concatenate([p.prompt, p.chosen]) for p in pairs]
+    rows += [np.concatenate([p.prompt, p.rejected]) for p in pairs]
+    ids, _ = pad_batch(rows, 0)
+    chosen, rejected = np.split(np.asarray(model.score(ids, (ids > 0).astype(np.int32))), 2)
+    accuracy = float(np.mean(chosen > rejected))
+    assert accuracy >= 0.75, accuracy  # chance is 0.5
+    assert abs(accuracy - rm["pair_accuracy"]) < 0.1
+    assert rm["gold_corr"] > 0.5
+
+
+def test_length_stats_describe_the_sampled_responses(trained):
+    root, _, _ = trained
+    tokens, lengths = assets.sample_responses(root / "actor", SPEC, n_prompts=64, seed=3)
+    stats = assets.response_length_stats(root / "actor", SPEC, n_prompts=64, seed=3)
+    # Lengths recomputed from the tokens: through the first eos, else the full capacity.
+    is_eos = tokens == EOS_ID
+    expected = np.where(is_eos.any(1), is_eos.argmax(1) + 1, SPEC.max_response_len)
+    np.testing.assert_array_equal(lengths, expected)
+    ordered = np.sort(lengths)
+    assert stats["median"] == (ordered[31] + ordered[32]) / 2
+    rank = 0.99 * 63  # linear interpolation between order statistics
+    lo = int(rank)
+    p99 = ordered[lo] + (rank - lo) * (ordered[lo + 1] - ordered[lo])
+    assert stats["p99"] == pytest.approx(p99)
+    assert stats["ratio"] == pytest.approx(p99 / stats["median"])
+    assert stats["mean_gold"] == pytest.approx(gold_scores(tokens, lengths, SPEC).mean())
+    assert stats["p99"] > stats["median"] >= 2  # the corpus has no one-token responses
+
+
+def test_ensure_demo_assets_caches_and_rebuilds(tmp_path, monkeypatch):
+    calls = []
+    for name in ("train_sft", "train_reward_model"):
+        real = getattr(assets, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(assets, name, counted)
+
+    def build(steps=4):
+        return assets.ensure_demo_assets(
+            tmp_path, SPEC, steps, steps, progress=False, model_sizes=SIZES
+        )
+
+    actor, reward = build()
+    assert calls == ["train_sft", "train_reward_model"]
+    assert oppo_jax.load_hf_model(actor).config.hidden_size == SIZES["hidden_size"]
+    files = [actor / "model.safetensors", reward / "model.safetensors", tmp_path / assets.MARKER]
+    mtimes = [os.stat(f).st_mtime_ns for f in files]
+    assert build() == (actor, reward)
+    assert len(calls) == 2  # cached: nothing retrained
+    assert [os.stat(f).st_mtime_ns for f in files] == mtimes
+
+    (tmp_path / assets.MARKER).unlink()  # as if the first build had been interrupted
+    build()
+    assert len(calls) == 4
+    build(steps=5)  # a different recipe
+    assert len(calls) == 6
+    marker = json.loads((tmp_path / assets.MARKER).read_text())
+    assert marker["recipe"]["sft_steps"] == 5 and "pair_accuracy" in marker["reward"]

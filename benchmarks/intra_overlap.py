@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     for step in range(args.warmup + args.steps):
         b = cfg.rollout.batch_size
         pairs = prompts.take(b)
-        slots = {mode: admit(CarryBuffer(), iter_of(pairs), b, b, cfg.rollout.max_prompt_len,
-                             cfg.rollout.max_response_len, False, 0) for mode in states}  # fmt: skip
+        p, r = cfg.rollout.max_prompt_len, cfg.rollout.max_response_len
+        slots = {m: admit(CarryBuffer(), iter_of(pairs), b, b, p, r, False, 0) for m in states}
         keys = jax.random.key(cfg.seed), jax.random.fold_in(jax.random.key(cfg.seed + 1), step)
         order = ("sync", "oppo") if step % 2 == 0 else ("oppo", "sync")
         for mode in order:

@@ -71,6 +71,7 @@ def abstract_batch(cfg: Config, shardings: PPOBatch | None = None) -> PPOBatch:
     fields = {f.name: leaf(f.name, (b, r), jnp.float32) for f in dataclasses.fields(PPOBatch)}
     fields["tokens"] = leaf("tokens", (b, p + r), jnp.int32)
     fields["prompt_len"] = leaf("prompt_len", (b,), jnp.int32)
+    fields["scores"] = leaf("scores", (b,), jnp.float32)
     fields["mask"] = leaf("mask", (b, r), jnp.bool_)
     return PPOBatch(**fields)
 

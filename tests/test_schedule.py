@@ -22,7 +22,7 @@ R = 16
 
 @functools.cache
 def _setup():
-    spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2))
+    spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
     rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompt_width=4, max_response_len=R,
                           eos_ids=tuple(range(20, 28)))  # fmt: skip
     kernels = build_kernels(spec, rollout, reward_model=CRITIC)

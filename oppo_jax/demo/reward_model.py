@@ -31,6 +31,7 @@ from oppo_jax.models.model_config import ModelConfig
 _EVAL_PAIRS = 512
 _EVAL_SAMPLES = 512
 _EVAL_BATCH = 256
+_LONG_PAIR_FRACTION = 0.375  # share of a batch's pairs padded to the full width
 
 
 def sequence_scores(
@@ -69,7 +70,8 @@ def _pair_batches(spec: DemoTaskSpec, batch_size: int, rng: np.random.Generator)
     while True:
         pairs = sample_preference_pairs(spec, batch_size, rng)
         longest = np.array([len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in pairs])
-        parts = split_by_length(longest, cap)
+        # A pair is as long as its longer sequence, so more pairs than rows are long.
+        parts = split_by_length(longest, cap, long_fraction=_LONG_PAIR_FRACTION)
         yield (tuple(_pair_rows(spec, [pairs[i] for i in idx], width) for idx, width in parts),)
 
 

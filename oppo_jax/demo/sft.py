@@ -86,7 +86,8 @@ def train_sft(
       progress: show a progress bar with the loss.
       model_cfg: architecture (default ``demo_model_config(spec, "lm")``).
     Returns:
-      {"initial_loss", "final_loss" (means of the first / last 20 steps), "seconds"}.
+      {"initial_loss", "final_loss", "seconds"}; the losses are means over the first / last
+      10% of the steps (at most 20).
     """
     cfg = model_cfg or demo_model_config(spec, "lm")
     if cfg.head != "lm":

@@ -135,6 +135,12 @@ def build_kernels(
     head) and ``reward_fn`` is given. ``update`` defaults to a plain jit of ``ppo_update``."""
     if (reward_model is None) == (reward_fn is None):
         raise ValueError("give exactly one of reward_model and reward_fn")
+    if not rollout.sampling.greedy and rollout.sampling.temperature != spec.temperature:
+        # Behaviour log-probs (decode) and old/new log-probs (update) must use one temperature.
+        raise ValueError(
+            f"sampling temperature {rollout.sampling.temperature} != update temperature "
+            f"{spec.temperature}"
+        )
     admit = jax.jit(functools.partial(_admit_with_marker, spec, rollout))
     build = jax.jit(functools.partial(experience, spec, rollout, reward_fn))
     if update is None:

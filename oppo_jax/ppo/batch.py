@@ -34,6 +34,7 @@ class PPOBatch:
     advantages: Float[Array, "B R"]  # GAE advantages (whitened)
     returns: Float[Array, "B R"]  # advantages + values
     ref_logp: Float[Array, "B R"]  # reference log-probs (for a KL term in the loss)
+    scores: Float[Array, " B"]  # sequence scores (after any missing-EOS penalty), for logs
 
     __no_type_check__ = True  # rebuilt with non-array leaves by tree maps (shardings, shapes)
 

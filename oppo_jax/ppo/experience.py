@@ -53,6 +53,7 @@ def build_batch(
         advantages=advantages,
         returns=returns,
         ref_logp=jnp.where(mask, ref_logp, 0.0),
+        scores=scores,
     )
     stats = {
         "score": jnp.mean(scores),

@@ -187,7 +187,7 @@ def batch_shardings(mesh, rules: ShardingRules = DEFAULT_RULES) -> PPOBatch:
     rows = batch_sharding(mesh, 1, rules)
     table = batch_sharding(mesh, 2, rules)
     fields = {f.name: table for f in dataclasses.fields(PPOBatch)}
-    return PPOBatch(**{**fields, "prompt_len": rows})
+    return PPOBatch(**{**fields, "prompt_len": rows, "scores": rows})
 
 
 def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):

@@ -171,6 +171,13 @@ def _relation_problems(cfg: Config) -> list[str]:
             f"pipeline.overcommit_max]=[{p.overcommit_min}, {p.overcommit_max}] "
             "when pipeline.adaptive_overcommit is on"
         )
+    largest_delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
+    if largest_delta > b:
+        # At most Δ sequences are carried out of a step; B + Δ' slots must take them all in.
+        problems.append(
+            f"pipeline.overcommit{'_max' if p.adaptive_overcommit else ''}={largest_delta}: "
+            f"must be <= rollout.batch_size={b}"
+        )
     if p.placement == "disaggregated" and mesh.scoring_devices < 1:
         problems.append(
             f"mesh.scoring_devices={mesh.scoring_devices}: must be >= 1 when "

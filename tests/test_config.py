@@ -347,3 +347,10 @@ def test_config_modules_do_not_import_jax():
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.split(".")[0] in ("jax", "flax", "optax")], module
+
+
+def test_overcommit_larger_than_the_batch_is_rejected():
+    with pytest.raises(
+        ConfigError, match=r"pipeline.overcommit_max=20: must be <= rollout.batch_size=16"
+    ):
+        load_config(None, ["pipeline.overcommit_max=20", "pipeline.adaptive_overcommit=true"])

@@ -60,16 +60,25 @@ def test_run_directory_and_metrics(demo_cache, tmp_path):
     ]  # fmt: skip
 
 
-def test_same_seed_same_metrics_and_resume_matches(demo_cache, tmp_path):
-    train(_cfg(), tmp_path / "a", progress=False)
-    train(_cfg(), tmp_path / "b", progress=False)
+OPPO_WITH_CARRYING = (
+    "pipeline.mode=oppo", "pipeline.overcommit=3", "pipeline.adaptive_overcommit=true",
+    "pipeline.overcommit_window=1", "pipeline.chunk_size=4",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", [(), OPPO_WITH_CARRYING], ids=["sync", "oppo-carrying"])
+def test_same_seed_same_metrics_and_resume_matches(demo_cache, tmp_path, schedule):
+    train(_cfg(*schedule), tmp_path / "a", progress=False)
+    train(_cfg(*schedule), tmp_path / "b", progress=False)
     full = _values(tmp_path / "a" / "metrics.jsonl")
     assert full == _values(tmp_path / "b" / "metrics.jsonl")
+    if schedule:
+        assert full[1]["carried"] > 0  # sequences are in flight at the checkpoint (step 2)
     # Half the run, then resume for the rest: identical to the uninterrupted run.
-    train(_cfg("train.steps=2"), tmp_path / "c", progress=False)
-    train(_cfg(), tmp_path / "c", resume=True, progress=False)
+    train(_cfg(*schedule, "train.steps=2"), tmp_path / "c", progress=False)
+    train(_cfg(*schedule), tmp_path / "c", resume=True, progress=False)
     assert _values(tmp_path / "c" / "metrics.jsonl") == full
-    other = _values(train_and_path(_cfg("seed=1"), tmp_path / "d"))
+    other = _values(train_and_path(_cfg(*schedule, "seed=1"), tmp_path / "d"))
     assert [r["reward"] for r in other] != [r["reward"] for r in full]
 
 

@@ -1,4 +1,4 @@
-"""The ``oppo-jax`` command: train, sft, rm."""
+"""The ``oppo-jax`` command: train, bench, sft, rm."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench = sub.add_parser("bench", help="sync, intra, inter and oppo side by side, one process")
+    _config_args(bench)
+    bench.add_argument("--out", default="runs/bench", help="output directory")
+    bench.add_argument("--steps", type=int, default=None, help="measured steps per schedule")
+    bench.add_argument("--seeds", type=int, default=1, help="seeds per schedule")
+    bench.add_argument("--warmup", type=int, default=2, help="unmeasured first steps")
+    bench.add_argument("--target-gold", type=float, default=None,
+                       help="gold score for time-to-target (default: 70%% of the way to the "
+                       "worst schedule's final gold)")  # fmt: skip
     for name, what in (("sft", "the demo actor (supervised)"), ("rm", "the demo reward model")):
         p = sub.add_parser(name, help=f"build {what} into the cache (or --out)")
         _config_args(p)
@@ -81,6 +90,26 @@ def _train(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from oppo_jax.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    _ensure_cpu_devices(cfg)
+    from oppo_jax.bench import run_bench
+
+    steps = args.steps or cfg.train.steps
+    result = run_bench(cfg, args.out, steps, args.seeds, args.warmup, args.target_gold)
+    print(f"\nWrote {args.out}/bench.json")
+    for name, s in result["schedules"].items():
+        ttt = s["time_to_target_s"]
+        print(f"  {name:>6}: step {s['step_time_median_s']:.3f}s (median), final gold "
+              f"{s['final_gold']:.3f} ± {s['final_gold_spread']:.3f}, time to target "
+              f"{'not reached' if ttt is None else f'{ttt:.1f}s'}")  # fmt: skip
+    print(f"  speedup vs sync (step time): {result['speedup_vs_sync']}")
+    print(f"  speedup vs sync (time to target): {result['time_to_target_speedup_vs_sync']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``oppo-jax`` console script."""
     args = _parser().parse_args(argv)
@@ -90,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "bench":
+            return _bench(args)
         return _demo_build(args, args.command)
     except ConfigError as e:
         print(f"oppo-jax: config error: {e}", file=sys.stderr)

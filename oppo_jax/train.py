@@ -143,36 +143,44 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     return summarize(out / "metrics.jsonl")
 
 
-def _loop(cfg: Config, ctx: RunContext, host: HostState, ckpt, log: RunLog, trace) -> None:
-    """Steps from ``host.step`` to the end: admit, run, record, carry, control, checkpoint."""
+def step_once(cfg: Config, ctx: RunContext, host: HostState, train_state, timeline, stream: bool):
+    """One step of a run: admit, roll out (streaming the scorers or not), update, carry, and
+    feed the controllers. Returns (new train state, metrics record, StepResult)."""
     b, r = cfg.rollout.batch_size, cfg.rollout.max_response_len
-    num_slots = b + host.deltas.slots_needed
-    carrying = host.deltas.slots_needed > 0
+    step, delta = host.step, host.deltas.delta
+    slots = admit(
+        host.buffer, host.prompts, b + delta, b + host.deltas.slots_needed,
+        cfg.rollout.max_prompt_len, r, host.deltas.slots_needed > 0,
+        cfg.pipeline.max_deferrals, ctx.kernels.rollout.pad_id,
+    )  # fmt: skip
+    kl_coef, chunk_size = float(host.kl_ctl.value), host.chunks.size_for(step)
+    result = run_step(
+        ctx.kernels, ctx.placement, timeline, "oppo" if stream else "sync", chunk_size,
+        train_state, ctx.ref_params, ctx.reward_params, slots, b,
+        _step_keys(cfg.seed, 0)[0], _step_keys(cfg.seed, step)[1], kl_coef,
+    )  # fmt: skip
+    carried = carry_out(slots, result.selection, result.tokens, result.logprobs,
+                        result.num_generated, result.finish_step, step)  # fmt: skip
+    host.buffer.extend(carried)
+    record = _record(ctx, step, result, kl_coef, chunk_size)
+    record.update(_staleness(slots, result, len(carried), delta))
+    host.kl_ctl = host.kl_ctl.update(record["kl"], b)
+    host.chunks.observe(step, chunk_size, result.wall_s)
+    host.deltas.observe(record["reward"])
+    host.step = step + 1
+    return result.train_state, record, result
+
+
+def _loop(cfg: Config, ctx: RunContext, host: HostState, ckpt, log: RunLog, trace) -> None:
+    """Steps from ``host.step`` to the end, with records and checkpoints."""
     timeline = Timeline()
     while host.step < cfg.train.steps:
-        step, delta = host.step, host.deltas.delta
-        slots = admit(
-            host.buffer, host.prompts, b + delta, num_slots, cfg.rollout.max_prompt_len, r,
-            carrying, cfg.pipeline.max_deferrals, ctx.kernels.rollout.pad_id,
-        )  # fmt: skip
-        kl_coef, chunk_size = float(host.kl_ctl.value), host.chunks.size_for(step)
-        result = run_step(
-            ctx.kernels, ctx.placement, timeline, cfg.pipeline.mode, chunk_size,
-            ctx.train_state, ctx.ref_params, ctx.reward_params, slots, b,
-            _step_keys(cfg.seed, 0)[0], _step_keys(cfg.seed, step)[1], kl_coef,
-        )  # fmt: skip
-        ctx.train_state = result.train_state
-        carried = carry_out(slots, result.selection, result.tokens, result.logprobs,
-                            result.num_generated, result.finish_step, step)  # fmt: skip
-        host.buffer.extend(carried)
-        record = _record(ctx, step, result, kl_coef, chunk_size)
-        record.update(_staleness(slots, result, len(carried), delta))
-        trace.add_step(step, result.events, result.wall_s)
+        state, record, result = step_once(
+            cfg, ctx, host, ctx.train_state, timeline, cfg.pipeline.mode == "oppo"
+        )
+        ctx.train_state = state
+        trace.add_step(record["step"], result.events, result.wall_s)
         log.write(record)
-        host.kl_ctl = host.kl_ctl.update(record["kl"], b)
-        host.chunks.observe(step, chunk_size, result.wall_s)
-        host.deltas.observe(record["reward"])
-        host.step = step + 1
         every = cfg.train.checkpoint_every
         if every and (host.step % every == 0 or host.step == cfg.train.steps):
             ckpt.save(host.step, ctx.train_state, {"host": host.to_json()})

@@ -115,6 +115,10 @@ def _adamw(learning_rate):
 OPTIMIZER = optax.inject_hyperparams(_adamw)(learning_rate=0.0)
 
 
+# Jitted: one compilation instead of many small eager ones (seconds on a busy CPU).
+_init_params = jax.jit(init_params, static_argnums=0)
+
+
 @flax.struct.dataclass
 class TrainState:
     """Parameters and optimiser state, replaced whole by each train step."""
@@ -151,8 +155,7 @@ def run_training(
     progress: bool,
 ) -> tuple[Any, dict]:
     """Train fresh parameters for ``steps`` steps over ``batches``; return (params, stats)."""
-    # Jitted: one compilation instead of many small eager ones (seconds on a busy CPU).
-    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed))
+    params = _init_params(cfg, jax.random.key(seed))
     state = TrainState(params, OPTIMIZER.init(params))
     train_step, schedule = train_step_for(loss_fn, cfg), lr_schedule(lr, steps)
     start = time.perf_counter()

@@ -1,0 +1,179 @@
+"""``oppo-jax bench``: one workload under sync, intra, inter and oppo, side by side, one process.
+
+The four schedules differ in two switches: whether the scorers stream the actor's chunks
+(intra-step overlap) and whether B + Δ sequences start each step with stragglers carried
+(inter-step overlap). Steps of all schedules and seeds are interleaved, so slow periods of
+the machine hit all of them alike. Results go to ``DIR/bench.json`` and plots beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from oppo_jax.config import Config, to_dict
+from oppo_jax.pipeline.overcommit import OvercommitController
+from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.run_setup import RunContext, prepare_run
+from oppo_jax.train import HostState, step_once
+
+# name -> (scorers stream the actor's chunks, carry stragglers with B + Δ)
+SCHEDULES = {"sync": (False, False), "intra": (True, False), "inter": (False, True),
+             "oppo": (True, True)}  # fmt: skip
+MOVING_AVERAGE = 5  # steps in the gold score's moving average (time to target)
+
+
+@dataclasses.dataclass
+class _Lane:
+    """One (schedule, seed) run in the interleaved benchmark."""
+
+    name: str
+    seed: int
+    ctx: RunContext
+    host: HostState
+    state: object
+    stream: bool
+    records: list = dataclasses.field(default_factory=list)
+    events: list = dataclasses.field(default_factory=list)  # timeline of the last step
+
+
+def _lanes(cfg: Config, ctx: RunContext, seeds: int) -> list[_Lane]:
+    lanes = []
+    p = cfg.pipeline
+    for seed in range(cfg.seed, cfg.seed + seeds):
+        seed_cfg = dataclasses.replace(cfg, seed=seed)
+        seed_ctx = dataclasses.replace(ctx, cfg=seed_cfg)
+        for name, (stream, carry) in SCHEDULES.items():
+            host = HostState.fresh(seed_cfg, seed_ctx)
+            host.deltas = OvercommitController(
+                p.overcommit if carry else 0, p.overcommit_min, p.overcommit_max,
+                p.overcommit_window, p.adaptive_overcommit and carry,
+            )  # fmt: skip
+            state = jax.tree.map(jnp.copy, ctx.train_state)
+            lanes.append(_Lane(name, seed, seed_ctx, host, state, stream))
+    return lanes
+
+
+def _moving_average(xs: list[float], window: int = MOVING_AVERAGE) -> np.ndarray:
+    xs = np.asarray(xs, float)
+    return np.array([xs[max(0, i - window + 1) : i + 1].mean() for i in range(len(xs))])
+
+
+def _time_to(target: float, lane: _Lane) -> float | None:
+    wall = np.cumsum([r["step_time_s"] for r in lane.records])
+    reached = np.flatnonzero(_moving_average([r["gold"] for r in lane.records]) >= target)
+    return float(wall[reached[0]]) if len(reached) else None
+
+
+def _summary(name: str, lanes: list[_Lane], target: float, tail: int) -> dict:
+    times = [r["step_time_s"] for lane in lanes for r in lane.records]
+    finals = {k: [np.mean([r[k] for r in lane.records[-tail:]]) for lane in lanes]
+              for k in ("reward", "gold")}  # fmt: skip
+    reach = [_time_to(target, lane) for lane in lanes]
+    groups = {g for lane in lanes for r in lane.records for g in r["busy_fraction"]}
+    return {
+        "step_time_s": [[r["step_time_s"] for r in lane.records] for lane in lanes],
+        "reward": [[r["reward"] for r in lane.records] for lane in lanes],
+        "gold": [[r["gold"] for r in lane.records] for lane in lanes],
+        "step_time_median_s": statistics.median(times),
+        "busy_fraction": {
+            g: statistics.median(
+                r["busy_fraction"].get(g, 0.0) for lane in lanes for r in lane.records
+            )
+            for g in sorted(groups)
+        },  # fmt: skip
+        "time_to_target_s": None if None in reach else float(np.mean(reach)),
+        "final_reward": float(np.mean(finals["reward"])),
+        "final_reward_spread": float(np.std(finals["reward"])),
+        "final_gold": float(np.mean(finals["gold"])),
+        "final_gold_spread": float(np.std(finals["gold"])),
+        "response_len_mean": float(
+            np.mean([r["response_len_mean"] for lane in lanes for r in lane.records])
+        ),  # fmt: skip
+        "stale_token_frac_mean": float(
+            np.mean([r["stale_token_frac"] for lane in lanes for r in lane.records])
+        ),  # fmt: skip
+    }
+
+
+def run_bench(
+    cfg: Config,
+    out_dir: str | Path,
+    steps: int,
+    seeds: int = 1,
+    warmup: int = 2,
+    target_gold: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the four schedules interleaved and write ``bench.json`` and plots to ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = prepare_run(cfg, progress)
+    if ctx.gold_fn is None:
+        raise ValueError("the benchmark reports gold scores: it needs the demo task")
+    lanes, timeline = _lanes(cfg, ctx, seeds), Timeline()
+    bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
+    for step in range(warmup + steps):
+        rotation = step % len(SCHEDULES)  # who goes first rotates, against order effects
+        for lane in lanes[rotation:] + lanes[:rotation]:
+            lane.state, record, result = step_once(
+                cfg, lane.ctx, lane.host, lane.state, timeline, lane.stream
+            )
+            if step >= warmup:  # the first steps compile
+                lane.records.append(record)
+                lane.events = result.events
+            bar.update(1)
+    bar.close()
+    return _write(cfg, out, lanes, steps, seeds, target_gold)
+
+
+def _write(cfg, out, lanes, steps, seeds, target_gold) -> dict:
+    tail = max(1, min(5, steps // 3))
+    by_name = {name: [lane for lane in lanes if lane.name == name] for name in SCHEDULES}
+    if target_gold is None:  # 70% of the way from the start to the worst schedule's final gold
+        start = np.mean([lane.records[0]["gold"] for lane in lanes])
+        worst = min(_moving_average([r["gold"] for r in lane.records])[-1] for lane in lanes)
+        target_gold = float(start + 0.7 * (worst - start))
+    schedules = {name: _summary(name, ls, target_gold, tail) for name, ls in by_name.items()}
+    sync = schedules["sync"]
+
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    result = {
+        "workload": {
+            "config": to_dict(cfg),
+            "steps": steps,
+            "seeds": seeds,
+            "target_gold": target_gold,
+        },  # fmt: skip
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "devices": [str(d) for d in jax.devices()],
+        },  # fmt: skip
+        "schedules": schedules,
+        "speedup_vs_sync": {
+            n: ratio(sync["step_time_median_s"], s["step_time_median_s"])
+            for n, s in schedules.items()
+            if n != "sync"
+        },  # fmt: skip
+        "time_to_target_speedup_vs_sync": {
+            n: ratio(sync["time_to_target_s"], s["time_to_target_s"])
+            for n, s in schedules.items()
+            if n != "sync"
+        },
+    }
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    from oppo_jax.plots import plot_bench
+
+    plot_bench(result, {name: ls[0].events for name, ls in by_name.items()}, out)
+    return result

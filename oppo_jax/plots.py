@@ -1,0 +1,66 @@
+"""Plots of benchmark results: reward against wall time, step times, and step Gantt charts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_bench(result: dict, events: dict, out: Path) -> None:
+    """Write reward_vs_time.png, step_time.png and gantt_<schedule>.png into ``out``."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, s in result["schedules"].items():
+        wall = np.cumsum(s["step_time_s"][0])
+        axes[0].plot(wall, s["reward"][0], label=name)
+        axes[1].plot(wall, s["gold"][0], label=name)
+    for ax, what in zip(axes, ("reward-model score", "gold score"), strict=True):
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel(f"mean {what}")
+        ax.legend()
+    axes[1].axhline(result["workload"]["target_gold"], color="grey", ls=":", lw=1)
+    fig.tight_layout()
+    fig.savefig(out / "reward_vs_time.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(result["schedules"])
+    ax.boxplot([np.ravel(result["schedules"][n]["step_time_s"]) for n in names])
+    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.set_ylabel("step time (s)")
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=110)
+    plt.close(fig)
+
+    for name, evs in events.items():
+        plot_gantt(evs, out / f"gantt_{name}.png", title=f"{name}: one step")
+
+
+def plot_gantt(events, path: Path, title: str = "") -> None:
+    """One row per device group; one bar per stage run, coloured by stage kind."""
+    plt = _pyplot()
+    groups = sorted({e.group for e in events})
+    kinds = sorted({e.stage.split()[0] for e in events})
+    colours = dict(zip(kinds, plt.cm.tab10.colors, strict=False))
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(groups)))
+    for e in events:
+        y = groups.index(e.group)
+        ax.barh(y, max(e.end - e.start, 1e-4), left=e.start, color=colours[e.stage.split()[0]])
+    ax.set_yticks(range(len(groups)), groups)
+    ax.set_xlabel("seconds since the step began")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,12 +1,6 @@
-"""The PPO batch and the helpers that read per-response-token outputs out of full sequences.
+"""The PPO batch, and log-probs / values of response tokens from full sequences.
 
-Layout. Each row holds one sequence contiguously: prompt (``prompt_len[b]`` tokens), then the
-response, then padding: ``tokens [B, L]``. Everything per response token is stored
-response-aligned, ``[B, R]``: column i is response token i, and ``mask[b, i]`` marks valid
-response tokens (a prefix of each row). A model output at sequence position p belongs to the
-token at p + 1 (the logits at p predict it, and the critic's value at p is the value of the
-state in which it was chosen, as in TRL), so response token i reads position
-``prompt_len[b] - 1 + i``.
+Rows and response-aligned columns follow ``oppo_jax.rollout.layout``.
 """
 
 from __future__ import annotations

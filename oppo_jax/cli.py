@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--target-gold", type=float, default=None,
                        help="gold score for time-to-target (default: 70%% of the way to the "
                        "worst schedule's final gold)")  # fmt: skip
+    sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
     for name, what in (("sft", "the demo actor (supervised)"), ("rm", "the demo reward model")):
         p = sub.add_parser(name, help=f"build {what} into the cache (or --out)")
         _config_args(p)
@@ -112,6 +113,11 @@ def _bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``oppo-jax`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sim"]:  # its own parser; numpy only, never imports JAX
+        from oppo_jax.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from oppo_jax.config import ConfigError

@@ -8,7 +8,7 @@ import pytest
 from oppo_jax.models import init_params
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.rollout import SamplingConfig
-from oppo_jax.rollout.decode import make_decode_chunk_emit, make_start_decode
+from oppo_jax.rollout.decode import CutRule, make_decode_chunk_emit, make_start_decode
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.full import reward_scores
 from oppo_jax.scoring.stream import ScorerSpec, make_scorer_kernels
@@ -39,8 +39,9 @@ def test_streamed_scores_equal_full_sequence_pass(chunk):
         for name, (spec, params) in specs.items()
     }
     decode = make_decode_chunk_emit(ACTOR, SamplingConfig(temperature=1.0), chunk)
+    rule = CutRule(jnp.ones(3, bool), jnp.zeros(3, bool), jnp.int32(3))  # run to the end
     for _ in range(-(-R // chunk)):
-        state, emitted = decode(actor, state)
+        state, emitted = decode(actor, state, rule)
         for name, (spec, params) in specs.items():
             scorer_states[name], _ = make_scorer_kernels(spec)[1](
                 params, scorer_states[name], emitted

@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--target-gold", type=float, default=None,
                        help="gold score for time-to-target (default: 70%% of the way to the "
                        "worst schedule's final gold)")  # fmt: skip
+    export = sub.add_parser("export", help="a run's actor in Hugging Face format")
+    export.add_argument("run", help="run directory (holds config.yaml and checkpoints/)")
+    export.add_argument("--out", required=True, help="directory to write")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    export.add_argument("--critic", action="store_true", help="also write the critic")
     sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
     for name, what in (("sft", "the demo actor (supervised)"), ("rm", "the demo reward model")):
         p = sub.add_parser(name, help=f"build {what} into the cache (or --out)")
@@ -127,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "export":
+            from oppo_jax.export import export_run
+
+            print(f"wrote {export_run(args.run, args.out, args.step, args.critic)}")
+            return 0
         return _demo_build(args, args.command)
     except ConfigError as e:
         print(f"oppo-jax: config error: {e}", file=sys.stderr)

@@ -158,8 +158,8 @@ class TrainConfig:
     checkpoint_every: int = 25  # steps between checkpoints; 0 = none
     max_to_keep: int = 3  # checkpoints kept on disk
     log_every: int = 1  # steps between metric records
-    sft_steps: int = 400  # optimizer updates of `oppo-jax sft` (supervised actor)
-    rm_steps: int = 300  # optimizer updates of `oppo-jax rm` (reward model)
+    sft_steps: int = 3000  # optimizer updates of `oppo-jax sft` (supervised actor)
+    rm_steps: int = 500  # optimizer updates of `oppo-jax rm` (reward model)
     max_nonfinite_in_a_row: int = 3  # skipped non-finite updates in a row before the run stops
 
 

@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
     return root, sft, rm
 
 
-def test_mask_and_width_helpers():
+def test_mask_and_split_helpers():
     mask = response_target_mask(jnp.array([2, 3]), jnp.array([4, 5]), 5)
     np.testing.assert_array_equal(mask, [[0, 1, 1, 0], [0, 0, 1, 1]])
     parts = split_by_length(np.array([40, 5, 7, 9]), 74)
@@ -155,5 +155,8 @@ def test_ensure_demo_assets_caches_and_rebuilds(tmp_path, monkeypatch):
     assert len(calls) == 4
     build(steps=5)  # a different recipe
     assert len(calls) == 6
+    configs = [demo_model_config(SPEC), demo_model_config(SPEC, "score")]
+    other_spec = DemoTaskSpec(long_prob=0.2)
+    assert assets._recipe(SPEC, 5, 5, 0, configs) != assets._recipe(other_spec, 5, 5, 0, configs)
     marker = json.loads((tmp_path / assets.MARKER).read_text())
     assert marker["recipe"]["sft_steps"] == 5 and "pair_accuracy" in marker["reward"]

@@ -91,3 +91,29 @@ def test_metrics_lines_are_json_objects(demo_cache, tmp_path):
     train(_cfg("train.steps=1"), tmp_path, progress=False)
     line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     assert isinstance(json.loads(line), dict)
+
+
+def test_export_round_trip_through_transformers(demo_cache, tmp_path):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import oppo_jax
+    from oppo_jax.export import export_run
+
+    train(_cfg("train.steps=2"), tmp_path / "run", progress=False)
+    export_run(tmp_path / "run", tmp_path / "hf")
+    exported = oppo_jax.load_hf_model(tmp_path / "hf")
+    assert exported.tokenizer("w4 w5 <eos>")["input_ids"] == [8, 9, 1]
+    torch_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    ids = np.array([[2, 8, 9, 3, 10, 11], [2, 12, 3, 13, 0, 0]])
+    mask = (ids != 0).astype(np.int64)
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    got = np.asarray(exported.logits(ids, mask))
+    assert np.max(np.abs(got - expected)[mask == 1]) <= 1e-4
+    # The exported weights are the trained ones, not the SFT starting point.
+    from oppo_jax.run_setup import cache_dir
+
+    start = oppo_jax.load_hf_model(cache_dir() / "demo" / "actor")
+    assert np.max(np.abs(np.asarray(start.logits(ids, mask)) - got)) > 1e-6

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,9 +66,9 @@ def split_by_length(
 
     A long-tailed batch padded whole is as wide as its longest row; padding the short part
     separately (almost always to ``SHORT_WIDTH``) roughly halves the work. The batch itself
-    stays a random mix of lengths: grouping whole batches by length (cheaper still) kept the
-    actor from learning that responses opened by a long-marker word stop later. Each part has
-    at most two widths, so there are few compilations.
+    stays a random mix of lengths: with whole batches grouped by length (cheaper still) the
+    actor was slower to learn that responses opened by a long-marker word stop later. Each part
+    has at most two widths, so there are few compilations.
 
     Example: lengths [40, 5, 7, 9], cap 74 -> [([1, 2, 3], 32), ([0], 74)].
     """
@@ -154,11 +153,13 @@ def run_training(
     desc: str,
     progress: bool,
 ) -> tuple[Any, dict]:
-    """Train fresh parameters for ``steps`` steps over ``batches``; return (params, stats)."""
+    """Train fresh parameters for ``steps`` steps over ``batches``; return (params, losses).
+
+    ``losses`` is {"initial_loss", "final_loss"}: means over the first / last 10% of the steps.
+    """
     params = _init_params(cfg, jax.random.key(seed))
     state = TrainState(params, OPTIMIZER.init(params))
     train_step, schedule = train_step_for(loss_fn, cfg), lr_schedule(lr, steps)
-    start = time.perf_counter()
     losses = []
     bar = tqdm(total=steps, desc=desc, disable=not progress, mininterval=1.0)
     for i in range(steps):
@@ -174,7 +175,6 @@ def run_training(
     stats = {
         "initial_loss": float(losses[:window].mean()),
         "final_loss": float(losses[-window:].mean()),
-        "seconds": time.perf_counter() - start,
     }
     return state.params, stats
 

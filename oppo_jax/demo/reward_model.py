@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import jax
@@ -131,6 +132,7 @@ def train_reward_model(
     Returns:
       {"initial_loss", "final_loss", "pair_accuracy", "gold_corr" (held-out), "seconds"}.
     """
+    start = time.perf_counter()
     cfg = model_cfg or demo_model_config(spec, "score")
     if cfg.head != "score" or cfg.num_labels != 1:
         raise ValueError("train_reward_model needs a score-head model config with num_labels=1")
@@ -141,4 +143,4 @@ def train_reward_model(
     # A separate stream from training, so the evaluation data is held out.
     stats |= evaluate_reward_model(cfg, params, spec, np.random.default_rng([seed, 3]))
     save_checkpoint(params, cfg, spec, out_dir)
-    return stats
+    return stats | {"seconds": time.perf_counter() - start}

@@ -1,0 +1,34 @@
+"""``oppo-jax export``: a run's trained actor (and optionally critic) in Hugging Face format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from oppo_jax.checkpoint import RunCheckpointer, abstract_like
+from oppo_jax.config import load_config
+from oppo_jax.models.hf_export import export_hf
+from oppo_jax.run_setup import prepare_run
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+               critic: bool = False) -> Path:  # fmt: skip
+    """Write the actor of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out_dir``.
+
+    The tokenizer files of the run's actor checkpoint are copied beside the weights, so the
+    result loads with ``transformers`` (and vLLM) like the checkpoint it started from. With
+    ``critic``, the critic goes to ``out_dir/critic`` as a sequence classifier.
+    """
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run}: not a run directory (no config.yaml)")
+    cfg = load_config(run / "config.yaml")
+    ctx = prepare_run(cfg, progress=False)
+    with RunCheckpointer(run / "checkpoints") as ckpt:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
+        state, _ = ckpt.restore(step, abstract_like(ctx.train_state))
+    out = export_hf(state.actor_params, ctx.kernels.spec.actor, out_dir, ctx.actor_dir)
+    if critic:
+        export_hf(state.critic_params, ctx.kernels.spec.critic, Path(out_dir) / "critic",
+                  ctx.actor_dir)  # fmt: skip
+    return out

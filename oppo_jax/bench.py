@@ -100,7 +100,8 @@ def _summary(name: str, lanes: list[_Lane], target: float, tail: int) -> dict:
         ),  # fmt: skip
         "stale_token_frac_mean": float(
             np.mean([r["stale_token_frac"] for lane in lanes for r in lane.records])
-        ),  # fmt: skip
+        ),
+        "records": [r for lane in lanes for r in lane.records],  # for the simulator's fit
     }
 
 

@@ -105,3 +105,10 @@ def test_select_batch_worked_example():
     sel = select_batch(np.array([3, 1, 1, 5]), np.ones(4, bool), must, 2)
     assert sel.batch.tolist() == [3, 1] and sel.cut == 5
     assert select_batch(np.array([3, 1, 1, -1]), np.ones(4, bool), must, 2) is None
+
+
+def test_prefix_bucket_worked_example():
+    from oppo_jax.pipeline.carry import prefix_bucket
+
+    assert [prefix_bucket(n, 64) for n in (0, 5, 16, 17, 40, 64)] == [0, 16, 16, 32, 64, 64]
+    assert prefix_bucket(30, 24) == 24

@@ -116,6 +116,16 @@ class SlotBatch:
         return len(self.prompt_len)
 
 
+def prefix_bucket(longest_prefix: int, response_len: int) -> int:
+    """Context room for carried prefixes: 0, or a power of two >= 16, capped at R.
+
+    Example: R = 64: 0 -> 0, 5 -> 16, 17 -> 32, 40 -> 64, 64 -> 64.
+    """
+    if longest_prefix <= 0:
+        return 0
+    return min(max(16, 1 << (longest_prefix - 1).bit_length()), response_len)
+
+
 def admit(
     buffer: CarryBuffer,
     prompts,
@@ -129,13 +139,15 @@ def admit(
 ) -> SlotBatch:
     """Fill ``num_sequences`` of ``num_slots`` slots: carried first (FIFO), then new prompts.
 
-    ``prompts`` is an iterator of (prompt_id, tokens). ``with_prefix`` chooses a context
-    width of P + R (carrying on) or P (carrying off), so each setting compiles once.
+    ``prompts`` is an iterator of (prompt_id, tokens). The context is P wide plus room for the
+    longest carried prefix, rounded up to a power-of-two bucket (at least 16, at most R), so
+    the admission prefill costs what the carried work needs and compiles for a few widths.
     """
     entries: list = buffer.take(num_sequences)
     for prompt_id, tokens in prompts.take(num_sequences - len(entries)):
         entries.append(Carried(int(prompt_id), [int(t) for t in tokens], [], [], [], 0))
-    width = prompt_width + (response_len if with_prefix else 0)
+    longest = max((len(c.response) for c in entries), default=0)
+    width = prompt_width + (prefix_bucket(longest, response_len) if with_prefix else 0)
     s = SlotBatch(
         context=np.full((num_slots, width), pad_id, np.int32),
         prompt_len=np.zeros(num_slots, np.int32),

@@ -78,30 +78,17 @@ def start_decode(
 ) -> DecodeState:
     """Prefill the prompts into a fresh cache and set up the state for ``decode_chunk``.
 
-    ``active[s]`` False marks an empty slot: it starts finished and never samples.
+    ``active[s]`` False marks an empty slot: it starts finished and never samples. This is
+    ``admit_decode`` with no carried prefixes.
     """
     num_slots, width = prompts.shape
-    if active is None:
-        active = jnp.ones((num_slots,), bool)
-    cache = init_cache(cfg, num_slots, width + max_response_len)
-    logits, cache = prefill(cfg, params, cache, prompts, prompt_lens)
-    last = jnp.maximum(prompt_lens - 1, 0)
-    next_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-    return DecodeState(
-        cache=cache,
-        next_logits=next_logits,
-        tokens=jnp.full((num_slots, max_response_len), pad_id, jnp.int32),
-        logprobs=jnp.zeros((num_slots, max_response_len), jnp.float32),
-        num_generated=jnp.zeros((num_slots,), jnp.int32),
-        finished=~active,
-        finish_step=jnp.where(active, -1, 0).astype(jnp.int32),
-        prompt_id=prompt_id.astype(jnp.int32),
-        sample_index=sample_index.astype(jnp.int32),
-        step=jnp.zeros((), jnp.int32),
-        base_key=base_key,
-        eos_ids=tuple(eos_ids),
-        pad_id=pad_id,
-    )
+    none = jnp.zeros((num_slots,), jnp.int32)
+    return admit_decode(
+        cfg, params, prompts, prompt_lens, none, none.astype(bool), prompt_id, sample_index,
+        base_key, jnp.ones((num_slots,), bool) if active is None else active,
+        prompt_width=width, max_response_len=max_response_len, eos_ids=eos_ids, pad_id=pad_id,
+        temperature=1.0,
+    )  # fmt: skip
 
 
 def admit_decode(

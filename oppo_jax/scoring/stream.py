@@ -59,17 +59,8 @@ def scorer_start(
     spec: ScorerSpec, params, prompts: Int[Array, "S P"], prompt_lens: Int[Array, " S"]
 ) -> ScorerState:
     """Prefill the prompts into a fresh cache sized for prompt + response."""
-    slots, width = prompts.shape
-    cache = init_cache(spec.model, slots, width + spec.response_len)
-    out, cache = prefill(spec.model, params, cache, prompts, prompt_lens)
-    last = jnp.maximum(prompt_lens - 1, 0)
-    last_out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
-    return ScorerState(
-        cache=cache,
-        last_out=last_out,
-        per_token=jnp.zeros((slots, spec.response_len), jnp.float32),
-        num_fed=jnp.zeros((slots,), jnp.int32),
-    )
+    none = jnp.zeros((prompts.shape[0],), jnp.int32)
+    return scorer_admit(spec, params, prompts, prompt_lens, none, prompts.shape[1])
 
 
 def scorer_admit(

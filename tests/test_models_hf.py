@@ -96,3 +96,30 @@ def test_sharded_checkpoint_with_index_loads(tmp_path):
     a = np.asarray(oppo_jax.load_hf_model(tmp_path / "one").logits(ids, mask))
     b = np.asarray(oppo_jax.load_hf_model(tmp_path / "sharded").logits(ids, mask))
     np.testing.assert_array_equal(a, b)
+
+
+def test_bfloat16_params_and_activations_stay_close_to_float32(tmp_path):
+    save_tiny_hf_model(tmp_path, "qwen2", "ForCausalLM", seed=7)
+    ids, mask = padded_batch(np.random.default_rng(5), [6, 4], width=6)
+    f32 = oppo_jax.load_hf_model(tmp_path)
+    bf16 = oppo_jax.load_hf_model(tmp_path, dtype="bfloat16")
+    assert str(bf16.params["layers_0"]["mlp"]["up_proj"]["kernel"].dtype) == "bfloat16"
+    a, b = np.asarray(f32.logits(ids, mask)), np.asarray(bf16.logits(ids, mask))
+    assert b.dtype == np.float32  # log-softmax inputs are upcast
+    valid = mask == 1
+    assert 0 < np.max(np.abs(a[valid] - b[valid])) <= 0.05 * np.max(np.abs(a[valid]))
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_named(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    save_tiny_hf_model(tmp_path, "qwen2", "ForCausalLM")
+    vocab = {f"w{i}": i for i in range(200)}  # the model has 96 rows
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    with pytest.raises(
+        CheckpointError, match="tokenizer has 200 tokens but the model's vocab_size is 96"
+    ):
+        oppo_jax.load_hf_model(tmp_path)

@@ -26,13 +26,19 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from oppo_jax.config_validate import ConfigError, type_name, validate, validate_mesh
+from oppo_jax.config_validate import (
+    ConfigError,
+    devices_needed,
+    type_name,
+    validate,
+    validate_mesh,
+)
 
 __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "STABLE_KEYS", "Config", "ConfigError", "DataConfig",
     "MeshConfig", "ModelConfig", "OptimConfig", "PipelineConfig", "PPOConfig", "RolloutConfig",
-    "TrainConfig", "config_keys_doc", "load_config", "to_dict", "to_yaml", "validate",
-    "validate_mesh",
+    "TrainConfig", "config_keys_doc", "devices_needed", "load_config", "to_dict", "to_yaml",
+    "validate", "validate_mesh",
 ]  # fmt: skip
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -392,10 +398,3 @@ def config_keys_doc() -> str:
         cells = (f"`{key}`", f"`{type_name(hint)}`", f"`{_yaml_value(default)}`", meaning)
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
-
-
-def devices_needed(cfg: Config) -> int:
-    """Devices the config's mesh and placement use (generation/training + scoring)."""
-    m = cfg.mesh
-    extra = m.scoring_devices if cfg.pipeline.placement == "disaggregated" else 0
-    return m.data * m.fsdp * m.tensor + extra

@@ -221,3 +221,10 @@ def validate_mesh(cfg: Config, num_devices: int) -> None:
             f"mesh.scoring_devices={m.scoring_devices} uses {used} devices, but {num_devices} "
             "are available; change the mesh so that they match"
         )
+
+
+def devices_needed(cfg) -> int:
+    """Devices the config's mesh and placement use (generation/training + scoring)."""
+    m = cfg.mesh
+    extra = m.scoring_devices if cfg.pipeline.placement == "disaggregated" else 0
+    return m.data * m.fsdp * m.tensor + extra

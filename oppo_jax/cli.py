@@ -1,4 +1,4 @@
-"""The ``oppo-jax`` command: train, bench, sft, rm."""
+"""The ``oppo-jax`` command: train, bench, export, sim, sft, rm."""
 
 from __future__ import annotations
 

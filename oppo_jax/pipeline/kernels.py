@@ -104,6 +104,7 @@ class Kernels:
         """``decode_chunk_emit`` for this chunk size (compiled on first use, then cached)."""
         return make_decode_chunk_emit(self.spec.actor, self.rollout.sampling, chunk_size)
 
+    @functools.cached_property
     def scorer_specs(self) -> dict[str, ScorerSpec]:
         """The streaming consumers of the actor's tokens, by role."""
         r = self.rollout.max_response_len
@@ -117,11 +118,11 @@ class Kernels:
 
     def scorer_admit(self, role: str) -> Callable:
         """Admission prefill of one scorer role (prompt + carried prefix)."""
-        return make_scorer_admit(self.scorer_specs()[role], self.rollout.prompt_width)
+        return make_scorer_admit(self.scorer_specs[role], self.rollout.prompt_width)
 
     def scorer_chunk(self, role: str) -> Callable:
         """Chunk prefill of one scorer role."""
-        return make_scorer_kernels(self.scorer_specs()[role])[1]
+        return make_scorer_kernels(self.scorer_specs[role])[1]
 
 
 def build_kernels(

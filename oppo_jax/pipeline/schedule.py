@@ -1,11 +1,11 @@
 """One PPO step under a schedule: ``sync`` (TRL's pipeline) or ``oppo`` (intra-step overlap).
 
-Both run the same kernels. ``sync`` decodes every response to the end, then runs the scorers
-over whole responses, then updates. ``oppo`` starts the scorers with the prompts and feeds
-them each chunk the actor decodes, so by the time the last response ends only its last chunk
-is left to score. The loop dispatches work and never waits on it, except for one small read
-per chunk: whether every slot has finished, read one chunk late so the actor's queue never
-drains while the host looks.
+Both run the same kernels and decode until the cut rule holds (all B finished, or, with
+carrying, the B-th completion). ``sync`` then runs the scorers over whole responses and
+updates; ``oppo`` starts the scorers with the prompts and feeds them each chunk the actor
+decodes, so by the cut only the last chunk is left to score. The loop dispatches work and
+never waits on it, except for one small read per chunk: whether the rollout may be cut,
+read one chunk late so the actor's queue never drains while the host looks.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
+from oppo_jax.errors import InputError
+
 if TYPE_CHECKING:
     from oppo_jax.config import Config
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration problem; the message names the file and/or the dotted key and value."""
 
     def __init__(self, message: str, problems: list[str] | None = None):

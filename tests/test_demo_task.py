@@ -205,6 +205,7 @@ def test_load_parquet_without_pyarrow_says_install(tmp_path):
     try:
         import pyarrow  # noqa: F401
     except ImportError:
+        (tmp_path / "p.parquet").write_bytes(b"PAR1")
         with pytest.raises(ImportError, match="pip install pyarrow"):
             load_prompt_file(tmp_path / "p.parquet")
     else:

@@ -10,22 +10,31 @@ import numpy as np
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
+from oppo_jax.errors import PromptError
+
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 def _load_jsonl(path: str, field: str) -> list[str]:
     """Texts under ``field`` of each non-blank JSONL line; errors name file and line."""
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptError(
+                    f"{path}: line {lineno} is not UTF-8 (at byte {e.start} of the line)"
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from e
+            except (json.JSONDecodeError, RecursionError) as e:
+                why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                raise PromptError(f"{path}: line {lineno} is not valid JSON ({why})") from None
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(
+                raise PromptError(
                     f"{path}: line {lineno} is not a JSON object with a string field {field!r}"
                 )
             texts.append(record[field])
@@ -42,11 +51,11 @@ def _load_parquet(path: str, field: str) -> list[str]:
         ) from e
     table = pq.read_table(path)
     if field not in table.column_names:
-        raise ValueError(f"{path}: no column {field!r} (columns: {table.column_names})")
+        raise PromptError(f"{path}: no column {field!r} (columns: {table.column_names})")
     texts = table.column(field).to_pylist()
     for row, text in enumerate(texts):
         if not isinstance(text, str):
-            raise ValueError(f"{path}: row {row} of column {field!r} is not a string: {text!r}")
+            raise PromptError(f"{path}: row {row} of column {field!r} is not a string: {text!r}")
     return texts
 
 
@@ -62,12 +71,14 @@ def load_prompt_file(path: str | os.PathLike, field: str = "prompt") -> list[str
         The prompt texts in file order.
     """
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise PromptError(f"{path}: prompt file does not exist (data.prompts)")
     if path.endswith(PARQUET_SUFFIXES):
         texts = _load_parquet(path, field)
     else:
         texts = _load_jsonl(path, field)
     if not texts:
-        raise ValueError(f"{path}: no prompts found (the source is empty)")
+        raise PromptError(f"{path}: no prompts found (the source is empty)")
     return texts
 
 
@@ -84,12 +95,15 @@ def tokenize_prompts(
     max_prompt_len: int,
     on_too_long: Literal["truncate", "reject"] = "truncate",
     add_special_tokens: bool = False,
+    source: str = "prompts",
 ) -> tuple[list[np.ndarray], int]:
     """Tokenize prompts, truncating (with a warning) or rejecting those over ``max_prompt_len``.
 
     Prompt texts are expected to carry their own special tokens (e.g. from a chat template),
     so ``add_special_tokens`` is off by default. Truncation keeps the *last* tokens: the end
     of a prompt (the separator or assistant header) is what the response follows.
+
+    Errors name ``source`` (the prompt file) and the prompt's index in it.
 
     Returns:
         (token arrays as int32, number of prompts truncated).
@@ -98,19 +112,26 @@ def tokenize_prompts(
         raise ValueError(f"on_too_long must be 'truncate' or 'reject', got {on_too_long!r}")
     out, truncated = [], 0
     for i, text in enumerate(texts):
-        ids = _encode(tokenizer, text, add_special_tokens)
+        try:
+            ids = _encode(tokenizer, text, add_special_tokens)
+        except Exception as e:  # the Rust tokenizers raise bare Exceptions (e.g. unknown word)
+            raise PromptError(
+                f"{source}: prompt {i} ({text[:40]!r}) cannot be tokenized: {e}"
+            ) from None
         if not ids:
-            raise ValueError(f"prompt {i} tokenizes to no tokens")
+            raise PromptError(f"{source}: prompt {i} ({text[:40]!r}) tokenizes to no tokens")
         if len(ids) > max_prompt_len:
             if on_too_long == "reject":
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens, more than max_prompt_len={max_prompt_len}"
+                raise PromptError(
+                    f"{source}: prompt {i} has {len(ids)} tokens, more than "
+                    f"rollout.max_prompt_len={max_prompt_len} (rollout.prompt_too_long=reject)"
                 )
             ids, truncated = ids[-max_prompt_len:], truncated + 1
         out.append(np.asarray(ids, dtype=np.int32))
     if truncated:
         warnings.warn(
-            f"truncated {truncated} of {len(out)} prompts to their last {max_prompt_len} tokens",
+            f"{source}: truncated {truncated} of {len(out)} prompts to their last "
+            f"{max_prompt_len} tokens (rollout.max_prompt_len)",
             stacklevel=2,
         )
     return out, truncated

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
+from oppo_jax.errors import InputError
 from oppo_jax.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from oppo_jax.models.transformer import init_params
 
@@ -25,7 +26,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _HEAD_NAMES = ("lm_head", "score")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A model directory that cannot be loaded; the message names the file and the problem."""
 
 
@@ -84,10 +85,18 @@ def read_config(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (is this a Hugging Face model directory?)")
-    hf_config = AutoConfig.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as e:  # bad JSON, unknown model_type, remote code
+        hint = "" if trust_remote_code else " (model.trust_remote_code is off)"
+        raise CheckpointError(f"{path / 'config.json'}: {_first_line(e)}{hint}") from None
     return model_config_from_hf(hf_config, dtype, param_dtype)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:

@@ -1,0 +1,35 @@
+"""The errors a user can meet, and the exit codes the ``oppo-jax`` command maps them to.
+
+Everything a user can get wrong (a config, a prompt file, a model directory) raises an
+``InputError`` whose message names the file, key or value; the command prints it without a
+traceback. ``InputError`` subclasses ``ValueError`` so library callers can catch either.
+"""
+
+from __future__ import annotations
+
+EXIT_BAD_INPUT = 2  # a config, prompt file or model directory was rejected; nothing ran
+EXIT_NONFINITE = 3  # too many non-finite updates in a row; the last good checkpoint is kept
+EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: a checkpoint was saved, rerun with --resume (EX_TEMPFAIL)
+
+
+class InputError(ValueError):
+    """Bad user input: the message names the file, key or value and what is wrong with it."""
+
+
+class PromptError(InputError):
+    """A prompt source that cannot be used (unreadable, empty, or a prompt over the limit)."""
+
+
+class NonFiniteError(RuntimeError):
+    """``train.max_nonfinite_in_a_row`` updates in a row were skipped for NaN/Inf values."""
+
+
+class Preempted(Exception):  # noqa: N818 (a stop request, not a failure)
+    """The run stopped on a signal after saving a checkpoint at ``step``."""
+
+    def __init__(self, step: int, signal_name: str, checkpoint_dir: str):
+        super().__init__(
+            f"{signal_name} received: stopped after step {step - 1} and saved a checkpoint at "
+            f"step {step} in {checkpoint_dir}; rerun with --resume to continue"
+        )
+        self.step, self.signal_name = step, signal_name

@@ -23,6 +23,7 @@ from oppo_jax.config import Config, to_dict
 from oppo_jax.pipeline.overcommit import OvercommitController
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
+from oppo_jax.sim.trace import step_trace
 from oppo_jax.train import HostState, step_once
 
 # name -> (scorers stream the actor's chunks, carry stragglers with B + Δ)
@@ -125,10 +126,13 @@ def run_bench(
     for step in range(warmup + steps):
         rotation = step % len(SCHEDULES)  # who goes first rotates, against order effects
         for lane in lanes[rotation:] + lanes[:rotation]:
+            carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
+            carrying = lane.host.deltas.slots_needed > 0
             lane.state, record, result = step_once(
                 cfg, lane.ctx, lane.host, lane.state, timeline, lane.stream
             )
             if step >= warmup:  # the first steps compile
+                record["trace"] = step_trace(result, carried, cfg.rollout.max_prompt_len, carrying)
                 lane.records.append(record)
                 lane.events = result.events
             bar.update(1)

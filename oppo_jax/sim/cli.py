@@ -1,9 +1,13 @@
 """``oppo-jax sim``: predicted step time of sync / intra / inter / oppo, and the best (C, Δ).
 
-The cost model comes from measurements (``--bench`` bench.json, or ``--metrics`` a run's
-metrics.jsonl) or from a roofline projection (``--project qwen2.5-7b:gh200``, labelled
-PROJECTION). Lengths come from a file (JSON list, or numbers separated by spaces, commas or
-newlines) or ``demo`` (the demo task's long-tailed mixture).
+The cost model comes from measurements (``--bench`` bench.json with timelines, or
+``--metrics`` a run's metrics.jsonl, a rougher fit) or from a roofline projection
+(``--project qwen2.5-7b:gh200``, labelled PROJECTION). Lengths come from a file (JSON list,
+or numbers separated by spaces, commas or newlines), ``bench`` (the measured batches of the
+bench's sync schedule, in order), ``demo`` (the demo task's long-tailed mixture) or
+``longtail`` (log-normal, median 103, p99 ≈ 920, capped at 1024 tokens). ``--validate``
+checks the simulator against the bench: fitted on some steps (even ones, or the first half),
+it predicts the median step times of the others.
 """
 
 from __future__ import annotations
@@ -16,12 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from oppo_jax.sim.events import PLACEMENTS, SCHEDULES, compare, recommend
-from oppo_jax.sim.model import (
-    CostModel,
-    calibrate,
-    calibrate_from_bench,
-    project_cost_model,
-)
+from oppo_jax.sim.fitting import bench_records, calibrate, calibrate_from_bench
+from oppo_jax.sim.model import CostModel, project_cost_model
+from oppo_jax.sim.validation import SPLITS, format_table, validate
 
 
 def demo_lengths(n: int = 10_000, seed: int = 0, cap: int = 64) -> np.ndarray:
@@ -32,10 +33,23 @@ def demo_lengths(n: int = 10_000, seed: int = 0, cap: int = 64) -> np.ndarray:
     return words + 1  # the closing <eos> is a token too
 
 
-def read_lengths(spec: str, seed: int = 0) -> np.ndarray:
-    """``demo`` or a file of response lengths (JSON list or whitespace/comma separated)."""
+def longtail_lengths(n: int = 10_000, seed: int = 0, cap: int = 1024) -> np.ndarray:
+    """Log-normal response lengths, median 103 and σ 0.94 (p99 ≈ 920), capped at ``cap``."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(103.0), 0.94, n)), 1, cap).astype(np.int64)
+
+
+def read_lengths(spec: str, seed: int = 0, bench: dict | None = None) -> np.ndarray:
+    """``demo``, ``longtail``, ``bench`` or a file of response lengths (JSON or separated)."""
     if spec == "demo":
         return demo_lengths(seed=seed)
+    if spec == "longtail":
+        return longtail_lengths(seed=seed)
+    if spec == "bench":
+        if bench is None:
+            raise ValueError("--lengths bench needs --bench")
+        recs = bench_records(bench).get("sync", [])
+        return np.asarray([n for r in recs for n in r.get("trace", {}).get("lengths", [])])
     text = Path(spec).read_text()
     try:
         values = json.loads(text)
@@ -47,11 +61,21 @@ def read_lengths(spec: str, seed: int = 0) -> np.ndarray:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oppo-jax sim", description=__doc__)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--bench", help="bench.json of `oppo-jax bench` (needs per-stage times)")
+    src.add_argument("--bench", help="bench.json of `oppo-jax bench` (with per-step timelines)")
     src.add_argument("--metrics", help="metrics.jsonl of a run (its config.yaml is read too)")
     src.add_argument("--project", help="MODEL:HARDWARE roofline PROJECTION, e.g. qwen2.5-7b:gh200")
-    p.add_argument("--batch", type=int, required=True, help="B, sequences per PPO batch")
-    p.add_argument("--lengths", required=True, help="file of response lengths, or 'demo'")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="with --bench: fit on the first half of the steps, predict the second",
+    )
+    p.add_argument("--fit-schedules", default=",".join(SCHEDULES),
+                   help="--validate: the schedules whose steps the fit may use")  # fmt: skip
+    p.add_argument("--split", choices=SPLITS, default="alternate",
+                   help="--validate: fit on even steps, test on odd (alternate), or fit on "
+                   "the first half, test on the second (halves)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=None, help="B, sequences per PPO batch")
+    p.add_argument("--lengths", default=None, help="file, 'bench', 'demo' or 'longtail'")
     p.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help="default: the run's, else disaggregated")  # fmt: skip
     p.add_argument("--chunk", type=int, default=None, help="C to compare at (default: best)")
@@ -59,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates-c", default="64,128,256,512")
     p.add_argument("--candidates-delta", default="0,2,4,8,16")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: run's)")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="R, response capacity (default: run's, else the longest length)",
+    )
     p.add_argument("--steps", type=int, default=200, help="simulated steps per schedule")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-deferrals", type=int, default=2)
@@ -83,11 +113,10 @@ def _run_config(path: Path) -> dict:
     return yaml.safe_load(cfg.read_text()) or {}
 
 
-def _cost_model(args) -> tuple[CostModel, dict]:
+def _cost_model(args, bench: dict | None) -> tuple[CostModel, dict]:
     """(cost model, run config or {}) from --bench, --metrics or --project."""
     padded = {"auto": None, "padded": True, "active": False}[args.engine]
-    if args.bench:
-        bench = json.loads(Path(args.bench).read_text())
+    if bench is not None:
         cfg = bench.get("workload", {}).get("config", {})
         return calibrate_from_bench(bench, padded_decode=padded is not False), cfg
     if args.metrics:
@@ -101,6 +130,8 @@ def _cost_model(args) -> tuple[CostModel, dict]:
             streamed=pipeline.get("mode", "oppo") == "oppo", padded_decode=padded is not False,
         )  # fmt: skip
         return cost, cfg
+    if not args.batch:
+        raise ValueError("--batch is needed (no run config gives it)")
     cost = project_cost_model(args.project or "qwen2.5-7b:gh200", args.batch, args.mfu, args.chips)
     if padded:
         cost = CostModel(**{**cost.to_dict(), "padded_decode": True})
@@ -111,31 +142,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``oppo-jax sim``: print the schedule table and the recommendation."""
-    args = _parser().parse_args(argv)
-    try:
-        cost, cfg = _cost_model(args)
-    except (ValueError, KeyError) as e:
-        print(f"oppo-jax sim: {e}", file=sys.stderr)
-        return 2
-    lengths = read_lengths(args.lengths, args.seed)
-    prompt_len = args.prompt_len
-    if prompt_len is None:
-        prompt_len = int(cfg.get("rollout", {}).get("max_prompt_len", 0))
-    placement = args.placement or cfg.get("pipeline", {}).get("placement", "disaggregated")
-    common = {"placement": placement, "steps": args.steps, "seed": args.seed,
-              "max_deferrals": args.max_deferrals, "prompt_len": prompt_len}  # fmt: skip
-    rec = recommend(cost, lengths, args.batch, _ints(args.candidates_c),
-                    _ints(args.candidates_delta), **common)  # fmt: skip
-    chunk = args.chunk or rec["chunk_size"]
-    delta = rec["delta"] if args.delta is None else args.delta
-    table = compare(cost, lengths, args.batch, chunk_size=chunk, delta=delta, **common)
+def _print_table(cost: CostModel, lengths, table: dict, rec: dict, common: dict) -> str:
     tag = "PROJECTION " if cost.label.startswith("PROJECTION") else ""
     print(f"cost model: {cost.label}")
     print(f"lengths: n={lengths.size} mean={lengths.mean():.1f} median={np.median(lengths):g} "
-          f"p99={np.percentile(lengths, 99):g} max={lengths.max()}; B={args.batch}, "
-          f"prompt {prompt_len} tokens, {placement}, C={chunk}, Δ={delta}")  # fmt: skip
+          f"p99={np.percentile(lengths, 99):g} max={lengths.max()}; B={common['batch']}, prompt "
+          f"{common['prompt_len']} tokens, {common['placement']}, C={table['chunk_size']}, "
+          f"Δ={table['delta']}")  # fmt: skip
     print(f"{tag}{'schedule':>8}  {'step mean s':>12}  {'median s':>10}  {'speedup':>8}  busy")
     for name in SCHEDULES:
         s = table["schedules"][name]
@@ -145,13 +158,63 @@ def main(argv: list[str] | None = None) -> int:
               f"  {speed:>7.2f}×  {busy}")  # fmt: skip
     print(f"{tag}recommendation ({rec['schedule']}): C={rec['chunk_size']} Δ={rec['delta']}: "
           f"{rec['step_time_s']:.4g} s/step, {rec['speedup_vs_sync']:.2f}× vs sync")  # fmt: skip
+    return tag
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``oppo-jax sim``: print the schedule table and the recommendation."""
+    args = _parser().parse_args(argv)
+    try:
+        bench = json.loads(Path(args.bench).read_text()) if args.bench else None
+        if args.validate:
+            if bench is None:
+                raise ValueError("--validate needs --bench")
+            result = validate(bench, tuple(_schedule_names(args.fit_schedules)), args.split)
+            print(format_table(result))
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=2))
+            return 0
+        cost, cfg = _cost_model(args, bench)
+        lengths = read_lengths(args.lengths or ("bench" if bench else "demo"), args.seed, bench)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"oppo-jax sim: {e}", file=sys.stderr)
+        return 2
+    rollout, pipeline = cfg.get("rollout", {}), cfg.get("pipeline", {})
+    batch = args.batch or rollout.get("batch_size")
+    if not batch:
+        print("oppo-jax sim: --batch is needed (no run config gives it)", file=sys.stderr)
+        return 2
+    common = {
+        "batch": int(batch),
+        "placement": args.placement or pipeline.get("placement", "disaggregated"),
+        "prompt_len": int(rollout.get("max_prompt_len", 0) if args.prompt_len is None
+                          else args.prompt_len),
+        "capacity": args.capacity or rollout.get("max_response_len"),
+    }  # fmt: skip
+    sim = {"steps": args.steps, "seed": args.seed, "max_deferrals": args.max_deferrals,
+           "placement": common["placement"], "prompt_len": common["prompt_len"],
+           "capacity": common["capacity"]}  # fmt: skip
+    rec = recommend(cost, lengths, common["batch"], _ints(args.candidates_c),
+                    _ints(args.candidates_delta), **sim)  # fmt: skip
+    chunk = args.chunk or rec["chunk_size"]
+    delta = rec["delta"] if args.delta is None else args.delta
+    table = compare(cost, lengths, common["batch"], chunk_size=chunk, delta=delta, **sim)
+    table |= {"chunk_size": chunk, "delta": delta}
+    tag = _print_table(cost, lengths, table, rec, common)
     if args.out:
-        out = {"projection": bool(tag), "cost_model": cost.to_dict(), "batch": args.batch,
-               "prompt_len": prompt_len, "placement": placement, "chunk_size": chunk,
-               "delta": delta, **table, "recommendation": rec}  # fmt: skip
+        out = {"projection": bool(tag), "cost_model": cost.to_dict(), **common, **table,
+               "recommendation": rec}  # fmt: skip
         Path(args.out).write_text(json.dumps(out, indent=2))
         print(f"wrote {args.out}")
     return 0
+
+
+def _schedule_names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise ValueError(f"--fit-schedules {text!r}: expected names from {list(SCHEDULES)}")
+    return names
 
 
 if __name__ == "__main__":

@@ -1,21 +1,27 @@
 """Discrete-event simulation of PPO-RLHF steps under the sync, intra, inter and oppo schedules.
 
-Each device group runs its stages in dispatch order (FIFO); a stage starts when its group is
-free and its inputs exist. Dispatch order follows ``oppo_jax.pipeline.schedule``:
+Each step is a plan of stages on device groups (``oppo_jax.sim.engine``) in the dispatch
+order of ``oppo_jax.pipeline.schedule``:
 
     streamed (intra, oppo):  prefill actor | prefill scorers | decode 0, score 0, decode 1, ...
     not streamed (sync, inter): prefill actor | decode 0..K-1 | prefill scorers, score (all)
-    then: update (after the last decode and the last score) | copy
+    then: build batch (dispatched after the last decode; it gathers the last score) | update
+          | copy
 
-``score k`` needs ``decode k`` done. Colocated, both kinds of work queue on the "generation"
-group (serial); disaggregated, scoring runs on a "scoring" group, concurrently.
+``score k`` needs ``decode k``. Colocated, both kinds of work queue on the "generation" group;
+disaggregated, scoring runs on a "scoring" group, concurrently. Host delays (CostModel.host_*)
+hold back the dispatches the host makes: the first decode, the scorers after the host read
+that the rollout may stop (not streamed), the build and the update.
 
 Lockstep decode and the cut (DESIGN.md §3): all slots advance together; slot i finishes at
 decode position f_i (its remaining length). Without carrying (sync, intra: B slots) the cut is
 max f_i; with carrying (inter, oppo: B+Δ slots) it is the B-th smallest f_i, or later if a
 slot carried ``max_deferrals`` times is still running. The batch is B finished slots ordered by
 (must-finish first, f_i, admission order); the others are carried (FIFO) with the tokens they
-had at the cut, re-prefilled (actor and scorers) when next admitted.
+had at the cut, re-prefilled (actor and scorers) when next admitted. A padded engine decodes
+whole chunks, one more than the cut needs (the host reads the cut one chunk late), over
+caches P + R wide, and admits carried rows at a context width W rounded up like
+``oppo_jax.pipeline.carry.prefix_bucket``.
 """
 
 from __future__ import annotations
@@ -25,22 +31,15 @@ import math
 
 import numpy as np
 
+from oppo_jax.pipeline.carry import prefix_bucket
+from oppo_jax.sim.engine import Event, Plan
 from oppo_jax.sim.model import CostModel
+from oppo_jax.sim.trace import forward_steps
 
 # name -> (scorers stream the actor's chunks, carry stragglers with B + Δ slots)
 SCHEDULES = {"sync": (False, False), "intra": (True, False), "inter": (False, True),
              "oppo": (True, True)}  # fmt: skip
 PLACEMENTS = ("colocated", "disaggregated")
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One stage on one device group, seconds since the step began."""
-
-    stage: str
-    group: str
-    start: float
-    end: float
 
 
 @dataclasses.dataclass
@@ -70,99 +69,123 @@ class LengthSource:
         return int(self.lengths[(self.i - 1) % self.lengths.size])
 
 
-class _Groups:
-    """FIFO device groups: a stage starts when its group is free and its inputs are ready."""
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What a step's costs depend on besides the lengths."""
 
-    def __init__(self):
-        self.free: dict[str, float] = {}
-        self.events: list[Event] = []
-
-    def run(self, stage: str, group: str, seconds: float, after: float = 0.0) -> float:
-        start = max(self.free.get(group, 0.0), after)
-        self.free[group] = start + seconds
-        self.events.append(Event(stage, group, start, start + seconds))
-        return start + seconds
+    batch: int  # B
+    chunk: int  # C
+    prompt_len: int  # P
+    capacity: int  # R, response capacity (padded engine)
+    streamed: bool
+    carrying: bool
 
 
-def _decode(cost: CostModel, f: np.ndarray, base: np.ndarray, cut: int, chunk: int):
-    """Per decode chunk: (seconds, tokens to score); plus slot-steps and context sums."""
-    scored = max(1, math.ceil(cut / chunk)) if cost.padded_decode else math.ceil(cut / chunk)
-    # A fixed-shape engine decodes whole chunks, and one more that was queued before the host
-    # saw the cut; an active-slot engine stops at the cut.
-    steps = (scored + 1) * chunk if cost.padded_decode else cut
-    # O(steps + n log n): with f sorted, the slots still running at t are a suffix.
+def _decode(cost: CostModel, f: np.ndarray, base: np.ndarray, cut: int, chunk: int, cache: int):
+    """Per decode chunk: seconds; per scored chunk: tokens to score; and the finish list."""
+    scored = math.ceil(cut / chunk)
+    if cost.padded_decode:  # whole chunks, every slot; one chunk more than the host needed
+        scored = max(1, scored)
+        n = scored + 1
+        finish = np.where(f > n * chunk, -1, f)
+        per_step = cost.decode_step_s(f.size, cache)
+        seconds = [cost.decode_chunk_s + k * per_step for k in forward_steps(finish, n, chunk)]
+        return seconds, [f.size * chunk] * scored, finish
+    # Active slots only, to the cut. O(steps + n log n): with f sorted, running slots are a suffix.
     order = np.argsort(f, kind="stable")
     fs, bs = f[order], base[order]
-    t = np.arange(steps)
+    t = np.arange(cut)
     done = np.searchsorted(fs, t, side="right")  # slots with f_i <= t
     running = f.size - done
-    if cost.padded_decode:  # every slot costs; a finished one's context stops growing
-        slots = np.full(steps, f.size)
-        ctx = bs.sum() + np.concatenate([[0], np.cumsum(fs)])[done] + t * running
-        tokens = np.full(scored, f.size * chunk)
-    else:
-        slots = running
-        ctx = np.concatenate([np.cumsum(bs[::-1])[::-1], [0]])[done] + t * running
-    per_step = cost.decode_a + cost.decode_b * slots + cost.decode_c * ctx
-    starts = np.arange(0, steps, chunk)
-    seconds = np.add.reduceat(per_step, starts) if steps else np.zeros(0)
-    if not cost.padded_decode:
-        tokens = np.add.reduceat(running, starts) if steps else np.zeros(0, int)
-    counts = {"decode_steps": steps, "slot_steps": int(slots.sum()), "slot_ctx": float(ctx.sum())}
-    return [float(x) for x in seconds], [int(x) for x in tokens], counts
+    ctx = np.concatenate([np.cumsum(bs[::-1])[::-1], [0]])[done] + t * running
+    per_step = cost.decode_a + cost.decode_b * running + cost.decode_c * ctx
+    starts = np.arange(0, cut, chunk)
+    seconds = np.add.reduceat(per_step, starts) if cut else np.zeros(0)
+    tokens = np.add.reduceat(running, starts) if cut else np.zeros(0, int)
+    finish = np.where(f > cut, -1, f)
+    return [cost.decode_chunk_s + float(x) for x in seconds], [int(x) for x in tokens], finish
 
 
-def _step(cost, seqs, b, chunk, streamed, carrying, disagg, max_deferrals, prompt_len):
+def _plan(cost: CostModel, shape: _Shape, admit: int, seconds, tokens, update_tokens: int,
+          sync_tokens: int, disagg: bool) -> Plan:  # fmt: skip
+    """The step's stages in dispatch order (see the module docstring)."""
+    gen, sco = "generation", "scoring" if disagg else "generation"
+    p, at = Plan(), cost.host_admit_s + cost.host_setup_s
+    actor = p.add("prefill actor", gen, cost.admit_s(admit), at=cost.host_admit_s)
+    scoring = None
+    if shape.streamed:
+        scoring = p.add("prefill scorers", sco, cost.scorers_s(admit), at=at)
+        at += cost.host_stream_s
+    decodes = []
+    for k, dur in enumerate(seconds):
+        decodes.append(p.add("decode", gen, dur, at=at))
+        if shape.streamed and k < len(tokens):
+            scoring = p.add("score", sco, cost.scorers_s(tokens[k]), [(decodes[-1], 0.0)])
+    seen = decodes[len(tokens) - 1] if tokens else actor  # the host reads the cut after it
+    host = [(decodes[-1] if decodes else actor, cost.host_finish_s)]
+    if not shape.streamed:
+        p.add("prefill scorers", sco, cost.scorers_s(admit), [(seen, cost.host_collect_s)])
+        scoring = p.add("score", sco, cost.scorers_s(sync_tokens))
+        host.append((seen, cost.host_dispatch_s + cost.host_finish_s))
+    p.add("build batch", gen, cost.build_s, host, needs=[scoring])
+    update_deps = [(i, offset + cost.host_update_s) for i, offset in host]
+    p.add("update", gen, cost.update_s(shape.batch, update_tokens), update_deps)
+    p.add("copy", gen, cost.copy_s)
+    return p
+
+
+def _step(cost: CostModel, seqs: list[_Seq], shape: _Shape, disagg: bool, max_deferrals: int):
     """One step: events, the batch's sequences, the carried ones, and a metrics record."""
+    b, c, padded = shape.batch, shape.chunk, cost.padded_decode
     f = np.array([s.length - s.generated for s in seqs])
-    base = np.array([prompt_len + s.generated for s in seqs])
-    must = np.array([not carrying or s.deferrals >= max_deferrals for s in seqs])
+    prefix = np.array([s.generated for s in seqs])
+    must = np.array([not shape.carrying or s.deferrals >= max_deferrals for s in seqs])
     cut = int(max(np.sort(f)[b - 1], f[must].max(initial=0)))
     order = np.lexsort((np.arange(f.size), f, ~must))
     batch = [i for i in order if f[i] <= cut][:b]
-    g, gen, sco = _Groups(), "generation", "scoring" if disagg else "generation"
-    admit_tokens = int(base.sum())
-    g.run("prefill actor", gen, cost.admit_s(admit_tokens))
-    seconds, tokens, counts = _decode(cost, f, base, cut, chunk)
-    calls = [admit_tokens] + (tokens if streamed else [sum(tokens)])
-    if streamed:
-        g.run("prefill scorers", sco, cost.scorers_s(admit_tokens))
-    ends = []
-    for k, dur in enumerate(seconds):
-        ends.append(g.run("decode", gen, dur))
-        if streamed and k < len(tokens):
-            ends.append(g.run("score", sco, cost.scorers_s(tokens[k]), after=ends[-1]))
-    if not streamed:
-        g.run("prefill scorers", sco, cost.scorers_s(admit_tokens), after=max(ends, default=0.0))
-        ends.append(g.run("score", sco, cost.scorers_s(calls[1])))
     lengths = np.array([seqs[i].length for i in batch])
-    batch_tokens = int(lengths.sum()) + b * prompt_len
-    g.run("update", gen, cost.update_s(b, batch_tokens), after=max(ends, default=0.0))
-    g.run("copy", gen, cost.copy_s)
-    wall = max(e.end for e in g.events)
+    bucket = prefix_bucket(int(prefix.max()), shape.capacity) if shape.carrying else 0
+    width = shape.prompt_len + bucket  # the padded engine's admission context
+    admit = f.size * width if padded else int(prefix.sum()) + f.size * shape.prompt_len
+    seconds, tokens, finish = _decode(cost, f, shape.prompt_len + prefix, cut, c,
+                                      shape.prompt_len + shape.capacity)  # fmt: skip
+    sync_tokens = f.size * shape.capacity if padded else sum(tokens)
+    real = int(lengths.sum()) + b * shape.prompt_len
+    update_tokens = b * (shape.prompt_len + shape.capacity) if padded else real
+    plan = _plan(cost, shape, admit, seconds, tokens, update_tokens, sync_tokens, disagg)
+    events = plan.run(dict.fromkeys(("generation", "scoring"), cost.overlap_rate))
     taken, carried = set(batch), []
     for i, s in enumerate(seqs):
         if i not in taken:  # keeps the tokens it had at the cut
             carried.append(dataclasses.replace(s, generated=s.generated + min(int(f[i]), cut),
                                                deferrals=s.deferrals + 1))  # fmt: skip
+    trace = {
+        "slots": f.size, "width": width, "prompt_width": shape.prompt_len,
+        "response_capacity": shape.capacity, "prefix": prefix.tolist(), "finish": finish.tolist(),
+        "lengths": lengths.tolist(), "cut": cut, "n_scorers": cost.n_scorers,
+        "events": [[e.stage, e.group, e.start, e.end] for e in events],
+    }  # fmt: skip
+    record = _record(events, shape, trace, len(seqs) - b, len(carried))
+    record["stale_token_frac"] = float(prefix[batch].sum()) / max(int(lengths.sum()), 1)
+    return events, [seqs[i] for i in batch], carried, record
+
+
+def _record(events: list[Event], shape: _Shape, trace: dict, overcommit: int, carried: int):
+    """A metrics-like record of one simulated step (as ``metrics.jsonl`` holds, plus trace)."""
+    wall = max(e.end for e in events)
     stage_time, busy = {}, {}
-    for e in g.events:
+    for e in events:
         stage_time[e.stage] = stage_time.get(e.stage, 0.0) + e.end - e.start
         busy[e.group] = busy.get(e.group, 0.0) + e.end - e.start
-    n = cost.n_scorers
-    counts |= {"admit_tokens": admit_tokens, "scorer_calls": n * len(calls),
-               "scorer_tokens": n * sum(calls), "batch_tokens": batch_tokens,
-               "n_scorers": n}  # fmt: skip
-    record = {
+    lengths = trace["lengths"]
+    return {
         "step_time_s": wall, "stage_time_s": stage_time,
         "busy_fraction": {k: v / wall if wall else 0.0 for k, v in busy.items()},
-        "response_len_mean": float(lengths.mean()), "response_len_max": int(lengths.max()),
-        "stale_token_frac": sum(seqs[i].generated for i in batch) / max(int(lengths.sum()), 1),
-        "chunk_size": chunk, "overcommit": len(seqs) - b, "carried": len(carried),
-        "batch_size": b, "prompt_len": prompt_len, "streamed": streamed, "cut": cut,
-        "counts": counts,
+        "response_len_mean": float(np.mean(lengths)), "response_len_max": int(max(lengths)),
+        "chunk_size": shape.chunk, "overcommit": overcommit, "carried": carried,
+        "batch_size": shape.batch, "prompt_len": shape.prompt_len, "streamed": shape.streamed,
+        "cut": trace["cut"], "trace": trace,
     }  # fmt: skip
-    return g.events, [seqs[i] for i in batch], carried, record
 
 
 @dataclasses.dataclass
@@ -181,11 +204,12 @@ class SimResult:
     def step_times(self) -> np.ndarray:
         return np.array([r["step_time_s"] for r in self.records])
 
-    def summary(self) -> dict:
-        """Mean / median / p90 step time, busy fraction per group, carrying statistics."""
-        t, total = self.step_times, float(self.step_times.sum())
-        busy: dict[str, float] = {}
-        for step in self.events:
+    def summary(self, skip: int = 0) -> dict:
+        """Mean / median / p90 step time (after ``skip`` steps), busy fraction per group,
+        carrying statistics."""
+        t = self.step_times[skip:]
+        total, busy = float(t.sum()), {}
+        for step in self.events[skip:]:
             for e in step:
                 busy[e.group] = busy.get(e.group, 0.0) + (e.end - e.start) / total
         return {
@@ -193,7 +217,7 @@ class SimResult:
             "chunk_size": self.chunk_size, "delta": self.delta,
             "step_time_mean_s": float(t.mean()), "step_time_median_s": float(np.median(t)),
             "step_time_p90_s": float(np.percentile(t, 90)), "busy_fraction": busy,
-            "carried_mean": float(np.mean([r["carried"] for r in self.records])),
+            "carried_mean": float(np.mean([r["carried"] for r in self.records[skip:]])),
             "deferrals_max": max((f["deferrals"] for f in self.finished), default=0),
         }  # fmt: skip
 
@@ -210,8 +234,13 @@ def simulate(
     seed: int | None = 0,
     max_deferrals: int = 2,
     prompt_len: int = 0,
+    capacity: int | None = None,
 ) -> SimResult:
-    """Simulate ``steps`` steps; new prompts' lengths come from ``lengths`` (see LengthSource)."""
+    """Simulate ``steps`` steps; new prompts' lengths come from ``lengths`` (see LengthSource).
+
+    ``capacity`` is the response capacity R (default: the longest length); a padded engine's
+    caches, sync scoring call and update are that wide.
+    """
     if schedule not in SCHEDULES or placement not in PLACEMENTS:
         raise ValueError(f"schedule {schedule!r} / placement {placement!r}: expected one of "
                          f"{sorted(SCHEDULES)} / {PLACEMENTS}")  # fmt: skip
@@ -220,15 +249,18 @@ def simulate(
     streamed, carrying = SCHEDULES[schedule]
     delta = delta if carrying else 0  # Δ is an inter-step setting
     source, buffer, next_id = LengthSource(lengths, seed), [], 0
+    capacity = int(capacity or source.lengths.max())
+    if source.lengths.max() > capacity:
+        raise ValueError(f"lengths up to {source.lengths.max()} exceed the capacity {capacity}")
+    shape = _Shape(batch, chunk_size, prompt_len, capacity, streamed, carrying and delta > 0)
     records, events, finished = [], [], []
     for step in range(steps):
         seqs, buffer = buffer[: batch + delta], buffer[batch + delta :]  # carried first, FIFO
         while len(seqs) < batch + delta:
             seqs.append(_Seq(next_id, source.next(), step))
             next_id += 1
-        ev, done, carried, record = _step(cost, seqs, batch, chunk_size, streamed, carrying,
-                                          placement == "disaggregated", max_deferrals,
-                                          prompt_len)  # fmt: skip
+        ev, done, carried, record = _step(cost, seqs, shape, placement == "disaggregated",
+                                          max_deferrals)  # fmt: skip
         buffer += carried
         records.append({"step": step, **record})
         events.append(ev)

@@ -1,24 +1,28 @@
-"""Cost models of the PPO-RLHF stages: the CostModel, calibration, roofline projections.
+"""Cost models of the PPO-RLHF stages: the CostModel and roofline projections.
 
 All costs are seconds on one device group (see ``oppo_jax.sim`` for the step model):
 
-    decode_step_s(S, ctx) = a + b·S + c·S·ctx     one lockstep token for S slots, mean context ctx
+    decode_step_s(S, ctx) = a + b·S + c·S·ctx     one lockstep token of S slots at context ctx
+    decode_chunk_s                                per decode chunk (dispatch, scan, host read)
     prefill_s(n)          = p0 + p1·n             one scorer call over n tokens (×n_scorers)
     admit_s(n)            = q0 + q1·n             actor prefill of prompts + carried prefixes
-    update_s(B, n)        = u0 + u1·n             build batch + PPO update over n batch tokens
-    copy_s                                        parameter movement, once per step
+    build_s                                       the PPO batch, once the scores are in
+    update_s(B, n)        = u0 + u1·n             PPO update over n batch tokens
+    copy_s                                        after the update: parameter copy, host tail
 
 ``a`` is the weight read of a memory-bound decode, ``b`` per-slot compute, ``c`` the KV-cache
-read. ``calibrate`` fits them by least squares to measured per-step records; the roofline
-functions derive them from hardware and model numbers, and label the result PROJECTION.
+read. Two engines: an *active* one (a serving engine: finished slots stop costing, n counts
+real tokens, ctx is a slot's context) and a *padded* one (this project's JAX engine: fixed
+shapes, so every slot costs every step, ctx is the cache width W + R, a scorer call costs
+its padded [S, width] and the update its padded [B, P + R]; the model is skipped only once
+every slot has finished). The host_* delays and the overlap rates describe the machine the
+steps ran on (``oppo_jax.sim.fitting`` fits them); roofline projections leave them at 0
+and 1 and say PROJECTION.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import numpy as np
 
 Num = int | float
 
@@ -27,17 +31,27 @@ Num = int | float
 class CostModel:
     """Stage costs in seconds (equations in the module docstring)."""
 
-    decode_a: float = 0.0  # s per decode step
+    decode_a: float = 0.0  # s per decode step that runs the model
     decode_b: float = 0.0  # s per decode step per slot
     decode_c: float = 0.0  # s per decode step per slot per context token
+    decode_chunk_s: float = 0.0  # s per decode chunk (dispatch, scan set-up, the host's read)
     prefill_p0: float = 0.0  # s per scorer call
     prefill_p1: float = 0.0  # s per token per scorer
     n_scorers: int = 3  # reference, critic, reward (2 with a rule-based reward)
     admit_p0: float = 0.0  # s per actor admission prefill
     admit_p1: float = 0.0  # s per admitted token (prompt + carried prefix)
+    build_s: float = 0.0  # s per step building the PPO batch (after the scores arrive)
     update_u0: float = 0.0  # s per update
-    update_u1: float = 0.0  # s per batch token (prompt + response)
-    copy_s: float = 0.0  # s per step moving parameters between shardings/groups
+    update_u1: float = 0.0  # s per batch token (prompt + response; padded: B·(P + R))
+    copy_s: float = 0.0  # s per step after the update (parameter copies, host tail)
+    host_admit_s: float = 0.0  # s of host work before the actor prefill is dispatched
+    host_setup_s: float = 0.0  # s more before the first decode chunk is dispatched
+    host_stream_s: float = 0.0  # s more when streaming (dispatching the scorers' admissions)
+    host_collect_s: float = 0.0  # s not streaming: from the host's read of the cut to scoring
+    host_dispatch_s: float = 0.0  # s not streaming: from that read to all scoring dispatched
+    host_finish_s: float = 0.0  # s from the last decode chunk (and the above) to the build
+    host_update_s: float = 0.0  # s from the build's dispatch to the update's
+    overlap_rate: float = 1.0  # speed of either group's work while the other group works too
     # True: a fixed-shape engine (this project's JAX decode): every admitted slot costs every
     # decode step, decode runs whole chunks plus the one dispatched before the host sees the cut.
     padded_decode: bool = False
@@ -60,7 +74,7 @@ class CostModel:
         return self.admit_p0 + self.admit_p1 * tokens
 
     def update_s(self, batch: int, total_tokens: Num) -> float:
-        """Build batch and PPO update of ``batch`` sequences holding ``total_tokens`` tokens."""
+        """PPO update of ``batch`` sequences holding ``total_tokens`` tokens."""
         del batch  # the linear model depends on tokens only; kept for a per-sequence term later
         return self.update_u0 + self.update_u1 * total_tokens
 
@@ -154,130 +168,3 @@ def project_cost_model(spec: str, batch: int, mfu: float = 0.5, chips: int = 1) 
         hw.peak_flops * chips, batch, mfu, m.kv_bytes_per_token, link_bytes_s=hw.link_bytes_s,
         label=f"PROJECTION (roofline, mfu {mfu:g}): {m.name} on {chips}× {hw.name}",
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------- calibration
-
-_EXACT = ("decode_steps", "slot_steps", "slot_ctx", "admit_tokens", "scorer_calls",
-          "scorer_tokens", "batch_tokens")  # fmt: skip
-_NEEDED = ("stage_time_s", "step_time_s", "response_len_mean", "response_len_max", "chunk_size")
-
-
-def _scorer_names(stages: dict) -> set[str]:
-    return {k.split(" ", 1)[1] for k in stages if k.startswith(("prefill ", "score "))} - {"actor"}
-
-
-def _counts(r: dict, batch: int | None, prompt_len: int, streamed: bool, padded: bool) -> dict:
-    """The regressors of one record: exact ``counts`` when present, else an approximation."""
-    if all(k in r.get("counts", {}) for k in _EXACT):
-        return r["counts"]
-    missing = [k for k in _NEEDED if k not in r]
-    if missing:
-        raise ValueError(f"metrics record of step {r.get('step')} lacks {missing}")
-    b = int(r.get("batch_size", batch or 0))
-    if b <= 0:
-        raise ValueError("calibration needs the batch size: pass batch= or a 'batch_size' key")
-    p = float(r.get("prompt_len", prompt_len))
-    slots = b + int(r.get("overcommit", 0))
-    mean, cut, c = float(r["response_len_mean"]), int(r["response_len_max"]), r["chunk_size"]
-    chunks = math.ceil(cut / c)
-    if padded:  # whole chunks over every slot, one more chunk than the cut needs
-        n = (chunks + 1) * c
-        steps, ctx, gen = slots * n, slots * (n * p + n * (n - 1) / 2), slots * chunks * c
-    else:  # approximates the Σ of lengths and of squared lengths by the batch's mean
-        n, steps = cut, b * mean
-        ctx, gen = b * (p * mean + mean * (mean - 1) / 2), b * mean
-    admit = slots * p + float(r.get("stale_token_frac", 0.0)) * b * mean
-    k = len(_scorer_names(r["stage_time_s"])) or 3
-    calls = 1 + (chunks if r.get("streamed", streamed) else 1)
-    return {"decode_steps": n, "slot_steps": steps, "slot_ctx": ctx, "admit_tokens": admit,
-            "scorer_calls": k * calls, "scorer_tokens": k * (admit + gen),
-            "batch_tokens": b * (p + mean), "n_scorers": k}  # fmt: skip
-
-
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares; a column whose coefficient comes out negative (noise) is dropped, refit."""
-    keep = np.ones(x.shape[1], bool)
-    while True:
-        coef = np.zeros(x.shape[1])
-        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-        if (coef >= 0).all() or keep.sum() == 1:
-            return np.maximum(coef, 0.0)
-        keep &= coef >= 0
-
-
-def calibrate(
-    measurements: list[dict],
-    batch: int | None = None,
-    prompt_len: int = 0,
-    streamed: bool = True,
-    padded_decode: bool = False,
-) -> CostModel:
-    """Fit a CostModel by least squares to per-step metrics records (``metrics.jsonl`` lines).
-
-    Each record needs ``stage_time_s`` ("decode", "prefill actor", "prefill <scorer>",
-    "score <scorer>", "build batch", "update", optionally "copy"), ``step_time_s``,
-    ``response_len_mean``, ``response_len_max`` and ``chunk_size``; ``overcommit`` and
-    ``stale_token_frac`` are used when present. ``batch_size``, ``prompt_len`` and ``streamed``
-    keys override the arguments per record. A ``counts`` dict (the simulator writes one) gives
-    the exact regressors; without it they are approximated from the mean and max lengths.
-    Without a "copy" stage, copy_s is the median unexplained time of a step (clipped at 0).
-    """
-    if not measurements:
-        raise ValueError("calibration needs at least one metrics record")
-    rows = [_counts(r, batch, prompt_len, streamed, padded_decode) for r in measurements]
-    st = [r["stage_time_s"] for r in measurements]
-    if not any("decode" in s for s in st):
-        raise ValueError("the records have no 'decode' stage time (an older metrics format?)")
-
-    def col(key: str) -> np.ndarray:
-        return np.array([float(c[key]) for c in rows])
-
-    def stage(pred) -> np.ndarray:
-        return np.array([sum(v for k, v in s.items() if pred(k)) for s in st], float)
-
-    one = np.ones(len(rows))
-    dec = _nonneg_lstsq(np.stack([col("decode_steps"), col("slot_steps"), col("slot_ctx")], 1),
-                        stage(lambda k: k == "decode"))  # fmt: skip
-    scorer = stage(lambda k: k.split(" ")[0] == "score" or (k.startswith("prefill ")
-                                                            and k != "prefill actor"))  # fmt: skip
-    pre = _nonneg_lstsq(np.stack([col("scorer_calls"), col("scorer_tokens")], 1), scorer)
-    adm = _nonneg_lstsq(
-        np.stack([one, col("admit_tokens")], 1), stage(lambda k: k == "prefill actor")
-    )
-    upd = _nonneg_lstsq(np.stack([one, col("batch_tokens")], 1),
-                        stage(lambda k: k in ("update", "build batch")))  # fmt: skip
-    if any("copy" in s for s in st):
-        copy = float(np.mean(stage(lambda k: k == "copy")))
-    else:
-        unexplained = np.array([r["step_time_s"] for r in measurements]) - stage(lambda k: True)
-        copy = float(max(0.0, np.median(unexplained)))
-    return CostModel(
-        decode_a=float(dec[0]), decode_b=float(dec[1]), decode_c=float(dec[2]),
-        prefill_p0=float(pre[0]), prefill_p1=float(pre[1]),
-        n_scorers=int(rows[0].get("n_scorers", 3)),
-        admit_p0=float(adm[0]), admit_p1=float(adm[1]),
-        update_u0=float(upd[0]), update_u1=float(upd[1]), copy_s=copy,
-        padded_decode=padded_decode, label=f"calibrated from {len(rows)} measured steps",
-    )  # fmt: skip
-
-
-def calibrate_from_bench(bench_json: dict, padded_decode: bool = True) -> CostModel:
-    """Fit a CostModel to the per-step records of a ``bench.json``, where it holds them.
-
-    ``oppo-jax bench`` writes step times per schedule but (so far) no per-stage times; then this
-    raises and the records of a run's ``metrics.jsonl`` must be used (``calibrate``). Records are
-    looked for under ``schedules[NAME]["records"]`` (a list, or a list per seed).
-    """
-    rollout = bench_json.get("workload", {}).get("config", {}).get("rollout", {})
-    records = []
-    for name, s in bench_json.get("schedules", {}).items():
-        recs = s.get("records") or []
-        for r in (x for item in recs for x in (item if isinstance(item, list) else [item])):
-            if "stage_time_s" in r:
-                records.append({"streamed": name in ("intra", "oppo"), **r})
-    if not records:
-        raise ValueError("bench.json has step times but no per-stage times (stage_time_s): "
-                         "calibrate from a run's metrics.jsonl instead (--metrics)")  # fmt: skip
-    return calibrate(records, rollout.get("batch_size"), int(rollout.get("max_prompt_len", 0)),
-                     padded_decode=padded_decode)  # fmt: skip

@@ -1,0 +1,78 @@
+"""Per-step traces: what the simulator needs of a step, measured (``step_trace``) or simulated.
+
+A trace is plain JSON: the step's shapes (slots S, admission width W, response capacity R),
+each slot's carried-in prefix and finish position, the batch's response lengths, and the
+timeline as ``[stage, group, start, end]`` rows (seconds since the step began).
+``observe`` turns a trace into what calibration fits: per stage kind, the time it ran alone
+and the time it shared the machine with the other group (the build counts as busy only after
+the scores it waits for arrived), and the times of the stages the host's delays show in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oppo_jax.pipeline.carry import prefix_bucket
+
+GENERATION = "generation"
+
+
+def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool) -> dict:
+    """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
+    lengths of the carried sequences it admitted first (the carry buffer before the step)."""
+    finish = np.asarray(result.finish_step)
+    slots, capacity = finish.size, int(np.asarray(result.tokens).shape[1])
+    prefix = [int(n) for n in carried_in[:slots]]
+    prefix += [0] * (slots - len(prefix))
+    bucket = prefix_bucket(max(prefix), capacity) if carrying else 0
+    return {
+        "slots": slots, "width": prompt_width + bucket, "prompt_width": prompt_width,
+        "response_capacity": capacity, "prefix": prefix, "finish": finish.tolist(),
+        "lengths": [int(n) for n in result.response_len], "cut": int(result.selection.cut),
+        "events": [[e.stage, e.group, round(e.start, 7), round(e.end, 7)] for e in result.events],
+    }  # fmt: skip
+
+
+def forward_steps(finish, chunks: int, chunk: int) -> list[int]:
+    """Lockstep steps per decode chunk that run the model (a slot finishing at position f
+    feeds f - 1 tokens; -1: still running). Once every slot is done the forward is skipped.
+
+    Example: finish [3, 10], 2 chunks of 8 -> [8, 1] (positions 0..8 feed; 9 samples EOS).
+    """
+    f = np.asarray(finish)
+    last = chunks * chunk if (f < 0).any() else max(int(f.max(initial=0)) - 1, 0)
+    return [int(np.clip(last - j * chunk, 0, chunk)) for j in range(chunks)]
+
+
+def kind(stage: str) -> str:
+    """Stage kind: the actor's prefill, decode, scorer, build, update, copy (or other)."""
+    if stage in ("prefill actor", "decode", "build batch", "update", "copy"):
+        return stage
+    return "scorer" if stage.startswith(("prefill ", "score")) else "other"
+
+
+def scorer_names(trace: dict) -> set[str]:
+    """The scorers named in a measured timeline ("prefill critic" -> critic)."""
+    return {s.split(" ", 1)[1] for s, *_ in trace["events"] if kind(s) == "scorer" and " " in s}
+
+
+def _overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
+    return sum((max(0.0, min(b, e) - max(a, s)) for s, e in spans), 0.0)
+
+
+def observe(trace: dict) -> dict:
+    """``solo`` / ``shared`` seconds per stage kind; ``first`` and ``last`` (start, end) per
+    kind; ``decode`` (start, end) per chunk; the end of the scorers' work."""
+    ev = [(kind(s), g == GENERATION, float(a), float(b)) for s, g, a, b in trace["events"]]
+    scoring_end = max((b for k, _, _, b in ev if k == "scorer"), default=0.0)
+    spans = [(max(a, min(b, scoring_end)) if k == "build batch" else a, b) for k, _, a, b in ev]
+    busy = {g: [sp for sp, e in zip(spans, ev, strict=True) if e[1] == g] for g in (True, False)}
+    out: dict = {"solo": {}, "shared": {}, "first": {}, "last": {}, "scoring_end": scoring_end}
+    for (k, gen, a, b), (a2, b2) in zip(ev, spans, strict=True):
+        shared = _overlap(a2, b2, busy[not gen])
+        out["solo"][k] = out["solo"].get(k, 0.0) + (b2 - a2) - shared
+        out["shared"][k] = out["shared"].get(k, 0.0) + shared
+        out["first"].setdefault(k, (a, b))
+        out["last"][k] = (a, b)
+    out["decode"] = [(a, b) for k, _, a, b in ev if k == "decode"]
+    return out

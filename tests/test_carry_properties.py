@@ -57,6 +57,11 @@ def test_every_prompt_once_none_lost_bounded_staleness(lengths, delta, max_defer
     seen = []
     for step in range(steps):
         slots = admit(buffer, prompts, _B + delta, _B + delta, 2, R, True, max_deferrals)
+        # Split admission: rows past carried_rows are new (or empty) and fit the prompt width.
+        fresh = slice(slots.carried_rows, None)
+        assert 0 <= slots.carried_rows <= slots.num_slots
+        assert not slots.prefix_len[fresh].any() and not slots.prefix_finished[fresh].any()
+        assert not slots.context[fresh, 2:].any()
         selection, carried = _simulate_step(slots, lengths, chunk, step)
         assert selection is not None and len(selection.batch) == _B
         batch_ids = slots.prompt_ids[selection.batch].tolist()

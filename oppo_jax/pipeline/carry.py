@@ -115,6 +115,13 @@ class SlotBatch:
     def num_slots(self) -> int:
         return len(self.prompt_len)
 
+    @property
+    def carried_rows(self) -> int:
+        """Leading slots the admission prefills at the full context width (a static bucket):
+        all that carry a prefix come first, so the rest need only the prompt width."""
+        carrying = np.flatnonzero((self.prefix_len > 0) | self.prefix_finished)
+        return carried_bucket(int(carrying[-1]) + 1 if len(carrying) else 0, self.num_slots)
+
 
 def prefix_bucket(longest_prefix: int, response_len: int) -> int:
     """Context room for carried prefixes: 0, or a power of two >= 16, capped at R.
@@ -124,6 +131,17 @@ def prefix_bucket(longest_prefix: int, response_len: int) -> int:
     if longest_prefix <= 0:
         return 0
     return min(max(16, 1 << (longest_prefix - 1).bit_length()), response_len)
+
+
+def carried_bucket(num_carried: int, num_slots: int) -> int:
+    """Rows prefilled at the full context width: 0, or a power of two >= 4, capped at S.
+
+    Few distinct values bound the admission kernels' compilations (per context width).
+    Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8, 8 -> 8, 9 -> 16, 17 -> 24.
+    """
+    if num_carried <= 0:
+        return 0
+    return min(max(4, 1 << (num_carried - 1).bit_length()), num_slots)
 
 
 def admit(

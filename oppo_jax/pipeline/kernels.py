@@ -79,11 +79,11 @@ def experience(
     return batch, {**stats, "reward": jnp.mean(scores)}
 
 
-def _admit_with_marker(spec: UpdateSpec, rollout: RolloutSpec, *args):
+def _admit_with_marker(spec: UpdateSpec, rollout: RolloutSpec, *args, carried_rows=None):
     state = admit_decode(
         spec.actor, *args, prompt_width=rollout.prompt_width,
         max_response_len=rollout.max_response_len, eos_ids=rollout.eos_ids,
-        pad_id=rollout.pad_id, temperature=spec.temperature,
+        pad_id=rollout.pad_id, temperature=spec.temperature, carried_rows=carried_rows,
     )  # fmt: skip
     return state, state.num_generated + 0  # a fresh array: the state itself gets donated
 
@@ -142,7 +142,10 @@ def build_kernels(
             f"sampling temperature {rollout.sampling.temperature} != update temperature "
             f"{spec.temperature}"
         )
-    admit = jax.jit(functools.partial(_admit_with_marker, spec, rollout))
+    # ``carried_rows`` (static): slots prefilled at the full context width; see admit_decode.
+    admit = jax.jit(
+        functools.partial(_admit_with_marker, spec, rollout), static_argnames=("carried_rows",)
+    )
     build = jax.jit(functools.partial(experience, spec, rollout, reward_fn))
     if update is None:
         update = jax.jit(functools.partial(ppo_update, spec), donate_argnums=(0,))

@@ -65,10 +65,12 @@ class Scorers:
         self.params = params  # role -> parameters already on the scoring group
         self.states: dict = {}
 
-    def admit(self, context, prompt_len, prefix_len) -> None:
+    def admit(self, context, prompt_len, prefix_len, carried_rows: int) -> None:
         for role, params in self.params.items():
             admit = self.kernels.scorer_admit(role)
-            self.states[role], marker = admit(params, context, prompt_len, prefix_len)
+            self.states[role], marker = admit(
+                params, context, prompt_len, prefix_len, carried_rows=carried_rows
+            )
             self.timeline.track(f"prefill {role}", self.placement.scoring_group, marker)
 
     def feed(self, chunk: ChunkTokens) -> None:
@@ -118,6 +120,7 @@ def run_step(
     state, marker = kernels.admit(
         actor, *gen, jnp.asarray(slots.prefix_finished), jnp.asarray(slots.prompt_ids, jnp.int32),
         jnp.zeros(slots.num_slots, jnp.int32), sample_key, jnp.asarray(slots.active),
+        carried_rows=slots.carried_rows,
     )  # fmt: skip
     timeline.track("prefill actor", GENERATION, marker)
     rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish),
@@ -131,7 +134,7 @@ def run_step(
     scorers = Scorers(kernels, placement, timeline, scorer_params)
     scoring_inputs = placement.to_scoring(gen)
     if mode == "oppo":
-        scorers.admit(*scoring_inputs)
+        scorers.admit(*scoring_inputs, slots.carried_rows)
         state = _decode_loop(kernels, timeline, actor, state, rule, chunk_size,
                              lambda c: scorers.feed(placement.to_scoring(c)))  # fmt: skip
     else:
@@ -142,7 +145,7 @@ def run_step(
         cols = jnp.clip(start[:, None] + offsets, 0, state.response_capacity - 1)
         count = state.num_generated - start
         fresh = jnp.where(offsets < count[:, None], jnp.take_along_axis(state.tokens, cols, 1), 0)
-        scorers.admit(*scoring_inputs)
+        scorers.admit(*scoring_inputs, slots.carried_rows)
         scorers.feed(placement.to_scoring(ChunkTokens(fresh, start, count, jnp.bool_(True))))
     return _finish(kernels, placement, timeline, scorers, state, slots, gen, batch_size,
                    train_state, update_key, kl_coef)  # fmt: skip

@@ -8,6 +8,7 @@ it samples nothing, writes nothing and its cache length stops advancing.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -87,8 +88,70 @@ def start_decode(
         cfg, params, prompts, prompt_lens, none, none.astype(bool), prompt_id, sample_index,
         base_key, jnp.ones((num_slots,), bool) if active is None else active,
         prompt_width=width, max_response_len=max_response_len, eos_ids=eos_ids, pad_id=pad_id,
-        temperature=1.0,
+        temperature=1.0, carried_rows=0,
     )  # fmt: skip
+
+
+PrefixFn = Callable[[Float[Array, "S R O"], Int[Array, "S R"]], Float[Array, "S R"]]
+
+
+def _prefill_rows(cfg, params, context, prompt_lens, prefix_len, capacity, response_len, prefix_fn):
+    """Prefill rows into a fresh cache: (cache, output at the last context token, prefix
+    quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
+    cache = init_cache(cfg, context.shape[0], capacity)
+    context_len = prompt_lens + prefix_len
+    out, cache = prefill(cfg, params, cache, context, context_len)
+    last = jnp.maximum(context_len - 1, 0)
+    last_out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+    if prefix_fn is None:
+        return cache, last_out, jnp.zeros((context.shape[0], response_len), jnp.float32)
+    before = gather_response(out, prompt_lens, response_len)
+    prefix = response_tokens(context, prompt_lens, response_len)
+    in_prefix = jnp.arange(response_len)[None, :] < prefix_len[:, None]
+    return cache, last_out, jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
+
+
+def admission_prefill(
+    cfg: ModelConfig,
+    params,
+    context: Int[Array, "S W"],
+    prompt_lens: Int[Array, " S"],
+    prefix_len: Int[Array, " S"],
+    prefix_fn: PrefixFn,
+    *,
+    prompt_width: int,
+    response_len: int,
+    carried_rows: int | None = None,
+) -> tuple[KVCache, Float[Array, "S O"], Float[Array, "S R"]]:
+    """Prefill each slot's context (prompt + carried prefix) into a cache of P + R per slot.
+
+    The first ``carried_rows`` slots (all when None) are prefilled at the full width W and
+    yield ``prefix_fn`` of their outputs; the rest, which must carry no prefix, only at the
+    prompt width P, and yield zeros. Prefill cost is then about K·W + (S − K)·P tokens, not
+    S·W, and the [rows, W, O] outputs exist for the carried rows only.
+
+    Returns (cache, head output at each slot's last context token, prefix quantities [S, R]).
+    """
+    slots = context.shape[0]
+    k = slots if carried_rows is None else min(carried_rows, slots)
+    prefill_rows = functools.partial(
+        _prefill_rows, cfg, params, capacity=prompt_width + response_len, response_len=response_len
+    )
+    if k == slots:
+        return prefill_rows(context, prompt_lens, prefix_len, prefix_fn=prefix_fn)
+    fresh = prefill_rows(
+        context[k:, :prompt_width], prompt_lens[k:], jnp.zeros_like(prefix_len[k:]), prefix_fn=None
+    )
+    if k == 0:
+        return fresh
+    carried = prefill_rows(context[:k], prompt_lens[:k], prefix_len[:k], prefix_fn=prefix_fn)
+    # Caches share the capacity P + R, so the two parts stack along the slot axis.
+    cache = KVCache(
+        k=jnp.concatenate([carried[0].k, fresh[0].k], axis=1),
+        v=jnp.concatenate([carried[0].v, fresh[0].v], axis=1),
+        length=jnp.concatenate([carried[0].length, fresh[0].length]),
+    )
+    return cache, *(jnp.concatenate([a, b]) for a, b in zip(carried[1:], fresh[1:], strict=True))
 
 
 def admit_decode(
@@ -108,6 +171,7 @@ def admit_decode(
     eos_ids: tuple[int, ...],
     pad_id: int,
     temperature: float,
+    carried_rows: int | None = None,
 ) -> DecodeState:
     """Admit slots that may carry a partial response (prompt + prefix in ``context``).
 
@@ -115,26 +179,26 @@ def admit_decode(
     cache and also yields the current policy's log-probs of the prefix tokens (stored in
     ``logprobs``: the "old" log-probs of this step). Decoding then continues at each slot's
     response position ``prefix_len[s]``, with the same sampling keys it would have used had
-    it never been interrupted. ``prefix_finished`` slots are complete already.
+    it never been interrupted. ``prefix_finished`` slots are complete already. Only the first
+    ``carried_rows`` slots may carry a prefix (see ``admission_prefill``; None: any slot).
     """
-    num_slots = context.shape[0]
-    cache = init_cache(cfg, num_slots, prompt_width + max_response_len)
-    context_len = prompt_lens + prefix_len
-    logits, cache = prefill(cfg, params, cache, context, context_len)
-    last = jnp.maximum(context_len - 1, 0)
-    next_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+    def prefix_logp(logits, prefix):
+        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+        return jnp.take_along_axis(logp, prefix[..., None], axis=-1)[..., 0]
+
+    cache, next_logits, logprobs = admission_prefill(
+        cfg, params, context, prompt_lens, prefix_len, prefix_logp, prompt_width=prompt_width,
+        response_len=max_response_len, carried_rows=carried_rows,
+    )  # fmt: skip
     prefix = response_tokens(context, prompt_lens, max_response_len)
     in_prefix = jnp.arange(max_response_len)[None, :] < prefix_len[:, None]
-    logp = jax.nn.log_softmax(
-        gather_response(logits, prompt_lens, max_response_len) / temperature, axis=-1
-    )
-    prefix_logp = jnp.take_along_axis(logp, prefix[..., None], axis=-1)[..., 0]
     finished = ~active | prefix_finished
     return DecodeState(
         cache=cache,
         next_logits=next_logits,
         tokens=jnp.where(in_prefix, prefix, pad_id).astype(jnp.int32),
-        logprobs=jnp.where(in_prefix, prefix_logp, 0.0),
+        logprobs=logprobs,
         num_generated=prefix_len.astype(jnp.int32),
         finished=finished,
         finish_step=jnp.where(finished, 0, -1).astype(jnp.int32),

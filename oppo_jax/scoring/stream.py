@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from oppo_jax.models.kv_cache import KVCache, init_cache
+from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.rollout.decode import ChunkTokens, prefill
-from oppo_jax.rollout.layout import gather_response, response_tokens
+from oppo_jax.rollout.decode import ChunkTokens, admission_prefill, prefill
 
 ScorerKind = Literal["logprob", "value", "score"]
 
@@ -60,7 +59,7 @@ def scorer_start(
 ) -> ScorerState:
     """Prefill the prompts into a fresh cache sized for prompt + response."""
     none = jnp.zeros((prompts.shape[0],), jnp.int32)
-    return scorer_admit(spec, params, prompts, prompt_lens, none, prompts.shape[1])
+    return scorer_admit(spec, params, prompts, prompt_lens, none, prompts.shape[1], 0)
 
 
 def scorer_admit(
@@ -70,21 +69,20 @@ def scorer_admit(
     prompt_lens: Int[Array, " S"],
     prefix_len: Int[Array, " S"],
     prompt_width: int,
+    carried_rows: int | None = None,
 ) -> ScorerState:
-    """Prefill prompt + carried partial response; the prefix's quantities come out at once."""
-    slots = context.shape[0]
-    cache = init_cache(spec.model, slots, prompt_width + spec.response_len)
-    context_len = prompt_lens + prefix_len
-    out, cache = prefill(spec.model, params, cache, context, context_len)
-    last = jnp.maximum(context_len - 1, 0)
-    before = gather_response(out, prompt_lens, spec.response_len)
-    prefix = response_tokens(context, prompt_lens, spec.response_len)
-    in_prefix = jnp.arange(spec.response_len)[None, :] < prefix_len[:, None]
+    """Prefill prompt + carried partial response; the prefix's quantities come out at once.
+
+    Only the first ``carried_rows`` slots may carry a prefix (None: any); the others are
+    prefilled at the prompt width alone (see ``admission_prefill``).
+    """
+    cache, last_out, per_token = admission_prefill(
+        spec.model, params, context, prompt_lens, prefix_len,
+        functools.partial(_per_token, spec), prompt_width=prompt_width,
+        response_len=spec.response_len, carried_rows=carried_rows,
+    )  # fmt: skip
     return ScorerState(
-        cache=cache,
-        last_out=jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0],
-        per_token=jnp.where(in_prefix, _per_token(spec, before, prefix), 0.0),
-        num_fed=prefix_len.astype(jnp.int32),
+        cache=cache, last_out=last_out, per_token=per_token, num_fed=prefix_len.astype(jnp.int32)
     )
 
 
@@ -137,10 +135,13 @@ def make_scorer_kernels(spec: ScorerSpec):
 
 @functools.cache
 def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
-    """``scorer_admit`` jitted, returning (state, marker) like the other scorer kernels."""
+    """``scorer_admit`` jitted, returning (state, marker) like the other scorer kernels;
+    ``carried_rows`` is static (one compilation per bucket)."""
 
-    def admit_with_marker(params, context, prompt_lens, prefix_len):
-        state = scorer_admit(spec, params, context, prompt_lens, prefix_len, prompt_width)
+    def admit_with_marker(params, context, prompt_lens, prefix_len, carried_rows=None):
+        state = scorer_admit(
+            spec, params, context, prompt_lens, prefix_len, prompt_width, carried_rows
+        )
         return state, jnp.sum(state.last_out)
 
-    return jax.jit(admit_with_marker)
+    return jax.jit(admit_with_marker, static_argnames=("carried_rows",))

@@ -201,13 +201,20 @@ def test_padded_straggler_costs_every_slot_and_a_wider_admission():
     want = 9 * cost.decode_chunk_s + 59 * cost.decode_step_s(4, 4 + 64)
     assert sync.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
     # Oppo cuts at 10: 2 chunks and the look-ahead, all 24 steps feeding the straggler; it
-    # is readmitted next step with 16 carried tokens: all 5 slots get a context 4 + 16 wide.
+    # is readmitted next step with 16 carried tokens: a context 4 + 16 wide for the carried
+    # rows' bucket (1 row -> 4), the prompt width 4 for the fifth slot.
     t0, t1 = oppo.records[0]["trace"], oppo.records[1]["trace"]
     assert (t0["cut"], t0["finish"][3], t0["width"]) == (10, -1, 4)
     assert (t1["prefix"], t1["width"]) == ([10, 0, 0, 0, 0], 4 + 16)
     want = 3 * cost.decode_chunk_s + 24 * cost.decode_step_s(5, 4 + 64)
     assert oppo.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
+    assert t1["carried_rows"] == 4
     admit = [e.end - e.start for e in oppo.events[1] if e.stage == "prefill actor"]
+    assert admit == [pytest.approx(cost.admit_s(4 * 20 + 1 * 4), rel=1e-12)]
+    # The engine before the split admission prefilled every slot at the wide context.
+    unsplit = dataclasses.replace(cost, split_admission=False)
+    old = _one("oppo", lengths, 4, unsplit, delta=1, **kw)
+    admit = [e.end - e.start for e in old.events[1] if e.stage == "prefill actor"]
     assert admit == [pytest.approx(cost.admit_s(5 * 20), rel=1e-12)]
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from oppo_jax.pipeline.carry import prefix_bucket
 from oppo_jax.sim.engine import Event, Plan
 from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.trace import forward_steps
+from oppo_jax.sim.trace import forward_steps, split_rows
 
 # name -> (scorers stream the actor's chunks, carry stragglers with B + Δ slots)
 SCHEDULES = {"sync": (False, False), "intra": (True, False), "inter": (False, True),
@@ -146,7 +146,10 @@ def _step(cost: CostModel, seqs: list[_Seq], shape: _Shape, disagg: bool, max_de
     lengths = np.array([seqs[i].length for i in batch])
     bucket = prefix_bucket(int(prefix.max()), shape.capacity) if shape.carrying else 0
     width = shape.prompt_len + bucket  # the padded engine's admission context
-    admit = f.size * width if padded else int(prefix.sum()) + f.size * shape.prompt_len
+    # The padded engine prefills its leading carried rows at W and the rest at P.
+    carried_rows = (split_rows(prefix, f.size) if cost.split_admission else f.size) if bucket else 0
+    admitted = carried_rows * width + (f.size - carried_rows) * shape.prompt_len
+    admit = admitted if padded else int(prefix.sum()) + f.size * shape.prompt_len
     seconds, tokens, finish = _decode(cost, f, shape.prompt_len + prefix, cut, c,
                                       shape.prompt_len + shape.capacity)  # fmt: skip
     sync_tokens = f.size * shape.capacity if padded else sum(tokens)
@@ -161,6 +164,7 @@ def _step(cost: CostModel, seqs: list[_Seq], shape: _Shape, disagg: bool, max_de
                                                deferrals=s.deferrals + 1))  # fmt: skip
     trace = {
         "slots": f.size, "width": width, "prompt_width": shape.prompt_len,
+        "carried_rows": carried_rows,
         "response_capacity": shape.capacity, "prefix": prefix.tolist(), "finish": finish.tolist(),
         "lengths": lengths.tolist(), "cut": cut, "n_scorers": cost.n_scorers,
         "events": [[e.stage, e.group, e.start, e.end] for e in events],

@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.trace import forward_steps, observe, scorer_names
+from oppo_jax.sim.trace import admitted_tokens, forward_steps, observe, scorer_names
 
 _NEEDED = ("stage_time_s", "step_time_s", "response_len_mean", "response_len_max", "chunk_size")
 _EPS = 1e-4  # s: a gap shorter than this is no gap (the stage waited for its group instead)
@@ -87,7 +87,8 @@ def _rows(records: list[dict], streamed: bool) -> list[dict]:
     rows = []
     for r in records:
         t, obs = r["trace"], observe(r["trace"])
-        s, w, cap, c = t["slots"], t["width"], t["response_capacity"], r["chunk_size"]
+        s, cap, c = t["slots"], t["response_capacity"], r["chunk_size"]
+        admitted = admitted_tokens(t)
         st = bool(r.get("streamed", streamed))
         n = len(obs["decode"])
         fwd = sum(forward_steps(t["finish"], n, c))
@@ -99,8 +100,9 @@ def _rows(records: list[dict], streamed: bool) -> list[dict]:
             "build_own": build[1] - max(build[0], obs["scoring_end"]),
             "tail": r["step_time_s"] - obs["last"]["update"][1],
             "decode": [n, fwd, fwd * s, fwd * s * (t["prompt_width"] + cap)],
-            "scorer": [k * (1 + calls), k * (s * w + calls * s * (c if st else cap))],
-            "actor": [1.0, s * w], "update": [1.0, len(t["lengths"]) * (t["prompt_width"] + cap)],
+            "scorer": [k * (1 + calls), k * (admitted + calls * s * (c if st else cap))],
+            "actor": [1.0, admitted],
+            "update": [1.0, len(t["lengths"]) * (t["prompt_width"] + cap)],
         })  # fmt: skip
     return rows
 
@@ -180,6 +182,7 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
         build_s=_median(r["build_own"] for r in rows), update_u0=float(upd[0]),
         update_u1=float(upd[1]), copy_s=_median(r["tail"] for r in rows),
         overlap_rate=rate, padded_decode=True,
+        split_admission=all("carried_rows" in r["trace"] for r in records),
         label=f"calibrated from {len(rows)} measured steps (timelines)", **_host(rows),
     )  # fmt: skip
 

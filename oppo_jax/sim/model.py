@@ -55,6 +55,9 @@ class CostModel:
     # True: a fixed-shape engine (this project's JAX decode): every admitted slot costs every
     # decode step, decode runs whole chunks plus the one dispatched before the host sees the cut.
     padded_decode: bool = False
+    # padded engine: carried rows admitted at the wide context, new ones at the prompt width
+    # (False: every slot at the wide context, the engine before the split admission)
+    split_admission: bool = True
     label: str = ""  # where the numbers come from; "PROJECTION ..." for roofline models
 
     def decode_step_s(self, slots: Num, ctx: Num) -> float:

@@ -1,6 +1,7 @@
 """Per-step traces: what the simulator needs of a step, measured (``step_trace``) or simulated.
 
-A trace is plain JSON: the step's shapes (slots S, admission width W, response capacity R),
+A trace is plain JSON: the step's shapes (slots S, admission width W, rows admitted at that
+width K — the rest at the prompt width — and response capacity R),
 each slot's carried-in prefix and finish position, the batch's response lengths, and the
 timeline as ``[stage, group, start, end]`` rows (seconds since the step began).
 ``observe`` turns a trace into what calibration fits: per stage kind, the time it ran alone
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oppo_jax.pipeline.carry import prefix_bucket
+from oppo_jax.pipeline.carry import carried_bucket, prefix_bucket
 
 GENERATION = "generation"
 
@@ -27,10 +28,27 @@ def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool)
     bucket = prefix_bucket(max(prefix), capacity) if carrying else 0
     return {
         "slots": slots, "width": prompt_width + bucket, "prompt_width": prompt_width,
+        "carried_rows": split_rows(prefix, slots) if bucket else 0,
         "response_capacity": capacity, "prefix": prefix, "finish": finish.tolist(),
         "lengths": [int(n) for n in result.response_len], "cut": int(result.selection.cut),
         "events": [[e.stage, e.group, round(e.start, 7), round(e.end, 7)] for e in result.events],
     }  # fmt: skip
+
+
+def split_rows(prefix, slots: int) -> int:
+    """Leading slots the split admission prefills at the full width (carried rows come first),
+    as ``SlotBatch.carried_rows`` computes it."""
+    carrying = np.flatnonzero(np.asarray(prefix) > 0)
+    return carried_bucket(int(carrying[-1]) + 1 if carrying.size else 0, slots)
+
+
+def admitted_tokens(trace: dict) -> int:
+    """Context tokens one admission prefill runs over. Traces that record ``carried_rows``
+    come from the split admission (K rows at width W, the rest at the prompt width P); older
+    ones prefilled every slot at W."""
+    s, w, p = trace["slots"], trace["width"], trace["prompt_width"]
+    k = trace.get("carried_rows", s)
+    return k * w + (s - k) * p
 
 
 def forward_steps(finish, chunks: int, chunk: int) -> list[int]:

@@ -73,20 +73,36 @@ def _demo_build(args, which: str) -> int:
 
 
 def _ensure_cpu_devices(cfg) -> None:
-    """On a CPU, fake as many devices as the config's placement needs (before jax loads)."""
+    """On a CPU, fake as many devices as the config's placement needs (before jax loads),
+    split evenly over ``JAX_NUM_PROCESSES`` processes when several run on one machine."""
     from oppo_jax.config import devices_needed
 
     flag = "--xla_force_host_platform_device_count"
     flags = os.environ.get("XLA_FLAGS", "")
+    processes = max(int(os.environ.get("JAX_NUM_PROCESSES", "").strip() or 1), 1)
     if flag not in flags and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}={devices_needed(cfg)}".strip()
+        count = -(-devices_needed(cfg) // processes)
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}={count}".strip()
+
+
+def _start_runtime(cfg) -> None:
+    """Fake CPU devices, then join the multi-host runtime if this is one process of a job.
+
+    ``jax.distributed.initialize`` must run before any JAX computation: it is driven by
+    ``mesh.multihost`` or by the environment (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID, SLURM, Open MPI, TPU pods); a single process is left alone.
+    """
+    _ensure_cpu_devices(cfg)
+    from oppo_jax.sharding import multihost_initialize
+
+    multihost_initialize(force=cfg.mesh.multihost)
 
 
 def _train(args) -> int:
     from oppo_jax.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # validated before anything compiles
-    _ensure_cpu_devices(cfg)
+    _start_runtime(cfg)
     from oppo_jax.train import train
 
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
@@ -125,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         return sim_main(argv[1:])
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from oppo_jax.config import ConfigError
+    from oppo_jax.errors import (
+        EXIT_BAD_INPUT,
+        EXIT_NONFINITE,
+        EXIT_PREEMPTED,
+        InputError,
+        NonFiniteError,
+        Preempted,
+    )  # fmt: skip
 
     try:
         if args.command == "train":
@@ -138,9 +161,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {export_run(args.run, args.out, args.step, args.critic)}")
             return 0
         return _demo_build(args, args.command)
-    except ConfigError as e:
-        print(f"oppo-jax: config error: {e}", file=sys.stderr)
-        return 2
+    except InputError as e:  # ConfigError, PromptError, CheckpointError (model directories)
+        print(f"oppo-jax: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NonFiniteError as e:
+        print(f"oppo-jax: stopped: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except Preempted as e:
+        print(f"oppo-jax: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
 
 
 if __name__ == "__main__":

@@ -21,6 +21,14 @@ def _scalars(record: dict, prefix: str = ""):
             yield f"{prefix}{key}", float(value)
 
 
+def _finite_or_null(value):
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 class RunLog:
     """Appends one JSON object per step and mirrors the numbers to TensorBoard and a bar."""
 
@@ -51,13 +59,17 @@ class RunLog:
 
     def write(self, record: dict) -> None:
         """Record one step (``record["step"]`` is required)."""
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        # NaN/Inf (a skipped update's losses) become null: metrics.jsonl stays strict JSON.
+        line = json.dumps(_finite_or_null(record), sort_keys=True, allow_nan=False)
+        self._file.write(line + "\n")
         self._file.flush()
         if self._tb is not None:
             for tag, value in _scalars(record):
                 if tag != "step" and math.isfinite(value):
                     self._tb.add_scalar(tag, value, record["step"])
         shown = {k: record[k] for k in _BAR_KEYS if isinstance(record.get(k), int | float)}
+        if record.get("update_skipped"):
+            shown["skipped"] = record.get("nonfinite_total", 1)
         self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
         self._bar.update(1)
 

@@ -13,12 +13,18 @@ import numpy as np
 
 from oppo_jax.config import Config, devices_needed
 from oppo_jax.data.prompts import PromptIterator, load_prompt_file, tokenize_prompts
+from oppo_jax.errors import InputError
 from oppo_jax.models.api import load_hf_model
 from oppo_jax.models.hf_io import load_params
 from oppo_jax.models.tokenizer import same_vocabulary
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.ppo.update import TrainState, make_sharded_init, make_sharded_update
+from oppo_jax.ppo.update import (
+    TrainState,
+    batch_shardings,
+    make_sharded_init,
+    make_sharded_update,
+)
 from oppo_jax.sharding import make_device_groups
 from oppo_jax.specs import rollout_spec, update_spec
 
@@ -44,6 +50,7 @@ class RunContext:
     actor_dir: Path
     gold_fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None  # (responses, lengths) -> [B]
     placement: Placement
+    prompts_truncated: int = 0  # user prompts cut to rollout.max_prompt_len (warned at load)
 
     def prompt_iterator(self, state: dict | None = None) -> PromptIterator:
         """Prompts in the run's deterministic order, optionally resumed from ``state``."""
@@ -69,25 +76,37 @@ def _resolve_models(cfg: Config, progress: bool):
     m = cfg.model
     if "demo" in (m.actor_path, m.reward_path):
         if (m.actor_path, m.reward_path) != ("demo", "demo"):
-            raise ValueError(
+            raise InputError(
                 "model.actor_path and model.reward_path must both be 'demo' or neither"
             )
         return _demo_assets(cfg, progress)
     return Path(m.actor_path), Path(m.reward_path), None, None
 
 
-def _user_prompts(cfg: Config, tokenizer) -> list[np.ndarray]:
+def _user_prompts(cfg: Config, tokenizer) -> tuple[list[np.ndarray], int]:
+    """(tokenized prompts of ``data.prompts``, how many were truncated)."""
     texts = load_prompt_file(cfg.data.prompts, cfg.data.prompt_field)
-    prompts, _ = tokenize_prompts(
-        texts, tokenizer, cfg.rollout.max_prompt_len, on_too_long=cfg.rollout.prompt_too_long
-    )
-    return prompts
+    return tokenize_prompts(
+        texts, tokenizer, cfg.rollout.max_prompt_len, on_too_long=cfg.rollout.prompt_too_long,
+        source=cfg.data.prompts,
+    )  # fmt: skip
+
+
+def _check_context(cfg: Config, actor_dir: Path, context: int) -> None:
+    """Prompt plus response must fit the positions the actor was trained for."""
+    r = cfg.rollout
+    if r.max_prompt_len + r.max_response_len > context:
+        raise InputError(
+            f"rollout.max_prompt_len={r.max_prompt_len} + rollout.max_response_len="
+            f"{r.max_response_len} exceeds the context of {actor_dir} "
+            f"(max_position_embeddings={context})"
+        )
 
 
 def _placement(cfg: Config) -> Placement:
     m, have = cfg.mesh, len(jax.devices())
     if devices_needed(cfg) > have:
-        raise ValueError(
+        raise InputError(
             f"the config needs {devices_needed(cfg)} devices (mesh {m.data}x{m.fsdp}x{m.tensor}"
             f" + scoring_devices {m.scoring_devices}) but {have} are visible; on a CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_needed(cfg)}"
@@ -99,6 +118,18 @@ def _placement(cfg: Config) -> Placement:
     return Placement(groups)
 
 
+def _batch_resharded(update: Callable, mesh) -> Callable:
+    """``update`` that first lays the PPO batch out on its row sharding. jit reshards a
+    mismatched argument by itself only when one process holds all of it; with several
+    processes (multi-host) the batch built by the experience kernel must be moved here."""
+    shardings = batch_shardings(mesh)
+
+    def run(state, batch, key, kl_coef):
+        return update(state, jax.device_put(batch, shardings), key, kl_coef)
+
+    return run
+
+
 def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
     """Load (or build) the models, the prompts and the compiled kernels of ``cfg``."""
     actor_dir, reward_dir, prompts, gold_fn = _resolve_models(cfg, progress)
@@ -107,11 +138,11 @@ def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
     actor = load_hf_model(actor_dir, trust_remote_code=remote, **dtypes)
     reward = load_hf_model(reward_dir, trust_remote_code=remote, **dtypes)
     if actor.config.head != "lm" or reward.config.head != "score":
-        raise ValueError(f"{actor_dir} must be a CausalLM and {reward_dir} a sequence classifier")
+        raise InputError(f"{actor_dir} must be a CausalLM and {reward_dir} a sequence classifier")
     if actor.tokenizer is None:
-        raise ValueError(f"{actor_dir}: no tokenizer files found")
+        raise InputError(f"{actor_dir}: no tokenizer files found")
     if reward.tokenizer is not None and not same_vocabulary(actor.tokenizer, reward.tokenizer):
-        raise ValueError(
+        raise InputError(
             f"actor ({actor_dir}) and reward model ({reward_dir}) use different tokenizers; "
             "the reward model would read token ids from another vocabulary"
         )
@@ -120,20 +151,23 @@ def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
         critic_cfg, critic_params = reward.config, jax.tree.map(jnp.copy, reward.params)
     else:
         critic_params = load_params(actor_dir, critic_cfg, fresh_head_key=jax.random.key(cfg.seed))
+    _check_context(cfg, actor_dir, actor.config.max_position_embeddings)
+    truncated = 0
     if prompts is None:
-        prompts = _user_prompts(cfg, actor.tokenizer)
+        prompts, truncated = _user_prompts(cfg, actor.tokenizer)
     tok = actor.tokenizer
     eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     placement = _placement(cfg)
     mesh = placement.groups.training
     spec = update_spec(cfg, actor.config, critic_cfg)
-    update, _ = make_sharded_update(spec, mesh)
-    rollout = rollout_spec(cfg, eos_ids, pad_id)
+    update = _batch_resharded(make_sharded_update(spec, mesh)[0], mesh)
+    rollout = rollout_spec(cfg, eos_ids, pad_id, placement)
     kernels = build_kernels(spec, rollout, reward_model=reward.config, update=update)
     state = make_sharded_init(spec, mesh)(actor.params, critic_params)
     return RunContext(
-        cfg, kernels, state, ref_params=placement.to_scoring(actor.params),
-        reward_params=placement.to_scoring(reward.params), prompts=prompts, tokenizer=tok,
-        actor_dir=actor_dir, gold_fn=gold_fn, placement=placement,
+        cfg, kernels, state, ref_params=placement.scoring_params(actor.config, actor.params),
+        reward_params=placement.scoring_params(reward.config, reward.params), prompts=prompts,
+        tokenizer=tok,
+        actor_dir=actor_dir, gold_fn=gold_fn, placement=placement, prompts_truncated=truncated,
     )  # fmt: skip

@@ -12,19 +12,21 @@ import numpy as np
 from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import Config, to_yaml
 from oppo_jax.data.prompts import PromptIterator
+from oppo_jax.errors import NonFiniteError, Preempted
 from oppo_jax.pipeline.carry import CarryBuffer, SlotBatch, admit, carry_out
 from oppo_jax.pipeline.chunk_control import ChunkSizeController
 from oppo_jax.pipeline.overcommit import OvercommitController
 from oppo_jax.pipeline.schedule import run_step
 from oppo_jax.pipeline.timeline import Timeline, TraceWriter
 from oppo_jax.ppo.kl_control import make_kl_controller
+from oppo_jax.preemption import StopOnSignal
 from oppo_jax.run_log import RunLog, read_metrics
 from oppo_jax.run_setup import RunContext, prepare_run
 
 # Update metrics copied into metrics.jsonl under the same name.
 _UPDATE_KEYS = (
     "policy_loss", "value_loss", "clipfrac", "vf_clipfrac", "approx_kl", "entropy",
-    "actor_grad_norm", "critic_grad_norm",
+    "actor_grad_norm", "critic_grad_norm", "nonfinite_batch", "nonfinite_update",
 )  # fmt: skip
 
 
@@ -38,6 +40,8 @@ class HostState:
     chunks: ChunkSizeController
     deltas: OvercommitController
     buffer: CarryBuffer  # sequences carried into the next step
+    nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped (NaN/Inf)
+    nonfinite_total: int = 0  # all skipped updates of the run
 
     @classmethod
     def fresh(cls, cfg: Config, ctx: RunContext) -> HostState:
@@ -67,6 +71,7 @@ class HostState:
             "step": self.step, "kl_coef": float(self.kl_ctl.value),
             "prompts": self.prompts.state(), "chunks": self.chunks.state(),
             "deltas": self.deltas.state(), "buffer": self.buffer.state(),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row, "nonfinite_total": self.nonfinite_total,
         }  # fmt: skip
 
     def restore(self, data: dict, ctx: RunContext) -> None:
@@ -76,6 +81,8 @@ class HostState:
         self.chunks.restore(data["chunks"])
         self.deltas.restore(data["deltas"])
         self.buffer = CarryBuffer.from_state(data["buffer"])
+        self.nonfinite_in_a_row = int(data.get("nonfinite_in_a_row", 0))
+        self.nonfinite_total = int(data.get("nonfinite_total", 0))
 
 
 def _step_keys(seed: int, step: int):
@@ -120,13 +127,21 @@ def _record(ctx: RunContext, step: int, result, kl_coef: float, chunk_size: int)
     return record
 
 
+def _files_dir(out: Path) -> Path:
+    """Where this process writes config, metrics, trace and TensorBoard: the run directory for
+    process 0; ``processes/<i>/`` inside it for the others of a multi-host run (every process
+    runs the same loop and computes the same records). Checkpoints are shared by all."""
+    i = jax.process_index()
+    return out if i == 0 else out / "processes" / str(i)
+
+
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
     """Run ``cfg.train.steps`` PPO steps, writing the run directory; returns a summary."""
-    out = Path(out_dir)
+    ckpt_dir, out = Path(out_dir) / "checkpoints", _files_dir(Path(out_dir))
     out.mkdir(parents=True, exist_ok=True)
     ctx = prepare_run(cfg, progress)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    ckpt = RunCheckpointer(out / "checkpoints", max_to_keep=cfg.train.max_to_keep)
+    ckpt = RunCheckpointer(ckpt_dir, max_to_keep=cfg.train.max_to_keep)
     host = HostState.fresh(cfg, ctx)
     if resume and ckpt.latest_step() is not None:
         ctx.train_state, extra = ckpt.restore(None, abstract_like(ctx.train_state))
@@ -134,13 +149,16 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     log = RunLog(out, cfg.train.steps, host.step, progress)
     trace = TraceWriter(out / "trace.json")
     try:
-        _loop(cfg, ctx, host, ckpt, log, trace)
+        with StopOnSignal() as stop:
+            _loop(cfg, ctx, host, ckpt, log, trace, stop)
     finally:
         trace.write()
         ckpt.wait()
         ckpt.close()
         log.close()
-    return summarize(out / "metrics.jsonl")
+    summary = summarize(out / "metrics.jsonl")
+    summary.update(nonfinite_skipped=host.nonfinite_total, prompts_truncated=ctx.prompts_truncated)
+    return summary
 
 
 def step_once(cfg: Config, ctx: RunContext, host: HostState, train_state, timeline, stream: bool):
@@ -148,8 +166,9 @@ def step_once(cfg: Config, ctx: RunContext, host: HostState, train_state, timeli
     feed the controllers. Returns (new train state, metrics record, StepResult)."""
     b, r = cfg.rollout.batch_size, cfg.rollout.max_response_len
     step, delta = host.step, host.deltas.delta
+    num_slots = ctx.placement.num_slots(b + host.deltas.slots_needed)  # even slot shards
     slots = admit(
-        host.buffer, host.prompts, b + delta, b + host.deltas.slots_needed,
+        host.buffer, host.prompts, b + delta, num_slots,
         cfg.rollout.max_prompt_len, r, host.deltas.slots_needed > 0,
         cfg.pipeline.max_deferrals, ctx.kernels.rollout.pad_id,
     )  # fmt: skip
@@ -164,26 +183,55 @@ def step_once(cfg: Config, ctx: RunContext, host: HostState, train_state, timeli
     host.buffer.extend(carried)
     record = _record(ctx, step, result, kl_coef, chunk_size)
     record.update(_staleness(slots, result, len(carried), delta))
-    host.kl_ctl = host.kl_ctl.update(record["kl"], b)
+    skipped = bool(record["nonfinite_batch"] or record["nonfinite_update"])
+    host.nonfinite_in_a_row = host.nonfinite_in_a_row + 1 if skipped else 0
+    host.nonfinite_total += skipped
+    record["update_skipped"], record["nonfinite_total"] = skipped, host.nonfinite_total
+    if not skipped:  # a NaN reward or KL would poison the controllers for good
+        host.kl_ctl = host.kl_ctl.update(record["kl"], b)
+        host.deltas.observe(record["reward"])
     host.chunks.observe(step, chunk_size, result.wall_s)
-    host.deltas.observe(record["reward"])
     host.step = step + 1
     return result.train_state, record, result
 
 
-def _loop(cfg: Config, ctx: RunContext, host: HostState, ckpt, log: RunLog, trace) -> None:
-    """Steps from ``host.step`` to the end, with records and checkpoints."""
-    timeline = Timeline()
+def _loop(cfg: Config, ctx: RunContext, host: HostState, ckpt, log, trace, stop) -> None:
+    """Steps from ``host.step`` to the end, with records and checkpoints.
+
+    Raises ``Preempted`` after checkpointing when ``stop`` saw a signal, and ``NonFiniteError``
+    after ``train.max_nonfinite_in_a_row`` skipped updates in a row.
+    """
+    timeline, saved = Timeline(), host.step
     while host.step < cfg.train.steps:
+        if stop.received:
+            if saved != host.step:
+                ckpt.save(host.step, ctx.train_state, {"host": host.to_json()})
+            ckpt.wait()
+            raise Preempted(host.step, stop.received, str(ckpt.directory))
         state, record, result = step_once(
             cfg, ctx, host, ctx.train_state, timeline, cfg.pipeline.mode == "oppo"
         )
         ctx.train_state = state
         trace.add_step(record["step"], result.events, result.wall_s)
         log.write(record)
+        limit = cfg.train.max_nonfinite_in_a_row
+        if host.nonfinite_in_a_row >= limit:
+            raise NonFiniteError(
+                f"step {record['step']}: {limit} updates in a row were skipped for NaN/Inf values "
+                f"({_nonfinite_where(record)}; train.max_nonfinite_in_a_row={limit}). The "
+                f"parameters are those before the first skip; checkpoints hold no NaN."
+            )
         every = cfg.train.checkpoint_every
         if every and (host.step % every == 0 or host.step == cfg.train.steps):
             ckpt.save(host.step, ctx.train_state, {"host": host.to_json()})
+            saved = host.step
+
+
+def _nonfinite_where(record: dict) -> str:
+    """Which stage produced the non-finite values of a skipped step, in words."""
+    if record["nonfinite_batch"]:
+        return "in the rollout batch: rewards, log-probs or values"
+    return "in the loss or gradients of the update"
 
 
 def summarize(metrics_path: Path, window: int = 5) -> dict:
@@ -197,6 +245,9 @@ def summarize(metrics_path: Path, window: int = 5) -> dict:
     }
     for key in ("reward", "gold", "kl", "response_len_mean"):
         if key in records[0]:
-            summary[f"{key}_start"] = float(np.mean([r[key] for r in records[:window]]))
-            summary[f"{key}_end"] = float(np.mean([r[key] for r in records[-window:]]))
+            # null (a skipped step's NaN) is left out of the means
+            first = [r[key] for r in records[:window] if r[key] is not None]
+            last = [r[key] for r in records[-window:] if r[key] is not None]
+            summary[f"{key}_start"] = float(np.mean(first)) if first else float("nan")
+            summary[f"{key}_end"] = float(np.mean(last)) if last else float("nan")
     return summary

@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Parity tests compare against float32 references; keep XLA from using lower-precision matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -18,3 +19,13 @@ _CACHE = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"oppo_jax_test_xla_cach
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """Point OPPO_JAX_CACHE at a session directory where the small demo assets of
+    ``tests.run_fixtures.small_demo_config`` are built once and shared by every test module."""
+    cache = tmp_path_factory.mktemp("demo_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPPO_JAX_CACHE", str(cache))
+        yield cache

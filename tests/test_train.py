@@ -7,33 +7,9 @@ import pytest
 from oppo_jax.config import load_config
 from oppo_jax.run_log import read_metrics
 from oppo_jax.train import train
-
-TIMING_KEYS = {"step_time_s", "stage_time_s", "busy_fraction"}
-
-
-@pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory, monkeypatch_module):
-    """Small demo assets built once for this module (the real demo trains them longer)."""
-    cache = tmp_path_factory.mktemp("cache")
-    monkeypatch_module.setenv("OPPO_JAX_CACHE", str(cache))
-    return cache
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-def _cfg(*extra):
-    return load_config(None, [
-        "train.sft_steps=40", "train.rm_steps=40", "train.steps=4", "train.checkpoint_every=2",
-        "rollout.batch_size=8", "rollout.max_response_len=32", "pipeline.mode=sync", *extra,
-    ])  # fmt: skip
-
-
-def _values(path):
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(path)]
+from tests.run_fixtures import OPPO_WITH_CARRYING
+from tests.run_fixtures import metric_values as _values
+from tests.run_fixtures import small_demo_config as _cfg
 
 
 def test_run_directory_and_metrics(demo_cache, tmp_path):
@@ -58,12 +34,6 @@ def test_run_directory_and_metrics(demo_cache, tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2", "4"
     ]  # fmt: skip
-
-
-OPPO_WITH_CARRYING = (
-    "pipeline.mode=oppo", "pipeline.overcommit=3", "pipeline.adaptive_overcommit=true",
-    "pipeline.overcommit_window=1", "pipeline.chunk_size=4",
-)  # fmt: skip
 
 
 @pytest.mark.parametrize("schedule", [(), OPPO_WITH_CARRYING], ids=["sync", "oppo-carrying"])

@@ -150,7 +150,8 @@ def ppo_update(spec: UpdateSpec, state: TrainState, batch: PPOBatch, key, kl_coe
     """All epochs and minibatches of one PPO step; returns the new state and mean metrics.
 
     Each epoch draws a fresh permutation of the B rows from ``key`` and splits it into
-    ``num_minibatches`` minibatches.
+    ``num_minibatches`` minibatches. A step that meets a non-finite value is skipped whole
+    (metrics ``nonfinite_batch`` / ``nonfinite_update`` are 1; the state is returned as given).
     """
     num_rows = batch.tokens.shape[0]
 
@@ -161,8 +162,26 @@ def ppo_update(spec: UpdateSpec, state: TrainState, batch: PPOBatch, key, kl_coe
         return jax.lax.scan(step, state, _split(shuffled, spec.ppo.num_minibatches))
 
     keys = jax.random.split(key, spec.ppo.ppo_epochs)
-    state, metrics = jax.lax.scan(epoch, state, keys)
-    return state.replace(step=state.step + 1), jax.tree.map(jnp.mean, metrics)
+    new_state, metrics = jax.lax.scan(epoch, state, keys)
+    new_state = new_state.replace(step=new_state.step + 1)
+    # A NaN/Inf anywhere (rewards, log-probs, values, losses, gradients) skips the whole step:
+    # the state comes back bitwise unchanged and the metrics say why (the host counts these).
+    batch_ok = all_finite(batch)
+    update_ok = all_finite(metrics)
+    ok = batch_ok & update_ok
+    state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["nonfinite_batch"] = (~batch_ok).astype(jnp.float32)
+    metrics["nonfinite_update"] = (~update_ok).astype(jnp.float32)
+    return state, metrics
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every floating-point leaf of ``tree`` is free of NaN and Inf."""
+    checks = [
+        jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.stack(checks).all() if checks else jnp.bool_(True)
 
 
 def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):

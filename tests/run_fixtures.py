@@ -1,0 +1,33 @@
+"""Small end-to-end runs of the demo shared by the training and reliability tests."""
+
+from oppo_jax.config import Config, load_config
+from oppo_jax.run_log import read_metrics
+
+# Wall-clock metrics: everything else in metrics.jsonl must reproduce bit for bit.
+TIMING_KEYS = {"step_time_s", "stage_time_s", "busy_fraction"}
+
+# Small demo assets (the real demo trains them longer); the `demo_cache` fixture holds them.
+DEMO_TEST_STEPS = ("train.sft_steps=40", "train.rm_steps=40")
+
+# An oppo schedule that carries sequences across steps from the first step on.
+OPPO_WITH_CARRYING = (
+    "pipeline.mode=oppo", "pipeline.overcommit=3", "pipeline.adaptive_overcommit=true",
+    "pipeline.overcommit_window=1", "pipeline.chunk_size=4",
+)  # fmt: skip
+
+
+def small_demo_args(*extra: str) -> list[str]:
+    """Overrides of a 4-step sync demo run at B = 8 (later items override earlier ones)."""
+    return [
+        *DEMO_TEST_STEPS, "train.steps=4", "train.checkpoint_every=2",
+        "rollout.batch_size=8", "rollout.max_response_len=32", "pipeline.mode=sync", *extra,
+    ]  # fmt: skip
+
+
+def small_demo_config(*extra: str) -> Config:
+    return load_config(None, small_demo_args(*extra))
+
+
+def metric_values(path) -> list[dict]:
+    """The records of a metrics.jsonl file without their wall-clock entries."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(path)]

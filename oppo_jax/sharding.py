@@ -163,6 +163,74 @@ def per_device_bytes(abstract_tree: Any, sharding_tree: Any) -> int:
     )
 
 
+# Logical axes of a KV cache [L, S, Tc, K, Dh] (see oppo_jax/models/kv_cache.py): slots over
+# the batch axes, kv-heads over tensor. Every other slot-major rollout array shards its axis 0.
+KV_CACHE_AXES = (None, "batch", "length", "kv_heads", None)
+
+
+def batch_shards(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> int:
+    """Devices the "batch" logical axis is split over (default: data x fsdp)."""
+    return _mesh_size(mesh, rules.spec(("batch",))[0])
+
+
+def padded_slot_count(num_slots: int, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> int:
+    """``num_slots`` rounded up to a multiple of ``batch_shards``, so slots shard evenly.
+
+    Example: data x fsdp = 4: 10 -> 12, 12 -> 12. The extra slots stay inactive (empty).
+    """
+    n = batch_shards(mesh, rules)
+    return -(-num_slots // n) * n
+
+
+def fitted_sharding(
+    mesh: Mesh,
+    shape: Sequence[int],
+    logical_axes: Sequence[str | None],
+    rules: ShardingRules = DEFAULT_RULES,
+) -> NamedSharding:
+    """``rules.sharding`` for an array of ``shape``, with every dim whose size its mesh axes do
+    not divide replicated instead (e.g. 3 kv-heads on tensor=2), silently."""
+    spec = list(rules.spec(logical_axes))
+    spec += [None] * (len(shape) - len(spec))
+    spec = [
+        None if size % _mesh_size(mesh, ax) else ax for size, ax in zip(shape, spec, strict=True)
+    ]
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _is_cache_leaf(path, x) -> bool:
+    last = path[-1] if path else None
+    return len(x.shape) == 5 and getattr(last, "name", None) in ("k", "v")
+
+
+def slot_shardings(tree: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> list:
+    """Shardings for the leaves of slot-major rollout state (DecodeState, ScorerState, ...),
+    as a list in ``jax.tree.leaves(tree)`` order (a flax dataclass cannot hold shardings).
+
+    KV cache keys/values follow ``KV_CACHE_AXES``; every other array of rank >= 1 is split
+    along its first (slot) axis as "batch"; scalars are replicated. Leaves may be arrays or
+    ShapeDtypeStructs. A slot count that the batch axes do not divide stays replicated.
+    """
+
+    def one(path, x):
+        if _is_cache_leaf(path, x):
+            return fitted_sharding(mesh, x.shape, KV_CACHE_AXES, rules)
+        if len(x.shape) == 0:
+            return NamedSharding(mesh, PartitionSpec())
+        return fitted_sharding(mesh, x.shape, ("batch",), rules)
+
+    return [one(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def constrain_slots(tree: Any, mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> Any:
+    """Inside jit: lay slot-major rollout state out as ``slot_shardings``; identity for None."""
+    if mesh is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    laid_out = jax.lax.with_sharding_constraint(leaves, slot_shardings(tree, mesh, rules))
+    return jax.tree.unflatten(treedef, laid_out)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceGroups:
     """Meshes for the roles: actor generation, actor/critic training, and scoring consumers."""
@@ -217,11 +285,16 @@ def make_device_groups(
     return DeviceGroups(main, main, make_mesh(scoring_devices, 1, 1, scorers), placement)
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
+
+
 def _cluster_detected() -> bool:
     """True when environment variables say this process is one of several in a job."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("OMPI_MCA_orte_hnp_uri"):
         return True
-    if int(os.environ.get("SLURM_NTASKS", "1") or "1") > 1:
+    if (_env_int("JAX_NUM_PROCESSES") or 1) > 1 or (_env_int("SLURM_NTASKS") or 1) > 1:
         return True
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
@@ -230,19 +303,27 @@ def multihost_initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    force: bool = False,
 ) -> bool:
     """Start JAX's multi-controller runtime when running multi-process; returns whether it did.
 
-    A single process (``num_processes == 1``, or None with no coordinator and no SLURM/Open MPI/
-    TPU-pod/JAX_COORDINATOR_ADDRESS environment) is left alone, so laptops and one-GPU runs need no
-    set-up. Otherwise this is ``jax.distributed.initialize`` as is (it auto-detects the cluster
-    when the arguments are None); nothing home-made sits on top.
+    Call it before any JAX computation. Arguments left None are read from ``JAX_NUM_PROCESSES``
+    and ``JAX_PROCESS_ID`` (jax itself reads ``JAX_COORDINATOR_ADDRESS``), else auto-detected by
+    ``jax.distributed.initialize`` (SLURM, Open MPI, Cloud TPU pods, GKE). A single process
+    (``num_processes == 1``, or no coordinator and no SLURM/Open MPI/TPU-pod/JAX_* cluster
+    variables) is left alone unless ``force`` (the config's ``mesh.multihost``), so laptops and
+    one-host runs need no set-up. Nothing home-made sits on top of ``jax.distributed``.
     """
     if jax.distributed.is_initialized():
         return False
+    if num_processes is None:
+        num_processes = _env_int("JAX_NUM_PROCESSES")
+    if process_id is None:
+        process_id = _env_int("JAX_PROCESS_ID")
     if num_processes == 1:
         return False
-    if num_processes is None and coordinator_address is None and not _cluster_detected():
+    unset = num_processes is None and coordinator_address is None
+    if unset and not force and not _cluster_detected():
         return False
     jax.distributed.initialize(
         coordinator_address=coordinator_address,

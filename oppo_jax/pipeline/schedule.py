@@ -164,8 +164,10 @@ def _finish(kernels, placement, timeline, scorers, state, slots, gen, batch_size
         "scores": scorers.states["reward"].score if "reward" in scorers.states else None,
     })  # fmt: skip
     kl = jnp.float32(kl_coef)
+    # Only the prompts of the context are needed: one compilation for every admission width.
+    prompts = jnp.asarray(slots.context[:, : kernels.rollout.prompt_width])
     batch, stats = kernels.experience(
-        state, jnp.asarray(selection.batch, jnp.int32), *gen,
+        state, jnp.asarray(selection.batch, jnp.int32), prompts, *gen[1:],
         jnp.asarray(slots.prefix_behaviour), **outputs, kl_coef=kl,
     )  # fmt: skip
     timeline.track("build batch", GENERATION, stats["reward"])

@@ -331,3 +331,20 @@ def multihost_initialize(
         process_id=process_id,
     )
     return True
+
+
+def to_host(tree):
+    """The global values of ``tree``'s arrays as NumPy, on every process.
+
+    A plain read where this process holds the whole value (one process, or a replicated
+    array); an all-gather where the array is sharded over devices of other processes
+    (multi-host runs shard the rollout's slots), which every process must then call alike.
+    """
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.device_get(x))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from oppo_jax.config import Config
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.pipeline.kernels import RolloutSpec
+from oppo_jax.pipeline.placement import Placement
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import (
     UpdateSpec,
@@ -41,14 +42,19 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateS
     )
 
 
-def rollout_spec(cfg: Config, eos_ids: tuple[int, ...], pad_id: int) -> RolloutSpec:
-    """Static rollout shapes for ``cfg``."""
+def rollout_spec(
+    cfg: Config, eos_ids: tuple[int, ...], pad_id: int, placement: Placement | None = None
+) -> RolloutSpec:
+    """Static rollout shapes for ``cfg``; with a ``placement``, the meshes the decode and
+    scorer state are sharded over (generation mesh, and ``placement.scoring_mesh``)."""
     return RolloutSpec(
         sampling=sampling_config(cfg),
         prompt_width=cfg.rollout.max_prompt_len,
         max_response_len=cfg.rollout.max_response_len,
         eos_ids=tuple(eos_ids),
         pad_id=pad_id,
+        mesh=None if placement is None else placement.groups.generation,
+        scoring_mesh=None if placement is None else placement.scoring_mesh,
     )
 
 

@@ -9,6 +9,9 @@ cache index is its position. Rows of one batch may hold different lengths: a wri
 tokens to slot s lands at indices ``length[s] .. length[s] + T - 1``. Writes past the capacity
 are dropped, never wrapped or shifted, so an undersized cache loses tokens instead of silently
 overwriting others.
+
+On a mesh the rollout kernels shard S over the batch axes (data x fsdp) and K over tensor
+(logical axes ``oppo_jax.sharding.KV_CACHE_AXES``), so each device holds its slots only.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from oppo_jax.ppo.experience import build_batch
 from oppo_jax.ppo.update import UpdateSpec, ppo_update
@@ -31,6 +32,8 @@ class RolloutSpec:
     max_response_len: int  # R, response capacity in tokens
     eos_ids: tuple[int, ...]  # token ids that end a response
     pad_id: int = 0  # padding token id
+    mesh: Mesh | None = None  # generation mesh: decode state sharded along slots (None: as is)
+    scoring_mesh: Mesh | None = None  # scorers' mesh, likewise (the same one when colocated)
 
 
 def experience(
@@ -84,6 +87,7 @@ def _admit_with_marker(spec: UpdateSpec, rollout: RolloutSpec, *args, carried_ro
         spec.actor, *args, prompt_width=rollout.prompt_width,
         max_response_len=rollout.max_response_len, eos_ids=rollout.eos_ids,
         pad_id=rollout.pad_id, temperature=spec.temperature, carried_rows=carried_rows,
+        mesh=rollout.mesh,
     )  # fmt: skip
     return state, state.num_generated + 0  # a fresh array: the state itself gets donated
 
@@ -102,18 +106,20 @@ class Kernels:
 
     def decode(self, chunk_size: int) -> Callable:
         """``decode_chunk_emit`` for this chunk size (compiled on first use, then cached)."""
-        return make_decode_chunk_emit(self.spec.actor, self.rollout.sampling, chunk_size)
+        return make_decode_chunk_emit(
+            self.spec.actor, self.rollout.sampling, chunk_size, self.rollout.mesh
+        )
 
     @functools.cached_property
     def scorer_specs(self) -> dict[str, ScorerSpec]:
         """The streaming consumers of the actor's tokens, by role."""
-        r = self.rollout.max_response_len
+        r, mesh = self.rollout.max_response_len, self.rollout.scoring_mesh
         specs = {
-            "reference": ScorerSpec(self.spec.actor, "logprob", r, self.spec.temperature),
-            "critic": ScorerSpec(self.spec.critic, "value", r),
+            "reference": ScorerSpec(self.spec.actor, "logprob", r, self.spec.temperature, mesh),
+            "critic": ScorerSpec(self.spec.critic, "value", r, mesh=mesh),
         }
         if self.reward_fn is None:
-            specs["reward"] = ScorerSpec(self.reward_model, "score", r)
+            specs["reward"] = ScorerSpec(self.reward_model, "score", r, mesh=mesh)
         return specs
 
     def scorer_admit(self, role: str) -> Callable:

@@ -21,6 +21,7 @@ from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION, Placement
 from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
 from oppo_jax.rollout.decode import ChunkTokens, CutRule
+from oppo_jax.sharding import to_host
 
 
 @dataclasses.dataclass
@@ -154,7 +155,7 @@ def run_step(
 def _finish(kernels, placement, timeline, scorers, state, slots, gen, batch_size, train_state,
             key, kl_coef):  # fmt: skip
     """Cut the rollout, build the batch from the chosen slots, update, close the timeline."""
-    finish_step = np.asarray(jax.device_get(state.finish_step))
+    finish_step = to_host(state.finish_step)
     selection = select_batch(finish_step, slots.active, slots.must_finish, batch_size)
     if selection is None:  # the decode loop only stops when the rule holds
         raise RuntimeError("rollout ended before enough sequences finished")
@@ -173,9 +174,7 @@ def _finish(kernels, placement, timeline, scorers, state, slots, gen, batch_size
     timeline.track("build batch", GENERATION, stats["reward"])
     train_state, update_metrics = kernels.update(train_state, batch, key, kl)
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
-    tokens, logprobs, num_generated = jax.device_get(
-        (state.tokens, state.logprobs, state.num_generated)
-    )
+    tokens, logprobs, num_generated = to_host((state.tokens, state.logprobs, state.num_generated))
     events, wall = timeline.end_step()
     return StepResult(
         train_state, {**stats, **update_metrics}, selection, np.asarray(tokens),

@@ -3,6 +3,10 @@
 Dimension letters: S slots, P prompt width, R response capacity (max response length), V vocab.
 All slots decode in lockstep; a slot that has finished (EOS, max length, or empty) is frozen:
 it samples nothing, writes nothing and its cache length stops advancing.
+
+With a ``mesh``, the kernels lay the per-slot state out along the slot axis over the batch
+axes, and the cache's kv-heads over tensor (``oppo_jax.sharding.slot_shardings``), so each
+device holds 1/(data x fsdp) of the slots; the parameters arrive with their own shardings.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.models.kv_cache import KVCache, init_cache
@@ -20,6 +25,7 @@ from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
 from oppo_jax.rollout.layout import gather_response, response_tokens
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
+from oppo_jax.sharding import constrain_slots
 
 
 @flax.struct.dataclass
@@ -95,10 +101,13 @@ def start_decode(
 PrefixFn = Callable[[Float[Array, "S R O"], Int[Array, "S R"]], Float[Array, "S R"]]
 
 
-def _prefill_rows(cfg, params, context, prompt_lens, prefix_len, capacity, response_len, prefix_fn):
+def _prefill_rows(
+    cfg, params, context, prompt_lens, prefix_len, capacity, response_len, prefix_fn, mesh=None
+):
     """Prefill rows into a fresh cache: (cache, output at the last context token, prefix
     quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
-    cache = init_cache(cfg, context.shape[0], capacity)
+    # Born sharded along the slots: a replicated [L, S, P + R, K, Dh] buffer would not fit.
+    cache = constrain_slots(init_cache(cfg, context.shape[0], capacity), mesh)
     context_len = prompt_lens + prefix_len
     out, cache = prefill(cfg, params, cache, context, context_len)
     last = jnp.maximum(context_len - 1, 0)
@@ -122,6 +131,7 @@ def admission_prefill(
     prompt_width: int,
     response_len: int,
     carried_rows: int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[KVCache, Float[Array, "S O"], Float[Array, "S R"]]:
     """Prefill each slot's context (prompt + carried prefix) into a cache of P + R per slot.
 
@@ -130,20 +140,24 @@ def admission_prefill(
     prompt width P, and yield zeros. Prefill cost is then about K·W + (S − K)·P tokens, not
     S·W, and the [rows, W, O] outputs exist for the carried rows only.
 
-    Returns (cache, head output at each slot's last context token, prefix quantities [S, R]).
+    Returns (cache, head output at each slot's last context token, prefix quantities [S, R]),
+    laid out along the slots over ``mesh`` when one is given.
     """
     slots = context.shape[0]
     k = slots if carried_rows is None else min(carried_rows, slots)
     prefill_rows = functools.partial(
-        _prefill_rows, cfg, params, capacity=prompt_width + response_len, response_len=response_len
-    )
+        _prefill_rows, cfg, params, capacity=prompt_width + response_len,
+        response_len=response_len, mesh=mesh,
+    )  # fmt: skip
     if k == slots:
-        return prefill_rows(context, prompt_lens, prefix_len, prefix_fn=prefix_fn)
+        return constrain_slots(
+            prefill_rows(context, prompt_lens, prefix_len, prefix_fn=prefix_fn), mesh
+        )
     fresh = prefill_rows(
         context[k:, :prompt_width], prompt_lens[k:], jnp.zeros_like(prefix_len[k:]), prefix_fn=None
     )
     if k == 0:
-        return fresh
+        return constrain_slots(fresh, mesh)
     carried = prefill_rows(context[:k], prompt_lens[:k], prefix_len[:k], prefix_fn=prefix_fn)
     # Caches share the capacity P + R, so the two parts stack along the slot axis.
     cache = KVCache(
@@ -151,7 +165,8 @@ def admission_prefill(
         v=jnp.concatenate([carried[0].v, fresh[0].v], axis=1),
         length=jnp.concatenate([carried[0].length, fresh[0].length]),
     )
-    return cache, *(jnp.concatenate([a, b]) for a, b in zip(carried[1:], fresh[1:], strict=True))
+    rest = (jnp.concatenate([a, b]) for a, b in zip(carried[1:], fresh[1:], strict=True))
+    return constrain_slots((cache, *rest), mesh)
 
 
 def admit_decode(
@@ -172,6 +187,7 @@ def admit_decode(
     pad_id: int,
     temperature: float,
     carried_rows: int | None = None,
+    mesh: Mesh | None = None,
 ) -> DecodeState:
     """Admit slots that may carry a partial response (prompt + prefix in ``context``).
 
@@ -181,6 +197,7 @@ def admit_decode(
     response position ``prefix_len[s]``, with the same sampling keys it would have used had
     it never been interrupted. ``prefix_finished`` slots are complete already. Only the first
     ``carried_rows`` slots may carry a prefix (see ``admission_prefill``; None: any slot).
+    With a ``mesh`` the state comes out sharded along the slots (see the module docstring).
     """
 
     def prefix_logp(logits, prefix):
@@ -189,12 +206,12 @@ def admit_decode(
 
     cache, next_logits, logprobs = admission_prefill(
         cfg, params, context, prompt_lens, prefix_len, prefix_logp, prompt_width=prompt_width,
-        response_len=max_response_len, carried_rows=carried_rows,
+        response_len=max_response_len, carried_rows=carried_rows, mesh=mesh,
     )  # fmt: skip
     prefix = response_tokens(context, prompt_lens, max_response_len)
     in_prefix = jnp.arange(max_response_len)[None, :] < prefix_len[:, None]
     finished = ~active | prefix_finished
-    return DecodeState(
+    state = DecodeState(
         cache=cache,
         next_logits=next_logits,
         tokens=jnp.where(in_prefix, prefix, pad_id).astype(jnp.int32),
@@ -209,6 +226,7 @@ def admit_decode(
         eos_ids=tuple(eos_ids),
         pad_id=pad_id,
     )
+    return constrain_slots(state, mesh)
 
 
 def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: DecodeState):
@@ -278,45 +296,56 @@ def decode_chunk_emit(
     params,
     state: DecodeState,
     rule: CutRule,
+    mesh: Mesh | None = None,
 ) -> tuple[DecodeState, ChunkTokens]:
     """``decode_chunk`` that also returns the chunk's new tokens as fresh (undonated) arrays,
     and whether ``rule`` allows the rollout to stop after this chunk."""
     start = state.num_generated
-    state = decode_chunk(cfg, sampling, chunk_size, params, state)
+    state = decode_chunk(cfg, sampling, chunk_size, params, state, mesh)
     offsets = jnp.arange(chunk_size)[None, :]
     cols = jnp.clip(start[:, None] + offsets, 0, state.response_capacity - 1)
     count = state.num_generated - start
     tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
     tokens = jnp.where(offsets < count[:, None], tokens, state.pad_id)
-    return state, ChunkTokens(tokens, start, count, rule.ready(state.finished))
+    chunk = ChunkTokens(tokens, start, count, rule.ready(state.finished))
+    return state, constrain_slots(chunk, mesh)
 
 
 def decode_chunk(
-    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, params, state: DecodeState
+    cfg: ModelConfig,
+    sampling: SamplingConfig,
+    chunk_size: int,
+    params,
+    state: DecodeState,
+    mesh: Mesh | None = None,
 ) -> DecodeState:
-    """Advance every slot by ``chunk_size`` lockstep decode steps (a ``lax.scan``)."""
+    """Advance every slot by ``chunk_size`` lockstep decode steps (a ``lax.scan``); with a
+    ``mesh``, the state stays sharded along the slots at every step."""
 
     def body(carry, _):
-        return decode_step(cfg, sampling, params, carry), None
+        return constrain_slots(decode_step(cfg, sampling, params, carry), mesh), None
 
-    state, _ = jax.lax.scan(body, state, None, length=chunk_size)
+    state, _ = jax.lax.scan(body, constrain_slots(state, mesh), None, length=chunk_size)
     return state
 
 
 @functools.cache
-def make_decode_chunk(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int):
-    """``decode_chunk`` jitted for one (model, sampling, C), donating the state it replaces.
-
-    Cached, so every caller with the same static settings shares one compiled kernel.
+def make_decode_chunk(
+    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh: Mesh | None = None
+):
+    """``decode_chunk`` jitted for one (model, sampling, C, mesh), donating the state it
+    replaces. Cached, so every caller with the same static settings shares one kernel.
     """
-    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size)
+    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh)
     return jax.jit(fn, donate_argnums=(1,))
 
 
 @functools.cache
-def make_decode_chunk_emit(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int):
-    """``decode_chunk_emit`` jitted for one (model, sampling, C), donating the decode state."""
-    fn = functools.partial(decode_chunk_emit, cfg, sampling, chunk_size)
+def make_decode_chunk_emit(
+    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh: Mesh | None = None
+):
+    """``decode_chunk_emit`` jitted for one (model, sampling, C, mesh), donating the state."""
+    fn = functools.partial(decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh)
     return jax.jit(fn, donate_argnums=(1,))
 
 

@@ -9,6 +9,9 @@ before it:
     score   (reward):     out[0] at the last fed token            per sequence
 Because every scorer is a causal decoder, chunked prefill equals one full forward pass, so the
 streamed quantities equal those of the sync path (up to float rounding).
+
+A spec with a ``mesh`` keeps the scorer's state (cache included) sharded along the slots over
+that mesh's batch axes, like the actor's decode state (``oppo_jax.sharding.slot_shardings``).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from typing import Literal
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.rollout.decode import ChunkTokens, admission_prefill, prefill
+from oppo_jax.sharding import constrain_slots
 
 ScorerKind = Literal["logprob", "value", "score"]
 
@@ -37,6 +42,7 @@ class ScorerSpec:
     kind: ScorerKind
     response_len: int  # R, response capacity in tokens
     temperature: float = 1.0  # logits are divided by this (reference log-probs only)
+    mesh: Mesh | None = None  # the scoring group's mesh: state sharded along the slots
 
 
 @flax.struct.dataclass
@@ -79,11 +85,12 @@ def scorer_admit(
     cache, last_out, per_token = admission_prefill(
         spec.model, params, context, prompt_lens, prefix_len,
         functools.partial(_per_token, spec), prompt_width=prompt_width,
-        response_len=spec.response_len, carried_rows=carried_rows,
+        response_len=spec.response_len, carried_rows=carried_rows, mesh=spec.mesh,
     )  # fmt: skip
-    return ScorerState(
+    state = ScorerState(
         cache=cache, last_out=last_out, per_token=per_token, num_fed=prefix_len.astype(jnp.int32)
     )
+    return constrain_slots(state, spec.mesh)
 
 
 def _per_token(spec: ScorerSpec, before: Float[Array, "S C O"], tokens: Int[Array, "S C"]):
@@ -108,12 +115,13 @@ def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens
         per_token = per_token.at[rows, at].set(_per_token(spec, before, chunk.tokens), mode="drop")
     last = jnp.maximum(chunk.count - 1, 0)
     newest = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
-    return ScorerState(
+    new = ScorerState(
         cache=cache,
         last_out=jnp.where(chunk.count[:, None] > 0, newest, state.last_out),
         per_token=per_token,
         num_fed=state.num_fed + chunk.count,
     )
+    return constrain_slots(new, spec.mesh)
 
 
 @functools.cache

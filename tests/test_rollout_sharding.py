@@ -1,0 +1,183 @@
+"""The rollout sharded over the mesh: frozen scorers' parameters split like the train state, KV
+caches and per-slot state split along the slots, and the same tokens and scores as one device."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oppo_jax.models import init_params
+from oppo_jax.pipeline.carry import Carried, CarryBuffer, admit
+from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.rollout import SamplingConfig
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.scoring.stream import ScorerSpec, make_scorer_admit
+from oppo_jax.sharding import (
+    abstract_params,
+    make_device_groups,
+    param_shardings,
+    per_device_bytes,
+)
+from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, fresh_slots, make_spec, tiny_params
+
+P, R, CHUNK = 4, 16, 6
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _device0_bytes(tree) -> int:
+    """Bytes of ``tree`` that live on the mesh's first device (one shard per array)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = next(s for s in x.addressable_shards if s.device == jax.devices()[0])
+        total += shard.data.nbytes
+    return total
+
+
+@functools.cache
+def _models():
+    actor, critic = tiny_params(seed=3)
+    return actor, critic, init_params(CRITIC, jax.random.key(7))
+
+
+def _rollout(placement: Placement | None, num_sequences: int):
+    """Admit ``num_sequences`` prompts (slots padded as a run pads them), decode one chunk and
+    stream it to the reference and reward scorers; returns (decode state, chunk, scorers)."""
+    spec = make_spec(temperature=1.0)
+    meshes = {}
+    if placement is not None:
+        meshes = {"mesh": placement.groups.generation, "scoring_mesh": placement.scoring_mesh}
+    rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompt_width=P, max_response_len=R,
+                          eos_ids=(20, 21), **meshes)  # fmt: skip
+    kernels = build_kernels(spec, rollout, reward_model=CRITIC)
+    actor, _, reward = _models()
+    ref = actor
+    num_slots = num_sequences
+    if placement is not None:
+        actor = jax.device_put(actor, param_shardings(ACTOR, placement.groups.generation))
+        ref = placement.scoring_params(ACTOR, ref)
+        reward = placement.scoring_params(CRITIC, reward)
+        num_slots = placement.num_slots(num_sequences)
+    rng = np.random.default_rng(0)
+    pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(num_sequences)]
+    slots = fresh_slots(pairs, P, R, extra_slots=num_slots - num_sequences)
+    gen = tuple(jnp.asarray(x) for x in (slots.context, slots.prompt_len, slots.prefix_len))
+    state, _ = kernels.admit(
+        actor, *gen, jnp.asarray(slots.prefix_finished), jnp.asarray(slots.prompt_ids, jnp.int32),
+        jnp.zeros(num_slots, jnp.int32), jax.random.key(5), jnp.asarray(slots.active),
+        carried_rows=slots.carried_rows,
+    )  # fmt: skip
+    rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish), jnp.int32(1))
+    state, chunk = kernels.decode(CHUNK)(actor, state, rule)
+    scorers, fed = {}, chunk if placement is None else placement.to_scoring(chunk)
+    for role, params in (("reference", ref), ("reward", reward)):
+        scorer, _ = kernels.scorer_admit(role)(params, *gen, carried_rows=slots.carried_rows)
+        scorers[role], _ = kernels.scorer_chunk(role)(params, scorer, fed)
+    return state, chunk, scorers, (ref, reward)
+
+
+def _placement(kind: str, data: int, fsdp: int, tensor: int, scoring: int = 0) -> Placement:
+    devices = jax.devices()[: data * fsdp * tensor + scoring]
+    return Placement(make_device_groups(kind, data, fsdp, tensor, scoring, devices))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2)])
+def test_colocated_rollout_is_sharded_and_matches_one_device(shape):
+    data, fsdp, tensor = shape
+    placement = _placement("colocated", *shape)
+    # 7 sequences: the slot count is padded to 8 so the slots split evenly over data x fsdp.
+    assert placement.num_slots(7) == 8
+    state, chunk, scorers, (ref, reward) = _rollout(placement, 7)
+    one_state, one_chunk, one_scorers, _ = _rollout(None, 7)
+    assert state.tokens.shape[0] == 8 and one_state.tokens.shape[0] == 7
+
+    # Slots over data x fsdp, kv-heads (2) over tensor: each device holds 1/8 of every cache.
+    for cache in (state.cache, scorers["reference"].cache, scorers["reward"].cache):
+        assert _device0_bytes((cache.k, cache.v)) * data * fsdp * tensor == _nbytes(
+            (cache.k, cache.v)
+        )
+    assert _device0_bytes(state.tokens) * data * fsdp == state.tokens.nbytes
+    assert _device0_bytes(scorers["reference"].per_token) * data * fsdp == (
+        scorers["reference"].per_token.nbytes
+    )
+    # The frozen models are laid out like the train state: the sharded size, well under whole.
+    for cfg, params in ((ACTOR, ref), (CRITIC, reward)):
+        expected = per_device_bytes(
+            abstract_params(cfg), param_shardings(cfg, placement.groups.training)
+        )
+        assert _device0_bytes(params) == expected
+        assert expected < _nbytes(params) / 2
+
+    # Same rollout as one device (the padding slot is empty and never samples).
+    assert int(np.asarray(chunk.count)[7]) == 0
+    np.testing.assert_array_equal(np.asarray(state.tokens)[:7], np.asarray(one_state.tokens))
+    np.testing.assert_array_equal(np.asarray(chunk.tokens)[:7], np.asarray(one_chunk.tokens))
+    assert int(np.asarray(one_chunk.count).sum()) > 0
+    np.testing.assert_allclose(np.asarray(state.logprobs)[:7], one_state.logprobs, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(scorers["reference"].per_token)[:7], one_scorers["reference"].per_token,
+        atol=1e-5,
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(scorers["reward"].score)[:7], one_scorers["reward"].score, atol=1e-5
+    )
+
+
+def test_disaggregated_scorers_shard_over_the_scoring_devices():
+    placement = _placement("disaggregated", 1, 2, 2, scoring=4)
+    mesh = placement.scoring_mesh
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert set(mesh.devices.flat) == set(placement.groups.scoring.devices.flat)
+    _, _, scorers, (ref, reward) = _rollout(placement, 8)
+    _, _, one_scorers, _ = _rollout(None, 8)
+    scoring_devices = set(mesh.devices.flat)
+    for params, cfg in ((ref, ACTOR), (reward, CRITIC)):
+        assert all(x.sharding.device_set == scoring_devices for x in jax.tree.leaves(params))
+        expected = per_device_bytes(abstract_params(cfg), param_shardings(cfg, mesh))
+        assert expected < _nbytes(params) / 2
+    cache = scorers["reference"].cache
+    assert cache.k.sharding.device_set == scoring_devices
+    assert cache.k.addressable_shards[0].data.shape[1] == 8 // 4
+    np.testing.assert_allclose(
+        scorers["reference"].per_token, one_scorers["reference"].per_token, atol=1e-5
+    )
+    np.testing.assert_allclose(scorers["reward"].score, one_scorers["reward"].score, atol=1e-5)
+
+
+def test_one_scoring_device_keeps_whole_parameters():
+    placement = _placement("disaggregated", 1, 1, 1, scoring=1)
+    _, reward = _models()[1:]
+    params = placement.scoring_params(CRITIC, reward)
+    assert _nbytes(params) == sum(
+        x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params)
+    )
+
+
+def test_split_admission_with_carried_prefixes_shards_and_agrees():
+    mesh = _placement("colocated", 2, 2, 2).groups.training
+    buffer = CarryBuffer()
+    rng = np.random.default_rng(2)
+    for i in range(3):  # three carried partial responses, admitted into the leading slots
+        prompt = rng.integers(2, 64, 3).astype(np.int32)
+        prefix = rng.integers(30, 64, 5).astype(np.int32)
+        buffer.extend([Carried(i, prompt.tolist(), prefix.tolist(), [-1.0] * 5, [0] * 5, 1)])
+    pairs = [(10 + i, rng.integers(2, 64, 3)) for i in range(5)]
+    slots = admit(buffer, ListPrompts(pairs), 8, 8, P, R, True, max_deferrals=2)
+    assert slots.carried_rows == 4 and int(slots.prefix_len[:3].min()) == 5
+    inputs = tuple(map(jnp.asarray, (slots.context, slots.prompt_len, slots.prefix_len)))
+    actor = _models()[0]
+    sharded, whole = (
+        make_scorer_admit(ScorerSpec(ACTOR, "logprob", R, mesh=m), P)(
+            p, *inputs, carried_rows=slots.carried_rows
+        )[0]
+        for m, p in ((mesh, jax.device_put(actor, param_shardings(ACTOR, mesh))), (None, actor))
+    )
+    assert sharded.cache.k.addressable_shards[0].data.shape[1] == 8 // 4
+    np.testing.assert_allclose(sharded.per_token, whole.per_token, atol=1e-5)
+    assert np.all(np.asarray(whole.per_token)[:3, :5] < 0)  # the prefixes were scored
+    np.testing.assert_allclose(sharded.last_out, whole.last_out, atol=1e-5)

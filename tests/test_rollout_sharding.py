@@ -149,6 +149,20 @@ def test_disaggregated_scorers_shard_over_the_scoring_devices():
     np.testing.assert_allclose(scorers["reward"].score, one_scorers["reward"].score, atol=1e-5)
 
 
+def test_critic_copy_for_the_scorers_is_sharded_when_disaggregated():
+    critic = _models()[2]
+    split = _placement("disaggregated", 1, 2, 2, scoring=4)
+    copied = split.critic_for_scoring(CRITIC, critic)
+    scoring_devices = set(split.scoring_mesh.devices.flat)
+    assert all(x.sharding.device_set == scoring_devices for x in jax.tree.leaves(copied))
+    one_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(copied))
+    assert one_device < _nbytes(critic) / 2  # not a whole copy per scoring device
+    for got, want in zip(jax.tree.leaves(copied), jax.tree.leaves(critic), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    together = _placement("colocated", 2, 2, 2)
+    assert together.critic_for_scoring(CRITIC, critic) is critic  # already in place
+
+
 def test_one_scoring_device_keeps_whole_parameters():
     placement = _placement("disaggregated", 1, 1, 1, scoring=1)
     _, reward = _models()[1:]

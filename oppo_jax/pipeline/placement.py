@@ -53,6 +53,12 @@ class Placement:
         the train state (``param_shardings``), instead of a whole copy per device."""
         return jax.device_put(params, param_shardings(model, self.scoring_mesh))
 
+    def critic_for_scoring(self, model: ModelConfig, params):
+        """This step's critic weights where the scorers run: as they are when colocated (the
+        train state's layout); copied onto ``scoring_mesh`` and sharded like the frozen
+        scorers when disaggregated, so no scoring device holds a whole copy."""
+        return self.scoring_params(model, params) if self.disaggregated else params
+
     def to_scoring(self, tree):
         """Copy arrays to the scoring group (replicated there); a no-op when colocated."""
         if not self.disaggregated:

@@ -128,7 +128,7 @@ def run_step(
                    jnp.int32(batch_size))  # fmt: skip
     scorer_params = {
         "reference": ref_params,
-        "critic": placement.to_scoring(train_state.critic_params),
+        "critic": placement.critic_for_scoring(kernels.spec.critic, train_state.critic_params),
     }
     if kernels.reward_fn is None:
         scorer_params["reward"] = reward_params

@@ -119,8 +119,7 @@ class SlotBatch:
     def carried_rows(self) -> int:
         """Leading slots the admission prefills at the full context width (a static bucket):
         all that carry a prefix come first, so the rest need only the prompt width."""
-        carrying = np.flatnonzero((self.prefix_len > 0) | self.prefix_finished)
-        return carried_bucket(int(carrying[-1]) + 1 if len(carrying) else 0, self.num_slots)
+        return leading_carried_rows((self.prefix_len > 0) | self.prefix_finished, self.num_slots)
 
 
 def prefix_bucket(longest_prefix: int, response_len: int) -> int:
@@ -131,6 +130,13 @@ def prefix_bucket(longest_prefix: int, response_len: int) -> int:
     if longest_prefix <= 0:
         return 0
     return min(max(16, 1 << (longest_prefix - 1).bit_length()), response_len)
+
+
+def leading_carried_rows(carrying, num_slots: int) -> int:
+    """The bucket of leading slots that covers every slot with ``carrying`` work (a prefix,
+    or a finished response); carried sequences are admitted first, so the rest are new."""
+    rows = np.flatnonzero(carrying)
+    return carried_bucket(int(rows[-1]) + 1 if rows.size else 0, num_slots)
 
 
 def carried_bucket(num_carried: int, num_slots: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oppo_jax.pipeline.carry import carried_bucket, prefix_bucket
+from oppo_jax.pipeline.carry import leading_carried_rows, prefix_bucket
 
 GENERATION = "generation"
 
@@ -38,8 +38,7 @@ def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool)
 def split_rows(prefix, slots: int) -> int:
     """Leading slots the split admission prefills at the full width (carried rows come first),
     as ``SlotBatch.carried_rows`` computes it."""
-    carrying = np.flatnonzero(np.asarray(prefix) > 0)
-    return carried_bucket(int(carrying[-1]) + 1 if carrying.size else 0, slots)
+    return leading_carried_rows(np.asarray(prefix) > 0, slots)
 
 
 def admitted_tokens(trace: dict) -> int:

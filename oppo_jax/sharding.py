@@ -59,6 +59,8 @@ class ShardingRules:
         ("vocab", "tensor"),
         ("length", None),
         ("norm", None),
+        # Stacked layer parameters (the model scans over layers): each device holds all layers.
+        ("layers", None),
     )
 
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -163,9 +165,9 @@ def per_device_bytes(abstract_tree: Any, sharding_tree: Any) -> int:
     )
 
 
-# Logical axes of a KV cache [L, S, Tc, K, Dh] (see oppo_jax/models/kv_cache.py): slots over
+# Logical axes of a KV cache [L, S, K, Tc, Dh] (see oppo_jax/models/kv_cache.py): slots over
 # the batch axes, kv-heads over tensor. Every other slot-major rollout array shards its axis 0.
-KV_CACHE_AXES = (None, "batch", "length", "kv_heads", None)
+KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", None)
 
 
 def batch_shards(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> int:
@@ -199,8 +201,9 @@ def fitted_sharding(
 
 
 def _is_cache_leaf(path, x) -> bool:
+    """True for the keys/values [L, S, K, Tc, Dh] of a KVCache (attributes ``k``/``v``)."""
     last = path[-1] if path else None
-    return len(x.shape) == 5 and getattr(last, "name", None) in ("k", "v")
+    return len(x.shape) == len(KV_CACHE_AXES) and getattr(last, "name", None) in ("k", "v")
 
 
 def slot_shardings(tree: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> list:

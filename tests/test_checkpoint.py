@@ -87,7 +87,7 @@ def test_restore_into_sharded_target(tmp_path, spec_and_state):
     _assert_same(restored, state)
     for got, sh in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings), strict=True):
         assert got.sharding == sh
-    q_proj = restored.actor_params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    q_proj = restored.actor_params["layers"]["self_attn"]["q_proj"]["kernel"]
     assert len(q_proj.sharding.device_set) == 8 and not q_proj.sharding.is_fully_replicated
 
 

@@ -103,7 +103,7 @@ def test_bfloat16_params_and_activations_stay_close_to_float32(tmp_path):
     ids, mask = padded_batch(np.random.default_rng(5), [6, 4], width=6)
     f32 = oppo_jax.load_hf_model(tmp_path)
     bf16 = oppo_jax.load_hf_model(tmp_path, dtype="bfloat16")
-    assert str(bf16.params["layers_0"]["mlp"]["up_proj"]["kernel"].dtype) == "bfloat16"
+    assert str(bf16.params["layers"]["mlp"]["up_proj"]["kernel"].dtype) == "bfloat16"
     a, b = np.asarray(f32.logits(ids, mask)), np.asarray(bf16.logits(ids, mask))
     assert b.dtype == np.float32  # log-softmax inputs are upcast
     valid = mask == 1

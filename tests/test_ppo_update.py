@@ -43,7 +43,7 @@ def test_sharded_update_equals_single_device(shape):
     init = make_sharded_init(spec, mesh)
     update, _ = make_sharded_update(spec, mesh)
     sharded_state = init(state.actor_params, state.critic_params)
-    q_proj = sharded_state.actor_params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    q_proj = sharded_state.actor_params["layers"]["self_attn"]["q_proj"]["kernel"]
     assert len(q_proj.sharding.device_set) == 8
     new_state, metrics = update(sharded_state, batch, jax.random.key(3), jnp.float32(0.05))
     assert _relative_diff(new_state.actor_params, expected.actor_params) <= 1e-5

@@ -62,20 +62,22 @@ def test_init_sharded_equals_init_params(shape, reference_params):
         # moves a few values by one float32 ulp. That is the only allowed difference.
         np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(e), maxulp=1)
     # Specs follow the default rules; every shard really lives on this mesh.
-    attn = got["layers_0"]["self_attn"]
-    assert _spec_of(attn, "q_proj", "kernel") == P("fsdp", "tensor")
-    assert _spec_of(attn, "q_proj", "bias") == P("tensor")
-    assert _spec_of(attn, "k_proj", "kernel") == P("fsdp", "tensor")
-    assert _spec_of(attn, "o_proj", "kernel") == P("tensor", "fsdp")
-    assert _spec_of(got, "layers_1", "mlp", "down_proj", "kernel") == P("tensor", "fsdp")
+    # Layer parameters are stacked on a leading "layers" axis (the model scans over layers),
+    # which the rules keep whole on every device.
+    attn = got["layers"]["self_attn"]
+    assert _spec_of(attn, "q_proj", "kernel") == P(None, "fsdp", "tensor")
+    assert _spec_of(attn, "q_proj", "bias") == P(None, "tensor")
+    assert _spec_of(attn, "k_proj", "kernel") == P(None, "fsdp", "tensor")
+    assert _spec_of(attn, "o_proj", "kernel") == P(None, "tensor", "fsdp")
+    assert _spec_of(got, "layers", "mlp", "down_proj", "kernel") == P(None, "tensor", "fsdp")
     assert _spec_of(got, "embed_tokens", "embedding") == P("tensor", "fsdp")
     assert _spec_of(got, "lm_head", "kernel") == P("fsdp", "tensor")
     assert _spec_of(got, "norm", "scale") == P(None)
-    assert _spec_of(got, "layers_0", "input_layernorm", "scale") == P(None)
+    assert _spec_of(got, "layers", "input_layernorm", "scale") == P(None, None)
     q = attn["q_proj"]["kernel"]
     assert q.sharding.mesh == mesh
-    # On 1x4x2 the (32, 32) q kernel splits into 8 distinct (8, 16) shards.
-    expected = (32 // shape[1], 32 // shape[2])
+    # On 1x4x2 the (2, 32, 32) q kernel splits into 8 distinct (2, 8, 16) shards.
+    expected = (TINY.num_layers, 32 // shape[1], 32 // shape[2])
     assert {s.data.shape for s in q.addressable_shards} == {expected}
 
 
@@ -93,7 +95,7 @@ def test_non_divisible_dim_warns_and_replicates():
     assert emb.spec == P(None, "fsdp") and emb.shard_shape((63, 32)) == (63, 8)
     assert head.spec == P("fsdp", None) and head.shard_shape((32, 63)) == (8, 63)
     # Divisible parameters are unaffected.
-    assert shardings["layers_0"]["self_attn"]["q_proj"]["kernel"].spec == P("fsdp", "tensor")
+    assert shardings["layers"]["self_attn"]["q_proj"]["kernel"].spec == P(None, "fsdp", "tensor")
 
 
 def test_per_device_bytes_qwen7b_abstract():
@@ -179,3 +181,15 @@ def test_multihost_initialize_single_process_is_noop(monkeypatch):
     assert calls == [dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=0)]
     monkeypatch.setenv("SLURM_NTASKS", "4")
     assert sh.multihost_initialize() is True and len(calls) == 2
+
+
+def test_kv_cache_shards_slots_and_kv_heads():
+    from oppo_jax.models.kv_cache import init_cache
+
+    mesh = sh.make_mesh(2, 2, 2)
+    cache = init_cache(TINY, 4, 16)
+    assert cache.k.shape == (2, 4, 2, 16, 8)  # [L, S, K, Tc, Dh]: Tc and Dh minor
+    k, v, length = sh.slot_shardings(cache, mesh)
+    assert k.spec == v.spec == P(None, ("data", "fsdp"), "tensor", None, None)
+    assert k.shard_shape(cache.k.shape) == (2, 1, 1, 16, 8)
+    assert length.spec == P(("data", "fsdp"))

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from oppo_jax.models.hf_io import hf_name
+from oppo_jax.models.hf_io import hf_names
 from oppo_jax.models.model_config import ModelConfig
 
 _TOKENIZER_FILES = (
@@ -69,9 +69,12 @@ def export_hf(
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name, transposed = hf_name(tuple(k.key for k in kp))
+        names, transposed = hf_names(tuple(k.key for k in kp), cfg.num_layers)
         array = np.asarray(jax.device_get(leaf))
-        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+        # Stacked layer parameters [L, ...] are written as one tensor per layer.
+        parts = list(array) if kp[0].key == "layers" else [array]
+        for name, part in zip(names, parts, strict=True):
+            tensors[name] = np.ascontiguousarray(part.T if transposed else part)
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")  # atomic: never a half-written weights file

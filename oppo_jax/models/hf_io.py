@@ -99,18 +99,25 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
-    """Our parameter path -> (Hugging Face tensor name, whether the tensor is transposed).
+def hf_names(path: tuple[str, ...], num_layers: int) -> tuple[list[str], bool]:
+    """Our parameter path -> (the Hugging Face tensor names it holds, whether each is transposed).
+
+    The blocks' parameters are stacked on a leading layer axis (the model scans over layers),
+    so a path under "layers" holds one tensor per layer, in layer order.
 
     Examples:
-      ("layers_3", "mlp", "up_proj", "kernel") -> ("model.layers.3.mlp.up_proj.weight", True)
-      ("norm", "scale") -> ("model.norm.weight", False)
+      ("layers", "mlp", "up_proj", "kernel"), 2 layers ->
+        (["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"], True)
+      ("norm", "scale") -> (["model.norm.weight"], False)
     """
-    parts = [p.replace("layers_", "layers.") if p.startswith("layers_") else p for p in path]
+    parts = list(path)
     leaf = parts[-1]
     parts[-1] = "bias" if leaf == "bias" else "weight"
     prefix = [] if parts[0] in _HEAD_NAMES else ["model"]
-    return ".".join(prefix + parts), leaf == "kernel"
+    if parts[0] != "layers":
+        return [".".join(prefix + parts)], leaf == "kernel"
+    rest = ".".join(parts[1:])
+    return [".".join(prefix + [f"layers.{i}", rest]) for i in range(num_layers)], leaf == "kernel"
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -164,9 +171,14 @@ def load_params(
     path = Path(path)
     files = _tensor_files(path)
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    wanted = {tuple(k.key for k in kp): hf_name(tuple(k.key for k in kp)) for kp, _ in leaves}
-    missing = [n for n, _ in wanted.values() if n not in files]
+    leaves = [
+        (tuple(k.key for k in kp), spec)
+        for kp, spec in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    ]
+    wanted = {key: hf_names(key, cfg.num_layers) for key, _ in leaves}
+    known = [n for names, _ in wanted.values() for n in names]
+    known_set = set(known)
+    missing = [n for n in known if n not in files]
     fresh = None
     if (
         missing
@@ -178,28 +190,35 @@ def load_params(
         raise CheckpointError(
             f"{path}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}"
         )
-    known = {n for n, _ in wanted.values()}
     ignorable = lambda n: n.endswith(_IGNORED_SUFFIXES) or n.split(".")[0] in _HEAD_NAMES  # noqa: E731
-    extra = [n for n in files if n not in known and not ignorable(n)]
+    extra = [n for n in files if n not in known_set and not ignorable(n)]
     if extra:
         raise CheckpointError(f"{path}: unexpected tensors {extra[:8]} (architecture mismatch?)")
-    tensors = _read_tensors(files, [n for n, _ in wanted.values() if n in files])
+    tensors = _read_tensors(files, [n for n in known if n in files])
     flat = {}
-    for kp, spec in leaves:
-        key = tuple(k.key for k in kp)
-        name, transposed = wanted[key]
-        if name not in tensors:
+    for key, spec in leaves:
+        names, transposed = wanted[key]
+        if names[0] not in tensors:  # a fresh head (heads are never stacked)
             value = np.asarray(_get(fresh, key))
         else:
-            value = tensors[name].T if transposed else tensors[name]
-            if value.shape != spec.shape:
-                raise CheckpointError(
-                    f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
-                    f"expected {spec.shape[::-1] if transposed else spec.shape}"
-                )
+            stacked = key[0] == "layers"
+            shape = spec.shape[1:] if stacked else spec.shape
+            parts = [_oriented(path, n, tensors[n], transposed, shape) for n in names]
+            value = np.stack(parts) if stacked else parts[0]
         value = value.astype(spec.dtype)
         flat[key] = place(key, value) if place else jax.numpy.asarray(value)
     return _unflatten(flat)
+
+
+def _oriented(path: Path, name: str, tensor: np.ndarray, transposed: bool, shape: tuple):
+    """A checkpoint tensor in our orientation, checked against our (per-layer) shape."""
+    value = tensor.T if transposed else tensor
+    if value.shape != tuple(shape):
+        raise CheckpointError(
+            f"{path}: tensor {name} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(shape)[::-1] if transposed else tuple(shape)}"
+        )
+    return value
 
 
 def _get(tree, key):

@@ -1,14 +1,21 @@
 """The key/value cache: an explicit pytree passed into the model and returned updated.
 
 Shapes (the one place they are documented):
-    k, v:    [L, S, Tc, K, Dh]   per layer, per slot, cache capacity Tc, kv-heads, head dim
+    k, v:    [L, S, K, Tc, Dh]   per layer, per slot, kv-heads, cache capacity Tc, head dim
     length:  [S] int32           tokens already written for each slot (its next write position)
+
+Tc and Dh are the two minor dimensions: TPU tiles the last two axes of a bf16 array in
+(16, 128) tiles, so a small K (2-4 kv-heads per chip) second-minor would be padded 4-8x.
 
 Each slot holds its tokens contiguously from index 0 (prompt, then response), so a token's
 cache index is its position. Rows of one batch may hold different lengths: a write of T new
 tokens to slot s lands at indices ``length[s] .. length[s] + T - 1``. Writes past the capacity
 are dropped, never wrapped or shifted, so an undersized cache loses tokens instead of silently
 overwriting others.
+
+The model scans over layers with the whole [L, ...] buffers as the scan's carry; each layer
+writes its new keys and values into them in place (``write_layer``), so a forward step never
+copies the cache (when the caller donates it).
 
 On a mesh the rollout kernels shard S over the batch axes (data x fsdp) and K over tensor
 (logical axes ``oppo_jax.sharding.KV_CACHE_AXES``), so each device holds its slots only.
@@ -28,13 +35,17 @@ from oppo_jax.models.model_config import ModelConfig
 class KVCache:
     """Keys and values of every layer for S slots, and each slot's filled length."""
 
-    k: Float[Array, "L S Tc K Dh"]
-    v: Float[Array, "L S Tc K Dh"]
+    k: Float[Array, "L S K Tc Dh"]
+    v: Float[Array, "L S K Tc Dh"]
     length: Int[Array, " S"]
+
+    # jax rebuilds it with non-array leaves (eval_shape, .lower(), sharding trees): the field
+    # annotations document the shapes but are not checked at construction.
+    __no_type_check__ = True
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_slots(self) -> int:
@@ -43,7 +54,7 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, num_slots: int, capacity: int) -> KVCache:
     """An empty cache (length 0 everywhere) in the model's activation dtype."""
-    shape = (cfg.num_layers, num_slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     zeros = jnp.zeros(shape, cfg.jnp_dtype)
     return KVCache(k=zeros, v=zeros, length=jnp.zeros((num_slots,), jnp.int32))
 
@@ -57,20 +68,24 @@ def write_positions(length: Int[Array, " S"], width: int) -> Int[Array, "S T"]:
 
 
 def write_layer(
-    cache_k: Float[Array, "S Tc K Dh"],
+    buffer: Float[Array, "L S K Tc Dh"],
+    layer: Int[Array, ""],
     new: Float[Array, "S T K Dh"],
     positions: Int[Array, "S T"],
-) -> Float[Array, "S Tc K Dh"]:
-    """Scatter one layer's new keys (or values) at per-slot positions; out-of-range ones drop."""
+) -> Float[Array, "L S K Tc Dh"]:
+    """Scatter layer ``layer``'s new keys (or values) at per-slot positions, in place.
+
+    One scatter into the whole buffer: XLA updates a donated (or loop-carried) buffer in
+    place, where slicing out a layer and stacking the layers again would copy it twice.
+    Out-of-range positions are dropped.
+    """
     rows = jnp.arange(new.shape[0])[:, None]
-    return cache_k.at[rows, positions].set(new.astype(cache_k.dtype), mode="drop")
+    # Advanced indices (layer, rows, positions) around the K slice: the update is [S T K Dh].
+    return buffer.at[layer, rows, :, positions].set(new.astype(buffer.dtype), mode="drop")
 
 
-def select_slots(cache: KVCache, keep: jax.Array, other: KVCache) -> KVCache:
-    """Per-slot choice between two caches: ``keep[s]`` takes slot s from ``cache``."""
-    k_mask = keep[None, :, None, None, None]
-    return KVCache(
-        k=jnp.where(k_mask, cache.k, other.k),
-        v=jnp.where(k_mask, cache.v, other.v),
-        length=jnp.where(keep, cache.length, other.length),
-    )
+def read_layer(
+    buffer: Float[Array, "L S K Tc Dh"], layer: Int[Array, ""]
+) -> Float[Array, "S Tc K Dh"]:
+    """One layer's keys (or values) in the [S, Tc, K, Dh] layout attention takes."""
+    return jnp.swapaxes(jax.lax.dynamic_index_in_dim(buffer, layer, 0, keepdims=False), 1, 2)

@@ -11,6 +11,10 @@ import jax.numpy as jnp
 # "score" layer (critic: applied at every token; reward model: read at the last valid token).
 HeadKind = Literal["lm", "score"]
 
+# What the backward pass keeps of each layer's forward: everything ("none"), only the layer's
+# input ("full": the whole layer is recomputed), or the layer's weight matmul outputs ("dots").
+Remat = Literal["none", "full", "dots"]
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 
@@ -38,6 +42,7 @@ class ModelConfig:
     model_type: str = "qwen2"  # Hugging Face model_type, kept for export
     dtype: str = "float32"  # activation dtype
     param_dtype: str = "float32"  # parameter dtype
+    remat: Remat = "none"  # per-layer rematerialisation in the backward pass (see Remat)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -48,6 +53,8 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.head not in ("lm", "score"):
             raise ValueError(f"head={self.head!r}: expected 'lm' or 'score'")
+        if self.remat not in ("none", "full", "dots"):
+            raise ValueError(f"remat={self.remat!r}: expected 'none', 'full' or 'dots'")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected float32 or bfloat16")

@@ -7,6 +7,10 @@ V vocabulary, L layers.
 The module is only a parameter container: every compiled function calls ``model.apply(params,
 ...)``, a pure function of the parameter pytree. Parameters carry logical axis names (see
 ``oppo_jax.sharding``); the model never names mesh axes.
+
+The blocks run under ``nn.scan``: their parameters are stacked on a leading "layers" axis
+(``params["layers"][...]`` has shape [L, ...]), a model compiles to the same program whatever
+its depth, and the KV cache is the scan's carry, written in place layer by layer.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.models.kv_cache import KVCache, write_layer, write_positions
+from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
 from oppo_jax.models.model_config import ModelConfig
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -65,28 +69,26 @@ def apply_rope(x: Float[Array, "S T N Dh"], positions: Int[Array, "S T"], theta:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend(
-    q: Float[Array, "S T H Dh"],
-    k: Float[Array, "S U K Dh"],
-    v: Float[Array, "S U K Dh"],
-    q_pos: Int[Array, "S T"],
-    k_pos: Int[Array, "S U"],
-) -> Float[Array, "S T H Dh"]:
-    """Causal grouped-query attention: query at position p sees keys at positions <= p.
+def attention_mask_for_cache(
+    positions: Int[Array, "S T"], capacity: int
+) -> Bool[Array, "S 1 T Tc"]:
+    """Which cache entries each new token sees: cache index (= position) <= its own position.
 
     Keys past a slot's valid length always sit at positions greater than every valid query, so
     causality alone excludes cache garbage and right padding; no separate padding mask is needed.
+    Example: positions [[1, 2]], capacity 4 -> [[[[T, T, F, F], [T, T, T, F]]]].
     """
-    s, t, h, dh = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(s, t, kv_heads, h // kv_heads, dh)
-    logits = jnp.einsum("stkgd,sukd->skgtu", qg, k, preferred_element_type=jnp.float32)
-    logits = logits / jnp.sqrt(jnp.float32(dh))
-    visible = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
-    logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("skgtu,sukd->stkgd", probs, v)
-    return out.reshape(s, t, h, dh)
+    k_pos = jnp.arange(capacity, dtype=jnp.int32)
+    return k_pos[None, None, None, :] <= positions[:, None, :, None]
+
+
+def segment_mask(segment_ids: Int[Array, "S T"]) -> Bool[Array, "S 1 T T"]:
+    """Tokens attend only within their own segment (packed sequences).
+
+    Example: segment_ids [[0, 0, 1]] -> [[[[T, T, F], [T, T, F], [F, F, T]]]]; the causal
+    part is applied separately.
+    """
+    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
 
 
 class Attention(nn.Module):
@@ -95,7 +97,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache):
+    def __call__(self, x, positions, mask, kv):
         cfg = self.cfg
         s, t, _ = x.shape
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -105,19 +107,29 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(s, t, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
         k = apply_rope(k.reshape(s, t, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = v.reshape(s, t, cfg.num_kv_heads, cfg.head_dim)
-        if layer_cache is None:
-            keys, values, k_pos, new_cache = k, v, positions, None
+        # Without a cache: causal by index (segments, if any, come in ``mask``); with a cache
+        # the mask compares cache indices with positions.
+        causal = kv is None
+        if causal:
+            keys, values = k, v
         else:
-            cache_k, cache_v = layer_cache
-            keys = write_layer(cache_k, k, positions)
-            values = write_layer(cache_v, v, positions)
-            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape[:2])
-            new_cache = (keys, values)
-        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+            k_all, v_all, layer = kv
+            k_all = write_layer(k_all, layer, k, positions)
+            v_all = write_layer(v_all, layer, v, positions)
+            keys, values = read_layer(k_all, layer), read_layer(v_all, layer)
+            kv = (k_all, v_all, layer)
+        # GQA is native (no repeated kv-heads). implementation=None lets jax pick the kernel
+        # (XLA in jax 0.10: scores in float32, softmax in float32, on every backend).
+        out = jax.nn.dot_product_attention(
+            q,
+            keys.astype(q.dtype),
+            values.astype(q.dtype),
+            mask=mask,
+            is_causal=causal,
+            implementation=None,
+        )
         out = out.reshape(s, t, q_width)
-        return _dense(cfg, cfg.hidden_size, ("heads", "embed"), cfg.o_bias, "o_proj")(
-            out
-        ), new_cache
+        return _dense(cfg, cfg.hidden_size, ("heads", "embed"), cfg.o_bias, "o_proj")(out), kv
 
 
 class MLP(nn.Module):
@@ -135,26 +147,58 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block as a scan body: carry (x, kv) -> (x', kv'), no scanned output.
+
+    ``kv`` is None (no cache) or (keys [L S K Tc Dh], values, this layer's index).
+    """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache):
-        attn_out, new_cache = Attention(self.cfg, name="self_attn")(
-            RMSNorm(self.cfg, name="input_layernorm")(x), positions, layer_cache
+    def __call__(self, carry, context):
+        x, kv = carry
+        positions, mask = context
+        attn_out, kv = Attention(self.cfg, name="self_attn")(
+            RMSNorm(self.cfg, name="input_layernorm")(x), positions, mask, kv
         )
         x = x + attn_out
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="post_attention_layernorm")(x))
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), new_cache
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        if kv is not None:
+            kv = (kv[0], kv[1], kv[2] + 1)
+        return (x, kv), None
+
+
+# What "dots" keeps for the backward: the weight matmuls' outputs, not the attention scores
+# (those have batch dimensions and are [S, H, T, T], the largest activations of a layer).
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _layers(cfg: ModelConfig):
+    """All blocks as one scanned module: parameters stacked on a leading "layers" axis."""
+    block = Block
+    if cfg.remat != "none":
+        block = nn.remat(Block, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat])
+    return nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, name="layers")
 
 
 class Transformer(nn.Module):
     """Backbone plus the configured head: ``lm`` gives logits [S T V], ``score`` gives [S T N].
 
     Without a cache the call is a full causal forward over right-padded rows (positions
-    0..T-1). With a cache, the T new tokens of slot s take positions ``cache.length[s] + i``,
-    are written into the cache, and ``n_valid[s]`` of them (default all T) count as filled.
+    0..T-1), or over packed rows when ``segment_ids`` (and per-segment ``positions``) are
+    given: a token then sees only earlier tokens of its own segment. With a cache, the T new
+    tokens of slot s take positions ``cache.length[s] + i``, are written into the cache, and
+    ``n_valid[s]`` of them (default all T) count as filled. ``return_hidden`` returns the
+    final-normed hidden states [S T D] instead of the head's output (``oppo_jax.models.heads``
+    applies the head only where it is needed).
     """
 
     cfg: ModelConfig
@@ -165,6 +209,10 @@ class Transformer(nn.Module):
         tokens: Int[Array, "S T"],
         cache: KVCache | None = None,
         n_valid: Int[Array, " S"] | None = None,
+        *,
+        positions: Int[Array, "S T"] | None = None,
+        segment_ids: Int[Array, "S T"] | None = None,
+        return_hidden: bool = False,
     ) -> tuple[Float[Array, "S T O"], KVCache | None]:
         cfg = self.cfg
         s, t = tokens.shape
@@ -178,22 +226,23 @@ class Transformer(nn.Module):
         )
         x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
         if cache is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+            mask = None if segment_ids is None else segment_mask(segment_ids)
+            kv = None
         else:
+            if positions is not None or segment_ids is not None:
+                raise ValueError("positions and segment_ids are for the cache-less forward only")
             positions = write_positions(cache.length, t)
-        new_k, new_v = [], []
-        for i in range(cfg.num_layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, written = Block(cfg, name=f"layers_{i}")(x, positions, layer_cache)
-            if written is not None:
-                new_k.append(written[0])
-                new_v.append(written[1])
+            mask = attention_mask_for_cache(positions, cache.capacity)
+            kv = (cache.k, cache.v, jnp.zeros((), jnp.int32))
+        (x, kv), _ = _layers(cfg)((x, kv), (positions, mask))
         x = RMSNorm(cfg, name="norm")(x)
-        out = self._head(embed, x)
+        out = x if return_hidden else self._head(embed, x)
         if cache is None:
             return out, None
         advance = jnp.full((s,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
-        return out, KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v), length=cache.length + advance)
+        return out, KVCache(k=kv[0], v=kv[1], length=cache.length + advance)
 
     def _head(self, embed: nn.Embed, x):
         cfg = self.cfg

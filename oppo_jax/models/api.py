@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.models.heads import apply_head, gather_rows
 from oppo_jax.models.hf_io import CheckpointError, load_params, read_config
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.tokenizer import load_tokenizer
@@ -25,6 +26,13 @@ Ids = Int[Array | np.ndarray, "B T"]
 def _forward(cfg: ModelConfig, params, input_ids):
     out, _ = Transformer(cfg).apply({"params": params}, input_ids)
     return out.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score_at(cfg: ModelConfig, params, input_ids, index):
+    """The score head at one position per row only (not at every token)."""
+    hidden, _ = Transformer(cfg).apply({"params": params}, input_ids, return_hidden=True)
+    return apply_head(cfg, params, gather_rows(hidden, index[:, None]))[:, 0].astype(jnp.float32)
 
 
 def last_valid_index(attention_mask: Int[Array, "B T"]) -> Int[Array, " B"]:
@@ -67,8 +75,7 @@ class HFModel:
         if self.config.head != "score":
             raise ValueError(f"{self.path}: .score needs a SequenceClassification model")
         input_ids, mask = self._check_inputs(input_ids, attention_mask)
-        per_token = _forward(self.config, self.params, input_ids)[..., 0]
-        return jnp.take_along_axis(per_token, last_valid_index(mask)[:, None], axis=1)[:, 0]
+        return _score_at(self.config, self.params, input_ids, last_valid_index(mask))[:, 0]
 
 
 def load_hf_model(

@@ -1,0 +1,181 @@
+"""The compiled model kernels: scanned layers, an in-place KV cache, packed sequences, remat and
+no full-vocabulary tensors, checked on the programs XLA actually compiles (small sizes, CPU)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oppo_jax.models.kv_cache import init_cache
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.transformer import Transformer, init_params
+from oppo_jax.ppo.batch import policy_logprobs
+
+CFG = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qkv_bias=True,
+)
+SLOTS, CAPACITY = 3, 200  # distinctive sizes, so the cache's shape is easy to find in HLO text
+
+
+def _abstract_params(cfg):
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def _cache_step(cfg, width: int, donate: bool = True):
+    """Compiled forward of ``width`` new tokens through a KV cache (decode: 1, prefill: more)."""
+    step = jax.jit(
+        lambda p, t, c: Transformer(cfg).apply({"params": p}, t, c),
+        donate_argnums=(2,) if donate else (),
+    )
+    cache = jax.eval_shape(lambda: init_cache(cfg, SLOTS, CAPACITY))
+    tokens = jax.ShapeDtypeStruct((SLOTS, width), jnp.int32)
+    return step.lower(_abstract_params(cfg), tokens, cache).compile()
+
+
+def _root_opcodes(hlo: str) -> dict[str, str]:
+    """Each computation's name -> the opcode of its ROOT instruction."""
+    roots, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%([\w.-]+) \(", line)
+        if header:
+            current = header.group(1)
+        root = re.match(r"\s*ROOT %\S+ = (?:\(.*\)|\S+) ([\w-]+)\(", line)
+        if root and current:
+            roots[current] = root.group(1)
+    return roots
+
+
+def _ops_making(hlo: str, shape: str) -> dict[str, list[str]]:
+    """Opcodes of the instructions whose result is an array of ``shape`` (e.g. "f32[4,3]"); for
+    each fusion, the ROOT opcode of the computation it calls."""
+    roots = _root_opcodes(hlo)
+    found: dict[str, list[str]] = {}
+    pattern = rf"^\s*(?:ROOT )?%\S+ = {re.escape(shape)}\{{[^}}]*\}} ([\w-]+)\((.*)$"
+    for opcode, rest in re.findall(pattern, hlo, re.M):
+        called = re.search(r"calls=%([\w.-]+)", rest)
+        found.setdefault(opcode, []).append(roots.get(called.group(1), "?") if called else "")
+    return found
+
+
+@pytest.mark.parametrize("width", [1, 8])
+def test_cache_is_updated_in_place_never_copied(width):
+    cache_shape = f"f32[{CFG.num_layers},{SLOTS},{CFG.num_kv_heads},{CAPACITY},{CFG.head_dim}]"
+    compiled = _cache_step(CFG, width)
+    ops = _ops_making(compiled.as_text(), cache_shape)
+    # Cache-sized arrays are only passed along (parameters, loop carries) or scattered into.
+    assert set(ops) <= {"parameter", "get-tuple-element", "scatter", "fusion", "bitcast"}, ops
+    assert ops["fusion"] and all(root == "scatter" for root in ops["fusion"]), ops
+    if width == 1:
+        # Decode temporaries hold one layer's keys and values, never a whole cache buffer.
+        buffer_bytes = (
+            np.prod([CFG.num_layers, SLOTS, CFG.num_kv_heads, CAPACITY, CFG.head_dim]) * 4
+        )
+        assert compiled.memory_analysis().temp_size_in_bytes < buffer_bytes
+    # The check has teeth: without donation XLA must copy the cache to keep the input intact.
+    undonated = _ops_making(_cache_step(CFG, width, donate=False).as_text(), cache_shape)
+    assert "copy" in undonated or any(r == "copy" for r in undonated.get("fusion", []))
+
+
+def _hlo_op_count(hlo: str) -> int:
+    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo, re.M))
+
+
+def test_hlo_size_does_not_grow_with_layers():
+    sizes = {}
+    for layers in (2, 6):
+        cfg = CFG.replace(num_layers=layers)
+        forward = jax.jit(lambda p, t, cfg=cfg: Transformer(cfg).apply({"params": p}, t)[0])
+        full = forward.lower(_abstract_params(cfg), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+        texts = (full.compile().as_text(), _cache_step(cfg, 1).as_text())
+        sizes[layers] = [(len(t), _hlo_op_count(t)) for t in texts]
+    for (chars2, ops2), (chars6, ops6) in zip(sizes[2], sizes[6], strict=True):
+        assert ops2 == ops6
+        assert abs(chars2 - chars6) <= 0.01 * chars2
+
+
+def test_policy_logprobs_and_gradient_hold_no_vocabulary_sized_activation():
+    vocab, block, rows = 1000, 128, (4, 24)
+    for tied in (False, True):
+        cfg = CFG.replace(vocab_size=vocab, hidden_size=48, head_dim=12, tie_word_embeddings=tied)
+
+        def loss(p, tokens, prompt_len, cfg=cfg):
+            logp, entropy = policy_logprobs(cfg, p, tokens, prompt_len, rows[1], 0.7, block)
+            return jnp.sum(logp) + 0.1 * jnp.sum(entropy)
+
+        args = (
+            jax.ShapeDtypeStruct((rows[0], 40), jnp.int32),
+            jax.ShapeDtypeStruct((4,), jnp.int32),
+        )
+        hlo = jax.jit(jax.value_and_grad(loss)).lower(_abstract_params(cfg), *args).compile()
+        shapes = set(re.findall(r"[a-z]+\d*\[([\d,]+)\]", hlo.as_text()))
+        with_vocab = {s for s in shapes if str(vocab) in s.split(",")}
+        # Only the head (or embedding) itself and its gradient span the vocabulary.
+        assert with_vocab <= {"1000,48", "48,1000"}, with_vocab
+        assert f"{rows[0] * rows[1]},{block}" in shapes  # one block of logits for all rows
+
+
+def test_packed_segments_equal_separate_forwards():
+    cfg = CFG.replace(num_layers=2)
+    params = init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    lengths = [5, 3, 6]
+    seqs = [rng.integers(2, 96, n) for n in lengths]
+    width = sum(lengths) + 2  # two padding tokens at the end, in a segment of their own
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : sum(lengths)] = np.concatenate(seqs)
+    segment_ids = np.full((1, width), len(lengths), np.int32)
+    positions = np.zeros((1, width), np.int32)
+    start = 0
+    for i, n in enumerate(lengths):
+        segment_ids[0, start : start + n] = i
+        positions[0, start : start + n] = np.arange(n)
+        start += n
+    model = Transformer(cfg)
+    packed, _ = model.apply(
+        {"params": params}, jnp.asarray(tokens), positions=jnp.asarray(positions),
+        segment_ids=jnp.asarray(segment_ids),
+    )  # fmt: skip
+    start = 0
+    for seq in seqs:
+        alone, _ = model.apply({"params": params}, jnp.asarray(seq, jnp.int32)[None])
+        got = packed[0, start : start + len(seq)]
+        np.testing.assert_allclose(got, alone[0], rtol=1e-5, atol=1e-5)
+        start += len(seq)
+    # Without segment ids the later sequences would see the earlier ones.
+    mixed, _ = model.apply(
+        {"params": params}, jnp.asarray(tokens), positions=jnp.asarray(positions)
+    )
+    assert np.max(np.abs(mixed[0, 5:8] - packed[0, 5:8])) > 1e-3
+
+
+def test_remat_changes_memory_not_results():
+    base = CFG.replace(hidden_size=64, intermediate_size=256, head_dim=16)
+    params = init_params(base, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, base.vocab_size)
+    results, temp = {}, {}
+    for mode in ("none", "full", "dots"):
+        cfg = base.replace(remat=mode)
+
+        def loss(p, cfg=cfg):
+            hidden, _ = Transformer(cfg).apply({"params": p}, tokens, return_hidden=True)
+            return jnp.mean(hidden**2)
+
+        step = jax.jit(jax.value_and_grad(loss))
+        temp[mode] = step.lower(params).compile().memory_analysis().temp_size_in_bytes
+        results[mode] = step(params)
+    for mode in ("full", "dots"):
+        for a, b in zip(*(jax.tree.leaves(results[m]) for m in (mode, "none")), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert temp["full"] < temp["dots"] < temp["none"]
+    # ValueError from the config's own check; TypeError when runtime type checking is on.
+    with pytest.raises((ValueError, TypeError), match="some"):
+        base.replace(remat="some")

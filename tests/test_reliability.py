@@ -61,7 +61,7 @@ def _same_bits(a, b) -> bool:
         ("old_logp", "nonfinite_batch"),  # rollout log-probs from NaN logits
         ("old_values", "nonfinite_batch"),
         ("scores", "nonfinite_batch"),
-        ("actor_params", "nonfinite_update"),  # NaN logits in the update's forward pass
+        ("actor_params", "nonfinite_update"),  # NaN logits: every optimizer step is skipped
         ("critic_params", "nonfinite_update"),
     ],
 )
@@ -75,6 +75,7 @@ def test_nonfinite_value_skips_the_update_bitwise(where, flag, value):
     new_state, metrics = update(state, batch, jax.random.key(0), jnp.float32(0.05))
     assert _same_bits(new_state, state)  # parameters, optimizer moments and the step counter
     assert float(metrics[flag]) == 1.0
+    assert float(metrics["skipped_steps"]) == 4.0  # every optimizer step (2 epochs x 2)
 
 
 def test_finite_update_is_applied_and_not_flagged():
@@ -83,6 +84,24 @@ def test_finite_update_is_applied_and_not_flagged():
     assert not _same_bits(new_state.actor_params, state.actor_params)
     assert int(new_state.step) == 1
     assert float(metrics["nonfinite_batch"]) == float(metrics["nonfinite_update"]) == 0.0
+    assert float(metrics["skipped_steps"]) == 0.0
+
+
+def test_only_the_optimizer_steps_with_a_nonfinite_loss_are_skipped():
+    # Returns of 1e30 are finite, but their squared value error overflows: the critic loss of
+    # the one minibatch per epoch that holds row 0 is Inf, the other minibatch's is finite.
+    _, batch, state, update = _update_case()
+    batch = batch.replace(returns=batch.returns.at[0].set(1e30))
+    new_state, metrics = update(state, batch, jax.random.key(0), jnp.float32(0.05))
+    assert float(metrics["nonfinite_update"]) == 1.0 and float(metrics["nonfinite_batch"]) == 0.0
+    assert float(metrics["skipped_steps"]) == 2.0  # of 2 epochs x 2 minibatches
+    assert np.isfinite(float(metrics["value_loss"]))  # averaged over the applied steps only
+    assert not _same_bits(new_state.actor_params, state.actor_params)
+    assert not _same_bits(new_state.critic_params, state.critic_params)
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(new_state))
+    assert int(new_state.step) == 1
+    counts = [x for x in jax.tree.leaves(new_state.actor_opt) if x.dtype == jnp.int32]
+    assert counts and all(int(c) == 2 for c in counts)  # AdamW counted the applied steps only
 
 
 # ------------------------------------------------------------------ non-finite: the run

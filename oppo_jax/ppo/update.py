@@ -4,17 +4,28 @@ The actor and the critic are separate models with separate optimizers. The actor
     pg_loss − entropy_coef · entropy (+ β · KL to the reference, when the KL is not in the reward)
 and the critic minimises vf_coef · vf_loss, which is TRL's ``pg + vf_coef · vf`` split by model.
 Each optimizer update averages the gradients of ``grad_accum_steps`` microbatches.
+
+On a mesh (``make_sharded_update``) the update is traced with the logical-axis rules active, so
+the model's activation constraints hold (rows over data × fsdp, FSDP weights gathered per layer),
+every minibatch and microbatch keeps its rows sharded, and the gradient accumulators are laid out
+like the parameters. Non-finite values skip work without a second copy of the train state: a
+bad batch skips the whole update (``lax.cond``), a bad loss or gradient skips its optimizer step
+(a per-leaf select fused into the update, as ``optax.apply_if_finite`` does), so the donated
+state is updated in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models.model_config import ModelConfig
@@ -26,6 +37,7 @@ from oppo_jax.sharding import (
     ShardingRules,
     abstract_params,
     batch_sharding,
+    fitted_sharding,
     param_shardings,
     replicated,
 )
@@ -39,7 +51,7 @@ class TrainState:
     critic_params: dict
     actor_opt: optax.OptState
     critic_opt: optax.OptState
-    step: jax.Array  # PPO updates applied so far (int32 scalar)
+    step: jax.Array  # PPO steps that applied at least one optimizer step (int32 scalar)
 
     __no_type_check__ = True  # rebuilt with sharding leaves by tree maps
 
@@ -54,6 +66,46 @@ class UpdateSpec:
     temperature: float
     actor_tx: optax.GradientTransformation
     critic_tx: optax.GradientTransformation
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateLayout:
+    """Where a sharded update's arrays live: the mesh, its rules and the train state's shardings.
+
+    None in place of a layout (single device, plain jit) constrains nothing.
+    """
+
+    mesh: Mesh
+    rules: ShardingRules
+    state: TrainState  # NamedSharding leaves, from ``train_state_shardings``
+
+    @contextlib.contextmanager
+    def tracing(self):
+        """Make ``nn.with_logical_constraint`` act while tracing under jit.
+
+        ``jax.set_mesh`` (``ShardingRules.context``) is refused inside jit; the abstract mesh
+        is what flax consults, and explicit NamedShardings carry the concrete one.
+        """
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            with nn.logical_axis_rules(self.rules.rules):
+                yield
+
+    def rows(self, tree, axis: int = 0):
+        """``tree`` with each leaf's ``axis`` (its rows) over the batch axes, the rest replicated;
+        a row count the batch axes do not divide stays replicated."""
+
+        def one(x):
+            axes = (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1)
+            return jax.lax.with_sharding_constraint(
+                x, fitted_sharding(self.mesh, x.shape, axes, self.rules)
+            )
+
+        return jax.tree.map(one, tree)
+
+    def like_params(self, grads):
+        """(actor, critic) gradient trees laid out like the parameters they belong to."""
+        targets = (self.state.actor_params, self.state.critic_params)
+        return jax.lax.with_sharding_constraint(grads, targets)
 
 
 def make_optimizer(optim: OptimConfig, lr: float, total_updates: int):
@@ -112,68 +164,143 @@ def critic_loss(spec: UpdateSpec, params, mb: PPOBatch):
     return spec.ppo.vf_coef * vf, {"value_loss": vf, **aux}
 
 
-def _split(tree, parts: int):
-    """[N, ...] leaves -> [parts, N / parts, ...]."""
-    return jax.tree.map(lambda x: x.reshape((parts, x.shape[0] // parts) + x.shape[1:]), tree)
+def _split(tree, parts: int, layout: UpdateLayout | None):
+    """[N, ...] leaves -> [parts, N / parts, ...], part j holding rows j, j + parts, j + 2·parts...
+
+    Strided, not contiguous: the batch axes hold rows in contiguous blocks, so every part keeps
+    an equal share of rows on every device and the scan over parts (axis 0, unsharded) moves no
+    data. Example: N = 8, parts = 2 -> part 0 = rows [0, 2, 4, 6], part 1 = rows [1, 3, 5, 7].
+    """
+
+    def one(x):
+        return jnp.swapaxes(x.reshape((x.shape[0] // parts, parts) + x.shape[1:]), 0, 1)
+
+    split = jax.tree.map(one, tree)
+    return split if layout is None else layout.rows(split, axis=1)
 
 
-def _optimizer_step(spec: UpdateSpec, kl_coef, state: TrainState, minibatch: PPOBatch):
-    """Average gradients over microbatches, then apply one actor and one critic update."""
+def _nan_like(shapes):
+    return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
+
+
+def _gradients(spec: UpdateSpec, layout, kl_coef, batch_ok, params, minibatch: PPOBatch):
+    """Mean (actor, critic) gradients over ``grad_accum_steps`` microbatches and the
+    microbatches' loss metrics; NaN, with no model work at all, when not ``batch_ok``."""
     actor_grad_fn = jax.grad(functools.partial(actor_loss, spec), has_aux=True)
     critic_grad_fn = jax.grad(functools.partial(critic_loss, spec), has_aux=True)
+    constrain = (lambda g: g) if layout is None else layout.like_params
+
+    def compute(mb):
+        mb = mb if layout is None else layout.rows(mb)
+        g_actor, a_aux = actor_grad_fn(params[0], mb, kl_coef)
+        g_critic, c_aux = critic_grad_fn(params[1], mb)
+        return constrain((g_actor, g_critic)), {**a_aux, **c_aux}
+
+    def guarded(mb):
+        return jax.lax.cond(batch_ok, compute, lambda _: _nan_like(shapes), mb)
+
+    steps = spec.ppo.grad_accum_steps
+    parts = _split(minibatch, steps, layout)
+    shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
+    if steps == 1:  # no accumulator: one parameter-sized buffer less
+        return guarded(jax.tree.map(lambda x: x[0], parts))
 
     def micro(carry, mb):
-        g_actor, a_aux = actor_grad_fn(state.actor_params, mb, kl_coef)
-        g_critic, c_aux = critic_grad_fn(state.critic_params, mb)
-        grads = jax.tree.map(jnp.add, carry, (g_actor, g_critic))
-        return grads, {**a_aux, **c_aux}
+        grads, aux = guarded(mb)
+        return constrain(jax.tree.map(jnp.add, carry, grads)), aux
 
-    zeros = jax.tree.map(jnp.zeros_like, (state.actor_params, state.critic_params))
-    steps = spec.ppo.grad_accum_steps
-    grads, aux = jax.lax.scan(micro, zeros, _split(minibatch, steps))
-    g_actor, g_critic = jax.tree.map(lambda g: g / steps, grads)
+    zeros = constrain(jax.tree.map(jnp.zeros_like, params))
+    grads, aux = jax.lax.scan(micro, zeros, parts)
+    return jax.tree.map(lambda g: g / steps, grads), aux
+
+
+def _apply(spec: UpdateSpec, grads, state: TrainState) -> TrainState:
+    """One optimizer update of the actor and one of the critic."""
+    g_actor, g_critic = grads
     a_updates, actor_opt = spec.actor_tx.update(g_actor, state.actor_opt, state.actor_params)
     c_updates, critic_opt = spec.critic_tx.update(g_critic, state.critic_opt, state.critic_params)
-    metrics = jax.tree.map(jnp.mean, aux)
-    metrics["actor_grad_norm"] = optax.tree.norm(g_actor)
-    metrics["critic_grad_norm"] = optax.tree.norm(g_critic)
-    new_state = state.replace(
+    return state.replace(
         actor_params=optax.apply_updates(state.actor_params, a_updates),
         critic_params=optax.apply_updates(state.critic_params, c_updates),
         actor_opt=actor_opt,
         critic_opt=critic_opt,
     )
-    return new_state, metrics
 
 
-def ppo_update(spec: UpdateSpec, state: TrainState, batch: PPOBatch, key, kl_coef):
-    """All epochs and minibatches of one PPO step; returns the new state and mean metrics.
+def _optimizer_step(spec: UpdateSpec, layout, kl_coef, batch_ok, state: TrainState, minibatch):
+    """Average gradients over microbatches, then apply one actor and one critic update, or
+    neither when the batch, a loss, a metric or a gradient is not finite (``applied``)."""
+    params = (state.actor_params, state.critic_params)
+    grads, aux = _gradients(spec, layout, kl_coef, batch_ok, params, minibatch)
+    metrics = jax.tree.map(jnp.mean, aux)
+    # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
+    metrics["actor_grad_norm"] = optax.tree.norm(grads[0])
+    metrics["critic_grad_norm"] = optax.tree.norm(grads[1])
+    ok = batch_ok & all_finite(metrics)
+    # A cond, as in optax.apply_if_finite: XLA then updates the carried (donated) state in
+    # place. A select between old and new state kept the new moments as extra temporaries.
+    state = jax.lax.cond(ok, functools.partial(_apply, spec, grads), lambda s: s, state)
+    metrics["applied"] = ok.astype(jnp.float32)
+    return state, metrics
 
-    Each epoch draws a fresh permutation of the B rows from ``key`` and splits it into
-    ``num_minibatches`` minibatches. A step that meets a non-finite value is skipped whole
-    (metrics ``nonfinite_batch`` / ``nonfinite_update`` are 1; the state is returned as given).
-    """
+
+def _epochs(spec: UpdateSpec, layout, batch: PPOBatch, key, kl_coef, batch_ok, state):
+    """Every optimizer step of one PPO step; metrics are stacked [epochs, minibatches]."""
     num_rows = batch.tokens.shape[0]
+    step = functools.partial(_optimizer_step, spec, layout, kl_coef, batch_ok)
 
     def epoch(state, epoch_key):
         perm = jax.random.permutation(epoch_key, num_rows)
         shuffled = jax.tree.map(lambda x: x[perm], batch)
-        step = functools.partial(_optimizer_step, spec, kl_coef)
-        return jax.lax.scan(step, state, _split(shuffled, spec.ppo.num_minibatches))
+        shuffled = shuffled if layout is None else layout.rows(shuffled)
+        return jax.lax.scan(step, state, _split(shuffled, spec.ppo.num_minibatches, layout))
 
     keys = jax.random.split(key, spec.ppo.ppo_epochs)
-    new_state, metrics = jax.lax.scan(epoch, state, keys)
-    new_state = new_state.replace(step=new_state.step + 1)
-    # A NaN/Inf anywhere (rewards, log-probs, values, losses, gradients) skips the whole step:
-    # the state comes back bitwise unchanged and the metrics say why (the host counts these).
-    batch_ok = all_finite(batch)
-    update_ok = all_finite(metrics)
-    ok = batch_ok & update_ok
-    state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
-    metrics = jax.tree.map(jnp.mean, metrics)
+    return jax.lax.scan(epoch, state, keys)
+
+
+def _mean_metrics(stacked: dict) -> dict:
+    """Means over the applied optimizer steps (NaN when none was), and how many were skipped."""
+    applied = stacked.pop("applied")
+    count = jnp.sum(applied)
+    metrics = {
+        name: jnp.where(count > 0, jnp.sum(jnp.where(applied > 0, v, 0.0)) / count, jnp.nan)
+        for name, v in stacked.items()
+    }
+    metrics["skipped_steps"] = applied.size - count  # float32, like every metric
+    return metrics
+
+
+def ppo_update(
+    spec: UpdateSpec,
+    state: TrainState,
+    batch: PPOBatch,
+    key,
+    kl_coef,
+    layout: UpdateLayout | None = None,
+):
+    """All epochs and minibatches of one PPO step; returns the new state and mean metrics.
+
+    Each epoch draws a fresh permutation of the B rows from ``key`` and splits it into
+    ``num_minibatches`` minibatches. Non-finite values skip work, never apply it:
+    - NaN/Inf anywhere in the batch skips every optimizer step without running the model
+      (``nonfinite_batch`` = 1): the state comes back bitwise unchanged, the loss metrics NaN;
+    - a NaN/Inf loss, metric or gradient skips that optimizer step, actor and critic together
+      (``nonfinite_update`` = 1): the other steps still apply, the optimizers' own step
+      counts skip it too, and the loss metrics average the applied steps only.
+    ``skipped_steps`` counts the skipped optimizer steps, and ``state.step`` grows by one when
+    at least one was applied. ``layout`` (see ``make_sharded_update``) lays arrays out on a mesh.
+    """
+    context = contextlib.nullcontext() if layout is None else layout.tracing()
+    with context:
+        batch_ok = all_finite(batch)
+        new_state, stacked = _epochs(spec, layout, batch, key, kl_coef, batch_ok, state)
+    metrics = _mean_metrics(stacked)
+    skipped = metrics["skipped_steps"]
     metrics["nonfinite_batch"] = (~batch_ok).astype(jnp.float32)
-    metrics["nonfinite_update"] = (~update_ok).astype(jnp.float32)
-    return state, metrics
+    metrics["nonfinite_update"] = (batch_ok & (skipped > 0)).astype(jnp.float32)
+    applied_any = skipped < spec.ppo.ppo_epochs * spec.ppo.num_minibatches
+    return new_state.replace(step=new_state.step + applied_any.astype(jnp.int32)), metrics
 
 
 def all_finite(tree) -> jax.Array:
@@ -210,14 +337,16 @@ def batch_shardings(mesh, rules: ShardingRules = DEFAULT_RULES) -> PPOBatch:
 
 
 def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):
-    """``ppo_update`` jitted once over ``mesh`` with explicit shardings, donating the state.
+    """``ppo_update`` jitted once over ``mesh`` with explicit shardings, donating the state,
+    traced with ``rules`` active (see ``UpdateLayout``).
 
     Returns ``(update, state_shardings)`` where ``update(state, batch, key, kl_coef)``.
     """
     state_sh = train_state_shardings(spec, mesh, rules)
     repl = replicated(mesh)
+    layout = UpdateLayout(mesh, rules, state_sh)
     update = jax.jit(
-        functools.partial(ppo_update, spec),
+        functools.partial(ppo_update, spec, layout=layout),
         in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
         out_shardings=(state_sh, repl),
         donate_argnums=(0,),

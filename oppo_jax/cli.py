@@ -17,10 +17,12 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set",
         dest="overrides",
-        action="append",
+        nargs="+",
+        action="extend",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. --set rollout.batch_size=32 (repeatable)",
+        help="override config keys, e.g. --set rollout.batch_size=32 seed=1 (also repeatable; "
+        "give CONFIG before --set)",
     )
 
 

@@ -16,6 +16,14 @@ class InputError(ValueError):
     """Bad user input: the message names the file, key or value and what is wrong with it."""
 
 
+class ConfigError(InputError):
+    """A configuration problem; the message names the file and/or the dotted key and value."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
 class PromptError(InputError):
     """A prompt source that cannot be used (unreadable, empty, or a prompt over the limit)."""
 

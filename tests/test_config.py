@@ -181,7 +181,7 @@ def test_override_without_equals_sign():
             ["pipeline.overcommit_min=5", "pipeline.overcommit_max=2"],
         ),
         (["pipeline.overcommit=9"], ["pipeline.overcommit=9", "adaptive"]),  # demo is adaptive
-        (["pipeline.mode=async"], ["pipeline.mode='async'", "sync, oppo"]),
+        (["pipeline.mode=async"], ["pipeline.mode='async'", "sync, intra, inter, oppo"]),
         (["pipeline.placement=split"], ["pipeline.placement='split'"]),
         (["ppo.kl_estimator=k4"], ["ppo.kl_estimator='k4'", "k1, k2, k3"]),
         (["ppo.loss_agg=sum"], ["ppo.loss_agg='sum'"]),
@@ -342,8 +342,10 @@ def test_random_overrides_load_or_raise_config_error(pairs):
 
 def test_config_modules_do_not_import_jax():
     # A config must load and validate before anything compiles (the package __init__ aside).
-    for module in ("config.py", "config_validate.py"):
-        tree = ast.parse((Path(__file__).parents[1] / "oppo_jax" / module).read_text())
+    modules = sorted((Path(__file__).parents[1] / "oppo_jax" / "config").glob("*.py"))
+    assert len(modules) >= 4
+    for module in modules:
+        tree = ast.parse(module.read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.split(".")[0] in ("jax", "flax", "optax")], module
@@ -354,3 +356,41 @@ def test_overcommit_larger_than_the_batch_is_rejected():
         ConfigError, match=r"pipeline.overcommit_max=20: must be <= rollout.batch_size=16"
     ):
         load_config(None, ["pipeline.overcommit_max=20", "pipeline.adaptive_overcommit=true"])
+
+
+def test_config_modules_import_each_other_without_a_cycle():
+    """schema <- validate <- docs <- load: each module imports only those before it."""
+    order = ["schema", "validate", "docs", "load"]
+    root = Path(__file__).parents[1] / "oppo_jax" / "config"
+    for i, name in enumerate(order):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {
+            f"oppo_jax.config.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module == "oppo_jax.config"
+            for a in n.names
+        }
+        later = {f"oppo_jax.config.{m}" for m in order[i:]}
+        assert not imported & later, (name, imported & later)
+
+
+def test_set_takes_several_pairs_after_one_flag():
+    from oppo_jax.cli import _parser
+
+    args = _parser().parse_args(
+        ["train", "--set", "seed=3", "rollout.batch_size=8", "--set", "train.steps=2"]
+    )
+    assert args.overrides == ["seed=3", "rollout.batch_size=8", "train.steps=2"]
+    cfg = load_config(args.config, args.overrides)
+    assert (cfg.seed, cfg.rollout.batch_size, cfg.train.steps) == (3, 8, 2)
+
+
+def test_every_schedule_is_a_mode():
+    from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
+
+    for name, schedule in SCHEDULES.items():
+        cfg = load_config(None, [f"pipeline.mode={name}"])
+        assert Schedule.named(cfg.pipeline.mode) == schedule and schedule.name == name
+    with pytest.raises(ConfigError, match="pipeline.mode='fast'"):
+        load_config(None, ["pipeline.mode=fast"])

@@ -13,18 +13,10 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
-from oppo_jax.errors import InputError
+from oppo_jax.errors import ConfigError
 
 if TYPE_CHECKING:
-    from oppo_jax.config import Config
-
-
-class ConfigError(InputError):
-    """A configuration problem; the message names the file and/or the dotted key and value."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = problems if problems is not None else [message]
+    from oppo_jax.config.schema import Config
 
 
 # Allowed values of the string-valued choices.
@@ -36,7 +28,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "ppo.kl_estimator": ("k1", "k2", "k3"),
     "ppo.loss_agg": ("token_mean", "seq_mean"),
     "optim.schedule": ("constant", "cosine", "linear"),
-    "pipeline.mode": ("sync", "oppo"),
+    "pipeline.mode": ("sync", "intra", "inter", "oppo"),
     "pipeline.placement": ("colocated", "disaggregated"),
 }
 _POSITIVE_INTS = (

@@ -1,0 +1,59 @@
+"""The key reference: every dotted key with its type, default and meaning, read from the
+schema's field comments (so the docs cannot drift from the dataclasses)."""
+
+import ast
+import dataclasses
+import functools
+import inspect
+import typing
+from typing import Any
+
+import yaml
+
+from oppo_jax.config import schema
+from oppo_jax.config.schema import STABLE_KEYS, Config
+from oppo_jax.config.validate import type_name
+
+
+def leaves(cls: type, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, type, default, comment) of every leaf field, in declaration order."""
+    out = []
+    hints, comments = typing.get_type_hints(cls), _field_comments().get(cls.__name__, {})
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += leaves(hint, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        out.append((prefix + f.name, hint, default, comments.get(f.name, "")))
+    return out
+
+
+@functools.cache
+def _field_comments() -> dict[str, dict[str, str]]:
+    """Comment of each dataclass field in the schema: trailing, else on the line just above."""
+    lines = inspect.getsource(schema).splitlines()
+    out: dict[str, dict[str, str]] = {}
+    for cls in [n for n in ast.parse("\n".join(lines)).body if isinstance(n, ast.ClassDef)]:
+        for stmt in [s for s in cls.body if isinstance(s, ast.AnnAssign)]:
+            code, above = lines[stmt.end_lineno - 1], lines[stmt.lineno - 2].strip()
+            own_line = above.partition("#")[2] if above.startswith("#") else ""
+            text = code.split("  # ", 1)[1] if "  # " in code else own_line
+            out.setdefault(cls.name, {})[ast.unparse(stmt.target)] = text.strip()
+    return out
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    return yaml.safe_dump(value, default_flow_style=True).splitlines()[0]
+
+
+def config_keys_doc() -> str:
+    """Markdown table of every dotted key: type, default and meaning (from the field comments)."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, hint, default, comment in leaves(Config):
+        meaning = comment + (" (stable key)" if key in STABLE_KEYS else "")
+        cells = (f"`{key}`", f"`{type_name(hint)}`", f"`{_yaml_value(default)}`", meaning)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"

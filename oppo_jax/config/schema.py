@@ -1,0 +1,155 @@
+"""The run configuration's schema: frozen typed dataclasses, one per section.
+
+Every field has a one-line comment saying what it means and its unit; ``config.docs`` turns
+them into the key reference. Defaults follow TRL's PPO trainer where TRL has the knob. YAML
+files hold values only (``config.load``); ``config.validate`` checks them. No jax here.
+"""
+
+from dataclasses import dataclass, field
+
+# Keys promised to users (DESIGN §7): documented and kept across versions.
+STABLE_KEYS = (
+    "seed", "train.steps", "rollout.batch_size", "pipeline.mode", "pipeline.chunk_size",
+    "pipeline.overcommit", "pipeline.adaptive_overcommit", "pipeline.placement",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the actor, reference, critic and reward model start from, and their numerics."""
+
+    # actor and reference weights: a local Hugging Face directory, or "demo" (built-in assets)
+    actor_path: str = "demo"
+    # reward-model weights: a local Hugging Face directory, or "demo" (built-in assets)
+    reward_path: str = "demo"
+    critic_init: str = "reward"  # checkpoint the critic's backbone starts from: reward | actor
+    # built-in architecture (e.g. qwen2.5-3b, qwen2.5-7b) for abstract shape checks; None = off
+    preset: str | None = None
+    dtype: str = "float32"  # activation dtype: float32 | bfloat16
+    param_dtype: str = "float32"  # parameter dtype: float32 | bfloat16
+    trust_remote_code: bool = False  # let transformers run code shipped inside a checkpoint
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What the actor generates each step."""
+
+    batch_size: int = 16  # B, completed sequences per PPO update
+    max_prompt_len: int = 16  # longest prompt, tokens
+    max_response_len: int = 64  # longest response, tokens (a response without EOS ends here)
+    temperature: float = 0.7  # sampling temperature; log-probs use logits / temperature too
+    top_k: int = 0  # sample only among the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus sampling: smallest token set with this probability mass
+    greedy: bool = False  # take the most likely token instead of sampling
+    prompt_too_long: str = "truncate"  # prompts over max_prompt_len: truncate | reject (error)
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """Rewards, advantages and the clipped PPO losses (TRL's numerics)."""
+
+    kl_coef: float = 0.05  # β, weight of the per-token KL penalty (initial β if adaptive_kl)
+    kl_estimator: str = "k1"  # per-token KL estimate of log π/π_ref: k1 | k2 | k3
+    kl_in_reward: bool = True  # penalise KL in the per-token reward; False: add it to the loss
+    adaptive_kl: bool = False  # steer β toward target_kl (Ziegler et al. controller)
+    target_kl: float = 6.0  # KL the adaptive controller aims for, nats per sequence
+    kl_horizon: int = 10000  # horizon of the adaptive KL controller, sequences
+    cliprange: float = 0.2  # ε, clip range of the policy ratio
+    cliprange_value: float = 0.2  # ε_v, clip range of values around the old values, reward units
+    vf_coef: float = 0.1  # weight of the value loss in the total loss
+    entropy_coef: float = 0.0  # weight of the entropy bonus (0 = off)
+    gamma: float = 1.0  # discount per token
+    lam: float = 0.95  # λ of generalised advantage estimation
+    ppo_epochs: int = 4  # passes over each batch of B sequences
+    num_minibatches: int = 1  # optimizer updates per epoch
+    grad_accum_steps: int = 1  # microbatches whose gradients are summed per update
+    whiten_rewards: bool = False  # whiten per-token rewards over valid tokens before GAE
+    # subtracted from the score of responses without EOS, reward units; None = off (TRL)
+    missing_eos_penalty: float | None = None
+    loss_agg: str = "token_mean"  # loss average: token_mean (all valid tokens) | seq_mean
+    # weight carried (stale) tokens by a truncated ratio π_old / π_behaviour (decoupled PPO)
+    importance_correction: bool = False
+    importance_clip: float = 2.0  # upper truncation of that importance weight
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW for the actor and the critic."""
+
+    actor_lr: float = 1e-6  # peak learning rate of the actor, per optimizer update
+    critic_lr: float = 1e-5  # peak learning rate of the critic, per optimizer update
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay, per update
+    max_grad_norm: float = 1.0  # clip each model's global gradient norm to this
+    warmup_steps: int = 0  # linear learning-rate warm-up, optimizer updates
+    schedule: str = "constant"  # learning rate after warm-up: constant | cosine | linear decay
+    adam_b1: float = 0.9  # Adam β1, decay of the first moment
+    adam_b2: float = 0.999  # Adam β2, decay of the second moment
+    adam_eps: float = 1e-8  # Adam ε, added to the root of the second moment
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh of actor generation and training; scorers may sit on devices outside it."""
+
+    data: int = 1  # data-parallel axis, devices (batch sharded, parameters replicated)
+    fsdp: int = 1  # fully-sharded axis, devices (batch and parameters sharded)
+    tensor: int = 1  # tensor-parallel axis, devices (heads and hidden units sharded)
+    scoring_devices: int = 0  # extra devices for the scorers when placement is disaggregated
+    multihost: bool = False  # call jax.distributed.initialize() (GPU clusters, TPU pods)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The scheduler: sync baseline or OPPO's intra- and inter-step overlap."""
+
+    # schedule: sync (score after generation) | intra (streamed) | inter (B + Δ, carry) | oppo
+    mode: str = "oppo"
+    chunk_size: int = 16  # C, tokens decoded per streamed chunk
+    # chunk sizes the online tuner tries, tokens
+    chunk_candidates: list[int] = field(default_factory=lambda: [8, 16, 32])
+    chunk_tuning: bool = False  # tune chunk_size online by measured step time
+    chunk_tuning_every: int = 50  # steps between two tuning rounds
+    overcommit: int = 0  # Δ, extra prompts started per step (start value if adaptive); 0 = off
+    adaptive_overcommit: bool = False  # raise Δ while mean reward rises, else lower it
+    overcommit_min: int = 0  # Δ_min, lower clamp of adaptive Δ, prompts
+    overcommit_max: int = 8  # Δ_max, upper clamp of adaptive Δ, prompts
+    overcommit_window: int = 3  # w, steps averaged in the reward trend
+    max_deferrals: int = 2  # steps a sequence may be carried before it must finish
+    # device roles: colocated (all share the mesh) | disaggregated (scorers on own devices)
+    placement: str = "colocated"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Length of the run, checkpoints and logging."""
+
+    steps: int = 100  # PPO steps, each one update on B sequences
+    checkpoint_every: int = 25  # steps between checkpoints; 0 = none
+    max_to_keep: int = 3  # checkpoints kept on disk
+    log_every: int = 1  # steps between metric records
+    sft_steps: int = 3000  # optimizer updates of `oppo-jax sft` (supervised actor)
+    rm_steps: int = 500  # optimizer updates of `oppo-jax rm` (reward model)
+    max_nonfinite_in_a_row: int = 3  # skipped non-finite updates in a row before the run stops
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from."""
+
+    prompts: str = "demo"  # prompt file (JSONL or parquet), or "demo" (the built-in task)
+    prompt_field: str = "prompt"  # field of each record that holds the prompt text
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run; `load_config` builds one, `validate` checks one built by hand."""
+
+    seed: int = 0  # root of every random stream (initialisation, sampling, data order)
+    model: ModelConfig = field(default_factory=ModelConfig)  # checkpoints and dtypes
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # PPO objective and hyper-parameters
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizers
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # devices
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # scheduling
+    train: TrainConfig = field(default_factory=TrainConfig)  # run length and checkpoints
+    data: DataConfig = field(default_factory=DataConfig)  # prompts

@@ -11,9 +11,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oppo_jax.config import validate
 
-from oppo_jax.config import Config, load_config
+from oppo_jax.config import Config, load_config, validate
 from oppo_jax.data.demo_task import DemoTaskSpec, save_tokenizer
 from oppo_jax.data.prompts import load_prompt_file, tokenize_prompts
 from oppo_jax.errors import InputError

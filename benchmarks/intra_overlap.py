@@ -47,8 +47,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from oppo_jax.config import load_config
-    from oppo_jax.pipeline.carry import CarryBuffer, admit
-    from oppo_jax.pipeline.schedule import run_step
+    from oppo_jax.pipeline.carry import CarryBuffer
+    from oppo_jax.pipeline.host_state import update_key
+    from oppo_jax.pipeline.schedule import SCHEDULES
+    from oppo_jax.pipeline.step import StepPlan, run_step
     from oppo_jax.pipeline.timeline import Timeline
     from oppo_jax.run_setup import prepare_run
 
@@ -57,23 +59,23 @@ def main(argv=None) -> int:
         "pipeline.adaptive_overcommit=false",
         *args.overrides,
     ])  # fmt: skip
-    ctx = prepare_run(cfg)
-    states = {mode: jax.tree.map(jnp.copy, ctx.train_state) for mode in ("sync", "oppo")}
+    ctx, state = prepare_run(cfg)
+    # "oppo" here is OPPO without overcommit: the intra schedule.
+    schedules = {"sync": SCHEDULES["sync"], "oppo": SCHEDULES["intra"]}
+    states = {mode: jax.tree.map(jnp.copy, state) for mode in schedules}
     prompts = ctx.prompt_iterator()
     timeline = Timeline()
     rows = {mode: [] for mode in states}
+    b, chunk = cfg.rollout.batch_size, cfg.pipeline.chunk_size
     for step in range(args.warmup + args.steps):
-        b = cfg.rollout.batch_size
         pairs = prompts.take(b)
-        p, r = cfg.rollout.max_prompt_len, cfg.rollout.max_response_len
-        slots = {m: admit(CarryBuffer(), iter_of(pairs), b, b, p, r, False, 0) for m in states}
-        keys = jax.random.key(cfg.seed), jax.random.fold_in(jax.random.key(cfg.seed + 1), step)
+        plan = StepPlan(step, b, 0, b, chunk, cfg.ppo.kl_coef, update_key(cfg.seed, step))
         order = ("sync", "oppo") if step % 2 == 0 else ("oppo", "sync")
         for mode in order:
-            result = run_step(ctx.kernels, ctx.placement, timeline, mode, cfg.pipeline.chunk_size,
-                              states[mode], ctx.ref_params, ctx.reward_params, slots[mode], b,
-                              *keys, cfg.ppo.kl_coef)  # fmt: skip
-            states[mode] = result.train_state
+            states[mode], _, result = run_step(
+                ctx.engine, schedules[mode], plan, states[mode], CarryBuffer(), iter_of(pairs),
+                timeline,
+            )  # fmt: skip
             if step >= args.warmup:
                 rows[mode].append({
                     "step_time_s": result.wall_s, "time_to_batch_s": _time_to_batch(result),

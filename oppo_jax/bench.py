@@ -20,15 +20,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from oppo_jax.config import Config, to_dict
-from oppo_jax.pipeline.overcommit import OvercommitController
+from oppo_jax.pipeline.host_state import HostState, sampling_key
+from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
 from oppo_jax.sim.trace import step_trace
-from oppo_jax.train import HostState, step_once
+from oppo_jax.train import train_step
 
-# name -> (scorers stream the actor's chunks, carry stragglers with B + Δ)
-SCHEDULES = {"sync": (False, False), "intra": (True, False), "inter": (False, True),
-             "oppo": (True, True)}  # fmt: skip
 MOVING_AVERAGE = 5  # steps in the gold score's moving average (time to target)
 
 
@@ -36,30 +34,26 @@ MOVING_AVERAGE = 5  # steps in the gold score's moving average (time to target)
 class _Lane:
     """One (schedule, seed) run in the interleaved benchmark."""
 
-    name: str
+    schedule: Schedule
     seed: int
     ctx: RunContext
     host: HostState
     state: object
-    stream: bool
     records: list = dataclasses.field(default_factory=list)
     events: list = dataclasses.field(default_factory=list)  # timeline of the last step
 
 
-def _lanes(cfg: Config, ctx: RunContext, seeds: int) -> list[_Lane]:
+def _lanes(cfg: Config, ctx: RunContext, state, seeds: int) -> list[_Lane]:
+    """One lane per (seed, schedule), each set up exactly as ``train`` sets up a run."""
     lanes = []
-    p = cfg.pipeline
     for seed in range(cfg.seed, cfg.seed + seeds):
         seed_cfg = dataclasses.replace(cfg, seed=seed)
-        seed_ctx = dataclasses.replace(ctx, cfg=seed_cfg)
-        for name, (stream, carry) in SCHEDULES.items():
-            host = HostState.fresh(seed_cfg, seed_ctx)
-            host.deltas = OvercommitController(
-                p.overcommit if carry else 0, p.overcommit_min, p.overcommit_max,
-                p.overcommit_window, p.adaptive_overcommit and carry,
-            )  # fmt: skip
-            state = jax.tree.map(jnp.copy, ctx.train_state)
-            lanes.append(_Lane(name, seed, seed_ctx, host, state, stream))
+        engine = dataclasses.replace(ctx.engine, sample_key=sampling_key(seed))
+        seed_ctx = dataclasses.replace(ctx, cfg=seed_cfg, engine=engine)
+        for schedule in SCHEDULES.values():
+            host = HostState.fresh(seed_cfg, schedule, seed_ctx.prompt_iterator())
+            lane_state = jax.tree.map(jnp.copy, state)  # each lane's update donates its own
+            lanes.append(_Lane(schedule, seed, seed_ctx, host, lane_state))
     return lanes
 
 
@@ -118,18 +112,18 @@ def run_bench(
     """Run the four schedules interleaved and write ``bench.json`` and plots to ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = prepare_run(cfg, progress)
+    ctx, state = prepare_run(cfg, progress)
     if ctx.gold_fn is None:
         raise ValueError("the benchmark reports gold scores: it needs the demo task")
-    lanes, timeline = _lanes(cfg, ctx, seeds), Timeline()
+    lanes, timeline = _lanes(cfg, ctx, state, seeds), Timeline()
     bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
     for step in range(warmup + steps):
         rotation = step % len(SCHEDULES)  # who goes first rotates, against order effects
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             carrying = lane.host.deltas.slots_needed > 0
-            lane.state, record, result = step_once(
-                cfg, lane.ctx, lane.host, lane.state, timeline, lane.stream
+            lane.state, record, result = train_step(
+                lane.ctx, lane.schedule, lane.host, lane.state, timeline
             )
             if step >= warmup:  # the first steps compile
                 record["trace"] = step_trace(result, carried, cfg.rollout.max_prompt_len, carrying)
@@ -142,7 +136,7 @@ def run_bench(
 
 def _write(cfg, out, lanes, steps, seeds, target_gold) -> dict:
     tail = max(1, min(5, steps // 3))
-    by_name = {name: [lane for lane in lanes if lane.name == name] for name in SCHEDULES}
+    by_name = {name: [lane for lane in lanes if lane.schedule.name == name] for name in SCHEDULES}
     if target_gold is None:  # 70% of the way from the start to the worst schedule's final gold
         start = np.mean([lane.records[0]["gold"] for lane in lanes])
         worst = min(_moving_average([r["gold"] for r in lane.records])[-1] for lane in lanes)

@@ -22,11 +22,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml")
-    ctx = prepare_run(cfg, progress=False)
+    ctx, initial = prepare_run(cfg, progress=False)
     with RunCheckpointer(run / "checkpoints") as ckpt:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
-        state, _ = ckpt.restore(step, abstract_like(ctx.train_state))
+        state, _ = ckpt.restore(step, abstract_like(initial))
     out = export_hf(state.actor_params, ctx.kernels.spec.actor, out_dir, ctx.actor_dir)
     if critic:
         export_hf(state.critic_params, ctx.kernels.spec.critic, Path(out_dir) / "critic",

@@ -17,8 +17,10 @@ from oppo_jax.errors import InputError
 from oppo_jax.models.api import load_hf_model
 from oppo_jax.models.hf_io import load_params
 from oppo_jax.models.tokenizer import same_vocabulary
+from oppo_jax.pipeline.host_state import sampling_key
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
 from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.step import StepEngine
 from oppo_jax.ppo.update import (
     TrainState,
     batch_shardings,
@@ -36,21 +38,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OPPO_JAX_CACHE", Path.home() / ".cache" / "oppo_jax"))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunContext:
-    """The static pieces of a run and its freshly initialised state."""
+    """The static pieces of a run (the train state is not one: each step returns a new one)."""
 
     cfg: Config
-    kernels: Kernels
-    train_state: TrainState
-    ref_params: dict
-    reward_params: dict
+    engine: StepEngine  # what every step dispatches to: kernels, placement, frozen scorers
     prompts: list[np.ndarray]
     tokenizer: object
     actor_dir: Path
     gold_fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None  # (responses, lengths) -> [B]
-    placement: Placement
     prompts_truncated: int = 0  # user prompts cut to rollout.max_prompt_len (warned at load)
+
+    @property
+    def kernels(self) -> Kernels:
+        return self.engine.kernels
+
+    @property
+    def placement(self) -> Placement:
+        return self.engine.placement
 
     def prompt_iterator(self, state: dict | None = None) -> PromptIterator:
         """Prompts in the run's deterministic order, optionally resumed from ``state``."""
@@ -130,22 +136,15 @@ def _batch_resharded(update: Callable, mesh) -> Callable:
     return run
 
 
-def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
-    """Load (or build) the models, the prompts and the compiled kernels of ``cfg``."""
+def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainState]:
+    """Load (or build) the models, the prompts and the kernels of ``cfg``; returns the run's
+    context and its initial train state."""
     actor_dir, reward_dir, prompts, gold_fn = _resolve_models(cfg, progress)
     dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
     remote = cfg.model.trust_remote_code
     actor = load_hf_model(actor_dir, trust_remote_code=remote, **dtypes)
     reward = load_hf_model(reward_dir, trust_remote_code=remote, **dtypes)
-    if actor.config.head != "lm" or reward.config.head != "score":
-        raise InputError(f"{actor_dir} must be a CausalLM and {reward_dir} a sequence classifier")
-    if actor.tokenizer is None:
-        raise InputError(f"{actor_dir}: no tokenizer files found")
-    if reward.tokenizer is not None and not same_vocabulary(actor.tokenizer, reward.tokenizer):
-        raise InputError(
-            f"actor ({actor_dir}) and reward model ({reward_dir}) use different tokenizers; "
-            "the reward model would read token ids from another vocabulary"
-        )
+    _check_models(actor, reward, actor_dir, reward_dir)
     critic_cfg = actor.config.replace(head="score", num_labels=1)
     if cfg.model.critic_init == "reward":
         critic_cfg, critic_params = reward.config, jax.tree.map(jnp.copy, reward.params)
@@ -163,11 +162,28 @@ def prepare_run(cfg: Config, progress: bool = True) -> RunContext:
     spec = update_spec(cfg, actor.config, critic_cfg)
     update = _batch_resharded(make_sharded_update(spec, mesh)[0], mesh)
     rollout = rollout_spec(cfg, eos_ids, pad_id, placement)
-    kernels = build_kernels(spec, rollout, reward_model=reward.config, update=update)
+    engine = StepEngine(
+        kernels=build_kernels(spec, rollout, reward_model=reward.config, update=update),
+        placement=placement,
+        ref_params=placement.scoring_params(actor.config, actor.params),
+        reward_params=placement.scoring_params(reward.config, reward.params),
+        sample_key=sampling_key(cfg.seed),
+        max_deferrals=cfg.pipeline.max_deferrals,
+    )
     state = make_sharded_init(spec, mesh)(actor.params, critic_params)
-    return RunContext(
-        cfg, kernels, state, ref_params=placement.scoring_params(actor.config, actor.params),
-        reward_params=placement.scoring_params(reward.config, reward.params), prompts=prompts,
-        tokenizer=tok,
-        actor_dir=actor_dir, gold_fn=gold_fn, placement=placement, prompts_truncated=truncated,
-    )  # fmt: skip
+    ctx = RunContext(cfg, engine, prompts, tok, actor_dir, gold_fn, prompts_truncated=truncated)
+    return ctx, state
+
+
+def _check_models(actor, reward, actor_dir: Path, reward_dir: Path) -> None:
+    """The actor must be a CausalLM with a tokenizer, the reward model a classifier reading
+    the same vocabulary."""
+    if actor.config.head != "lm" or reward.config.head != "score":
+        raise InputError(f"{actor_dir} must be a CausalLM and {reward_dir} a sequence classifier")
+    if actor.tokenizer is None:
+        raise InputError(f"{actor_dir}: no tokenizer files found")
+    if reward.tokenizer is not None and not same_vocabulary(actor.tokenizer, reward.tokenizer):
+        raise InputError(
+            f"actor ({actor_dir}) and reward model ({reward_dir}) use different tokenizers; "
+            "the reward model would read token ids from another vocabulary"
+        )

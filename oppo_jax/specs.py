@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from oppo_jax.config import Config
 from oppo_jax.models.model_config import ModelConfig, preset
-from oppo_jax.pipeline.kernels import RolloutSpec
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import (
@@ -20,6 +19,7 @@ from oppo_jax.ppo.update import (
     make_sharded_update,
 )
 from oppo_jax.rollout.sampling import SamplingConfig
+from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.sharding import abstract_params, make_mesh, param_shardings, per_device_bytes
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models import ModelConfig, init_params
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
-from oppo_jax.ppo.experience import build_batch
+from oppo_jax.ppo.experience import ScoredRollout, build_batch
 from oppo_jax.ppo.update import UpdateSpec, make_optimizer
 
 ACTOR = ModelConfig(
@@ -48,13 +48,13 @@ def random_batch(spec: UpdateSpec, actor_params, critic_params, seed=0, rows=8, 
     logp, _ = policy_logprobs(ACTOR, actor_params, tokens, prompt_len, resp, spec.temperature)
     values = critic_values(CRITIC, critic_params, tokens, prompt_len, resp)
     noise = jnp.asarray(rng.normal(0, 0.05, logp.shape), jnp.float32)
-    return build_batch(
-        spec.ppo, tokens, prompt_len, mask,
+    rollout = ScoredRollout(
+        tokens, prompt_len, mask,
         scores=jnp.asarray(rng.normal(size=rows), jnp.float32),
         ended_with_eos=jnp.asarray(rng.random(rows) < 0.7),
         old_logp=logp, behaviour_logp=logp + noise, ref_logp=logp + noise, values=values,
-        kl_coef=jnp.float32(0.05),
-    )[0]  # fmt: skip
+    )  # fmt: skip
+    return build_batch(spec.ppo, rollout, jnp.float32(0.05))[0]
 
 
 def tiny_params(seed=0):
@@ -74,7 +74,34 @@ class ListPrompts:
 
 def fresh_slots(pairs, prompt_width, response_len, extra_slots=0):
     """Admit ``pairs`` (no carried sequences) into len(pairs) + extra_slots slots."""
-    from oppo_jax.pipeline.carry import CarryBuffer, admit
+    from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 
-    return admit(CarryBuffer(), ListPrompts(pairs), len(pairs), len(pairs) + extra_slots,
-                 prompt_width, response_len, with_prefix=False, max_deferrals=2)  # fmt: skip
+    rule = AdmitRule(len(pairs), len(pairs) + extra_slots, False, max_deferrals=2)
+    return admit(CarryBuffer(), ListPrompts(pairs), rule, prompt_width, response_len)
+
+
+def reward_scores(cfg, params, tokens, seq_len):
+    """Reference: a score-head model's output at each row's last valid token, from one full
+    forward pass (what streamed reward scoring must equal)."""
+    from oppo_jax.models import Transformer
+
+    out, _ = Transformer(cfg).apply({"params": params}, tokens)
+    last = jnp.maximum(seq_len - 1, 0)
+    return jnp.take_along_axis(out[..., 0], last[:, None], axis=1)[:, 0].astype(jnp.float32)
+
+
+def step_engine(kernels, placement, ref_params, reward_params, seed=1, max_deferrals=2):
+    """A StepEngine for schedule tests (sampling key from ``seed``)."""
+    from oppo_jax.pipeline.step import StepEngine
+
+    return StepEngine(
+        kernels, placement, ref_params, reward_params, jax.random.key(seed), max_deferrals
+    )
+
+
+def step_plan(step, batch_size, overcommit=0, chunk_size=4, kl_coef=0.05, key=None):
+    """A StepPlan for schedule tests; slots reserved for exactly B + Δ."""
+    from oppo_jax.pipeline.step import StepPlan
+
+    key = jax.random.fold_in(jax.random.key(2), step) if key is None else key
+    return StepPlan(step, batch_size, overcommit, batch_size + overcommit, chunk_size, kl_coef, key)

@@ -4,7 +4,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oppo_jax.pipeline.carry import CarryBuffer, admit, carry_out, ready_to_cut, select_batch
+from oppo_jax.pipeline.carry import (
+    AdmitRule,
+    CarryBuffer,
+    HostRollout,
+    admit,
+    carry_out,
+    select_batch,
+)
 from tests.ppo_fixtures import ListPrompts
 
 R = 24  # response capacity
@@ -22,12 +29,11 @@ def _simulate_step(slots, lengths, chunk, step):
     clock = 0
     while True:
         clock += chunk
-        finished = slots.active & (finish_at <= clock) | ~slots.active
-        break_now = ready_to_cut(finished & slots.active, slots.active, slots.must_finish,
-                                 _B)  # fmt: skip
-        if break_now or clock > 4 * R:
+        finish_step = np.where(slots.active & (finish_at <= clock), finish_at, -1)
+        # The device's rule (CutRule) and the host's batch choice are one rule: the host can
+        # choose a batch exactly when the device says the rollout may stop.
+        if select_batch(finish_step, slots.active, slots.must_finish, _B) or clock > 4 * R:
             break
-    finish_step = np.where(slots.active & (finish_at <= clock), finish_at, -1)
     num_generated = np.where(
         finish_step >= 0, slots.prefix_len + finish_at, slots.prefix_len + clock
     ).clip(max=R)
@@ -36,7 +42,8 @@ def _simulate_step(slots, lengths, chunk, step):
         tokens[i] = slots.prompt_ids[i] * 1000 + np.arange(R)  # token j of a prompt: id*1000+j
     logprobs = -np.ones((n, R), np.float32)
     selection = select_batch(finish_step, slots.active, slots.must_finish, _B)
-    carried = carry_out(slots, selection, tokens, logprobs, num_generated, finish_step, step)
+    rollout = HostRollout(tokens, logprobs, num_generated, finish_step)
+    carried = carry_out(slots, selection, rollout, step)
     return selection, carried
 
 
@@ -56,7 +63,8 @@ def test_every_prompt_once_none_lost_bounded_staleness(lengths, delta, max_defer
     buffer = CarryBuffer()
     seen = []
     for step in range(steps):
-        slots = admit(buffer, prompts, _B + delta, _B + delta, 2, R, True, max_deferrals)
+        rule = AdmitRule(_B + delta, _B + delta, True, max_deferrals)
+        slots = admit(buffer, prompts, rule, 2, R)
         # Split admission: rows past carried_rows are new (or empty) and fit the prompt width.
         fresh = slice(slots.carried_rows, None)
         assert 0 <= slots.carried_rows <= slots.num_slots
@@ -93,7 +101,7 @@ def test_batches_and_carried_sets_do_not_depend_on_chunk_size(lengths, delta):
         prompts = ListPrompts([(i, [5, 6]) for i in range(len(lengths))])
         buffer, trace = CarryBuffer(), []
         for step in range(6):
-            slots = admit(buffer, prompts, _B + delta, _B + delta, 2, R, True, 2)
+            slots = admit(buffer, prompts, AdmitRule(_B + delta, _B + delta, True, 2), 2, R)
             selection, carried = _simulate_step(slots, lengths, chunk, step)
             trace.append((slots.prompt_ids[selection.batch].tolist(), selection.cut,
                           [c.to_json() for c in carried]))  # fmt: skip

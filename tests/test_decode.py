@@ -11,7 +11,8 @@ import torch
 
 import oppo_jax
 from oppo_jax.models import ModelConfig, Transformer, init_cache, init_params
-from oppo_jax.rollout import SamplingConfig, make_decode_chunk, make_start_decode, prefill
+from oppo_jax.pipeline.kernels import make_actor_admit, make_decode_chunk, make_start_decode
+from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig, prefill
 from tests.hf_fixtures import save_tiny_hf_model
 
 TINY = ModelConfig(
@@ -69,8 +70,9 @@ def _decode(cfg, params, prompts, sampling, chunk, max_len, eos=(1,), prompt_ids
     padded = jnp.asarray([list(p) + [0] * (width - len(p)) for p in prompts], jnp.int32)
     n = len(prompts)
     ids = jnp.arange(n) if prompt_ids is None else jnp.asarray(prompt_ids)
-    start = make_start_decode(cfg, max_len, eos)
-    state = start(params, padded, lens, ids, jnp.zeros(n, int), jax.random.key(key))
+    rollout = RolloutSpec(sampling, width, max_len, eos)
+    admission = Admission.fresh(padded, lens, max_len, prompt_id=ids)
+    state, _ = make_actor_admit(cfg, rollout, 1.0)(params, admission, jax.random.key(key))
     step = make_decode_chunk(cfg, sampling, chunk)
     for _ in range(-(-max_len // chunk)):
         state = step(params, state)
@@ -158,11 +160,10 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 
 def test_max_length_and_empty_slots_freeze():
     params = init_params(TINY, jax.random.key(10))
-    start = make_start_decode(TINY, 5, (63,))
+    start = make_start_decode(TINY, RolloutSpec(SamplingConfig(), 3, 5, (63,)))
     prompts = jnp.array([[4, 5, 6], [7, 8, 0]])
     active = jnp.array([True, False])
-    state = start(params, prompts, jnp.array([3, 2]), jnp.arange(2), jnp.zeros(2, int),
-                  jax.random.key(0), active=active)  # fmt: skip
+    state = start(params, prompts, jnp.array([3, 2]), jax.random.key(0), active=active)
     state = make_decode_chunk(TINY, SamplingConfig(), 8)(params, state)
     assert state.num_generated.tolist() == [5, 0]
     assert state.finished.tolist() == [True, True]

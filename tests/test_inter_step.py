@@ -9,17 +9,26 @@ import numpy as np
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
-from oppo_jax.pipeline.carry import CarryBuffer, admit, carry_out
-from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
+from oppo_jax.pipeline.carry import CarryBuffer
+from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.schedule import run_step
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.update import init_train_state
-from oppo_jax.rollout import SamplingConfig
-from oppo_jax.scoring.full import reward_scores
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.sharding import make_device_groups
-from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, make_spec, tiny_params
+from tests.ppo_fixtures import (
+    ACTOR,
+    CRITIC,
+    ListPrompts,
+    make_spec,
+    reward_scores,
+    step_engine,
+    step_plan,
+    tiny_params,
+)
 
 R, P, B, DELTA = 16, 4, 4, 3
 
@@ -42,18 +51,16 @@ def _run(chunk, steps=3, observe=None):
     rng = np.random.default_rng(0)
     prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(2, P + 1))) for i in range(64)])
     buffer, timeline, trace = CarryBuffer(), Timeline(), []
+    engine = step_engine(kernels, place, actor, reward)
     for step in range(steps):
-        slots = admit(buffer, prompts, B + DELTA, B + DELTA, P, R, True, max_deferrals=2)
         before = jax.tree.map(jnp.copy, (state.actor_params, state.critic_params))
-        keys = jax.random.key(1), jax.random.fold_in(jax.random.key(2), step)
-        result = run_step(kernels, place, timeline, "oppo", chunk, state, actor, reward, slots, B,
-                          *keys, 0.05)  # fmt: skip
-        state = result.train_state
-        carried = carry_out(slots, result.selection, result.tokens, result.logprobs,
-                            result.num_generated, result.finish_step, step)  # fmt: skip
+        plan = step_plan(step, B, overcommit=DELTA, chunk_size=chunk)
+        state, carried, result = run_step(
+            engine, SCHEDULES["oppo"], plan, state, buffer, prompts, timeline
+        )
         buffer.extend(carried)
         if observe:
-            observe(step, slots, result, before, (actor, reward))
+            observe(step, result.slots, result, before, (actor, reward))
         trace.append((result, [c.to_json() for c in carried]))
     return trace
 
@@ -103,3 +110,22 @@ def test_carried_sequences_match_a_full_recompute_with_current_parameters():
 
     _run(8, steps=4, observe=observe)
     assert checked, "no carried sequence reached a batch; the test would prove nothing"
+
+
+def test_decoding_stops_at_the_cut():
+    """No slot decodes past the cut position (the last chunk stops where the rule holds), so
+    a running slot holds exactly its prefix plus ``cut`` new tokens, and one that finished
+    holds at most that."""
+    ran = []
+
+    def observe(step, slots, result, params_before, frozen):
+        cut, r = result.selection.cut, result.rollout
+        running = slots.active & (r.finish_step < 0)
+        assert running.any()  # Δ > 0: some slot is still running at the cut
+        np.testing.assert_array_equal(r.num_generated[running], slots.prefix_len[running] + cut)
+        assert np.all(r.num_generated[slots.active] <= slots.prefix_len[slots.active] + cut)
+        assert np.all(r.finish_step <= cut)
+        ran.append(step)
+
+    _run(32, steps=3, observe=observe)  # chunks longer than most cuts
+    assert ran == [0, 1, 2]

@@ -5,15 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.config import PPOConfig
-from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
+from oppo_jax.pipeline.carry import CarryBuffer
+from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.schedule import run_step
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.step import StepEngine, run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
-from oppo_jax.rollout import SamplingConfig
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.layout import response_mask, response_tokens
 from oppo_jax.sharding import make_device_groups
-from tests.ppo_fixtures import fresh_slots, make_spec, tiny_params
+from tests.ppo_fixtures import ListPrompts, make_spec, step_plan, tiny_params
 
 GOOD = (2, 12)  # token ids in [2, 12) are "good": ~16% of a uniform policy's tokens
 R = 8
@@ -42,11 +44,12 @@ def test_ppo_raises_a_fixed_reward():
     rewards = []
     for step in range(30):
         pairs = [(step * 16 + i, rng.integers(12, 64, 4)) for i in range(16)]
-        slots = fresh_slots(pairs, 4, R)
         keys = jax.random.split(jax.random.key(step), 2)
-        result = run_step(kernels, placement, timeline, "oppo", 4, state, ref, None, slots, 16,
-                          keys[0], keys[1], 0.01)  # fmt: skip
-        state = result.train_state
+        engine = StepEngine(kernels, placement, ref, None, keys[0], max_deferrals=2)
+        plan = step_plan(step, 16, chunk_size=4, kl_coef=0.01, key=keys[1])
+        state, _, result = run_step(
+            engine, SCHEDULES["intra"], plan, state, CarryBuffer(), ListPrompts(pairs), timeline
+        )
         rewards.append(float(result.metrics["reward"]))
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert first < 0.3, rewards

@@ -1,6 +1,7 @@
 """Reliability in one process: non-finite values skip updates, signals checkpoint and stop,
 and bad input at run set-up fails early with a message that names it (docs/RELIABILITY.md)."""
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -108,23 +109,24 @@ def test_only_the_optimizer_steps_with_a_nonfinite_loss_are_skipped():
 
 
 def _inject_into_run_step(monkeypatch, at_calls, action):
-    """Wrap the schedule's ``run_step`` so ``action(args)`` rewrites the arguments of the
-    given calls (counted from 0 within each ``train``)."""
+    """Wrap ``run_step`` so that, at the given calls (counted from 0 within each ``train``),
+    ``action(engine)`` runs first and returns the engine the step uses."""
     calls = {"n": 0}
     real = train_module.run_step
 
-    def run_step(*args):
-        args = list(args)
+    def run_step(engine, *args):
         if calls["n"] in at_calls:
-            action(args)
+            engine = action(engine)
         calls["n"] += 1
-        return real(*args)
+        return real(engine, *args)
 
     monkeypatch.setattr(train_module, "run_step", run_step)
 
 
-def _nan_reward_model(args):
-    args[7] = jax.tree.map(lambda x: x * jnp.nan, args[7])  # the reward model's parameters
+def _nan_reward_model(engine):
+    """The step's engine with NaN reward-model parameters."""
+    nan = jax.tree.map(lambda x: x * jnp.nan, engine.reward_params)
+    return dataclasses.replace(engine, reward_params=nan)
 
 
 @pytest.fixture
@@ -134,9 +136,9 @@ def abstract_state(monkeypatch):
     real = train_module.prepare_run
 
     def prepare_run(*args, **kwargs):
-        ctx = real(*args, **kwargs)
-        captured["state"] = abstract_like(ctx.train_state)
-        return ctx
+        ctx, state = real(*args, **kwargs)
+        captured["state"] = abstract_like(state)
+        return ctx, state
 
     monkeypatch.setattr(train_module, "prepare_run", prepare_run)
     return captured
@@ -180,7 +182,13 @@ def test_nonfinite_in_a_row_stops_the_run_with_a_clear_error(
 
 
 def _raise(sig):
-    return lambda args: signal.raise_signal(sig)
+    """An action that sends ``sig`` to this process and leaves the step's engine as it is."""
+
+    def action(engine):
+        signal.raise_signal(sig)
+        return engine
+
+    return action
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
-from oppo_jax.pipeline.carry import Carried, CarryBuffer, admit
-from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
+from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
+from oppo_jax.pipeline.kernels import build_kernels, make_scorer_admit
 from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import SamplingConfig
 from oppo_jax.rollout.decode import CutRule
-from oppo_jax.scoring.stream import ScorerSpec, make_scorer_admit
+from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import (
     abstract_params,
     make_device_groups,
@@ -66,17 +68,13 @@ def _rollout(placement: Placement | None, num_sequences: int):
     rng = np.random.default_rng(0)
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(num_sequences)]
     slots = fresh_slots(pairs, P, R, extra_slots=num_slots - num_sequences)
-    gen = tuple(jnp.asarray(x) for x in (slots.context, slots.prompt_len, slots.prefix_len))
-    state, _ = kernels.admit(
-        actor, *gen, jnp.asarray(slots.prefix_finished), jnp.asarray(slots.prompt_ids, jnp.int32),
-        jnp.zeros(num_slots, jnp.int32), jax.random.key(5), jnp.asarray(slots.active),
-        carried_rows=slots.carried_rows,
-    )  # fmt: skip
+    admission = device_admission(slots)
+    state, _ = kernels.admit(actor, admission, jax.random.key(5))
     rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish), jnp.int32(1))
     state, chunk = kernels.decode(CHUNK)(actor, state, rule)
     scorers, fed = {}, chunk if placement is None else placement.to_scoring(chunk)
     for role, params in (("reference", ref), ("reward", reward)):
-        scorer, _ = kernels.scorer_admit(role)(params, *gen, carried_rows=slots.carried_rows)
+        scorer, _ = kernels.scorer_admit(role)(params, admission)
         scorers[role], _ = kernels.scorer_chunk(role)(params, scorer, fed)
     return state, chunk, scorers, (ref, reward)
 
@@ -181,14 +179,12 @@ def test_split_admission_with_carried_prefixes_shards_and_agrees():
         prefix = rng.integers(30, 64, 5).astype(np.int32)
         buffer.extend([Carried(i, prompt.tolist(), prefix.tolist(), [-1.0] * 5, [0] * 5, 1)])
     pairs = [(10 + i, rng.integers(2, 64, 3)) for i in range(5)]
-    slots = admit(buffer, ListPrompts(pairs), 8, 8, P, R, True, max_deferrals=2)
+    slots = admit(buffer, ListPrompts(pairs), AdmitRule(8, 8, True, max_deferrals=2), P, R)
     assert slots.carried_rows == 4 and int(slots.prefix_len[:3].min()) == 5
-    inputs = tuple(map(jnp.asarray, (slots.context, slots.prompt_len, slots.prefix_len)))
+    admission = device_admission(slots)
     actor = _models()[0]
     sharded, whole = (
-        make_scorer_admit(ScorerSpec(ACTOR, "logprob", R, mesh=m), P)(
-            p, *inputs, carried_rows=slots.carried_rows
-        )[0]
+        make_scorer_admit(ScorerSpec(ACTOR, "logprob", R, mesh=m), P)(p, admission)[0]
         for m, p in ((mesh, jax.device_put(actor, param_shardings(ACTOR, mesh))), (None, actor))
     )
     assert sharded.cache.k.addressable_shards[0].data.shape[1] == 8 // 4

@@ -8,14 +8,16 @@ import numpy as np
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
-from oppo_jax.pipeline.kernels import RolloutSpec, build_kernels
+from oppo_jax.pipeline.carry import CarryBuffer
+from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.schedule import run_step
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.step import StepEngine, run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
-from oppo_jax.rollout import SamplingConfig
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.sharding import make_device_groups
-from tests.ppo_fixtures import CRITIC, fresh_slots, make_spec, tiny_params
+from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_plan, tiny_params
 
 R = 16
 
@@ -39,22 +41,29 @@ def _placement(kind):
 
 
 def _run(mode, chunk, placement="colocated"):
+    """One step of 8 new prompts, B = 8; returns (new train state, StepResult)."""
     spec, kernels, actor, critic, reward, pairs = _setup()
     place = _placement(placement)
     state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))
     ref, rm = place.to_scoring(jax.tree.map(jnp.copy, (actor, reward)))
-    keys = jax.random.split(jax.random.key(1), 2)
-    slots = fresh_slots(pairs, 4, R)
-    return run_step(kernels, place, Timeline(), mode, chunk, state, ref, rm, slots, 8, *keys, 0.05)
+    sample_key, update_key = jax.random.split(jax.random.key(1), 2)
+    engine = StepEngine(kernels, place, ref, rm, sample_key, max_deferrals=2)
+    plan = step_plan(0, 8, chunk_size=chunk, key=update_key)
+    state, carried, result = run_step(
+        engine, SCHEDULES[mode], plan, state, CarryBuffer(), ListPrompts(pairs), Timeline()
+    )
+    assert carried == []  # B slots, B taken: nothing to carry
+    return state, result
 
 
-def _assert_same_step(a, b, rtol=1e-5):
+def _assert_same_step(run_a, run_b, rtol=1e-5):
+    (state_a, a), (state_b, b) = run_a, run_b
     np.testing.assert_array_equal(a.responses, b.responses)
     np.testing.assert_array_equal(a.response_len, b.response_len)
     for name in ("advantages", "returns", "old_values", "ref_logp", "old_logp"):
         np.testing.assert_allclose(getattr(a.batch, name), getattr(b.batch, name), atol=1e-5)
-    for x, y in zip(jax.tree.leaves(a.train_state.actor_params),
-                    jax.tree.leaves(b.train_state.actor_params), strict=True):  # fmt: skip
+    for x, y in zip(jax.tree.leaves(state_a.actor_params),
+                    jax.tree.leaves(state_b.actor_params), strict=True):  # fmt: skip
         np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6)
     for key in ("reward", "kl", "policy_loss", "value_loss"):
         np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=rtol, atol=1e-6)
@@ -62,9 +71,9 @@ def _assert_same_step(a, b, rtol=1e-5):
 
 def test_oppo_step_equals_sync_step_without_overcommit():
     sync, oppo = _run("sync", 4), _run("oppo", 4)
-    assert len(set(sync.response_len.tolist())) > 1
+    assert len(set(sync[1].response_len.tolist())) > 1
     _assert_same_step(sync, oppo)
-    stages = {e.stage for e in oppo.events}
+    stages = {e.stage for e in oppo[1].events}
     assert {"decode", "score reward", "score reference", "score critic", "update"} <= stages
 
 
@@ -75,10 +84,10 @@ def test_results_do_not_depend_on_chunk_size():
 def test_disaggregated_scorers_run_on_their_own_device_and_agree():
     colocated, split = _run("oppo", 4), _run("oppo", 4, "disaggregated")
     _assert_same_step(colocated, split)
-    groups = {e.group for e in split.events}
-    assert groups == {"generation", "scoring"}
-    assert set(split.busy_fraction) == {"generation", "scoring"}
-    assert all(0 < f <= 1 for f in split.busy_fraction.values())
+    events, busy = split[1].events, split[1].busy_fraction
+    assert {e.group for e in events} == {"generation", "scoring"}
+    assert set(busy) == {"generation", "scoring"}
+    assert all(0 < f <= 1 for f in busy.values())
 
 
 def test_chunk_loop_reads_the_device_only_once_per_chunk(monkeypatch):
@@ -98,7 +107,7 @@ def test_chunk_loop_reads_the_device_only_once_per_chunk(monkeypatch):
         return original.fget(self)
 
     monkeypatch.setattr(array.ArrayImpl, "_value", property(counted))
-    result = _run("oppo", 4)
+    _, result = _run("oppo", 4)
     monkeypatch.undo()
     decodes = sum(e.stage == "decode" for e in result.events)
     assert decodes >= 3

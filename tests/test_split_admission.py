@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
-from oppo_jax.pipeline.carry import Carried, CarryBuffer, admit, carried_bucket
-from oppo_jax.rollout import SamplingConfig
-from oppo_jax.rollout.decode import ChunkTokens, admit_decode, make_decode_chunk
+from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit, carried_bucket
+from oppo_jax.pipeline.kernels import make_decode_chunk
+from oppo_jax.pipeline.step import device_admission
+from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
+from oppo_jax.rollout.decode import ChunkTokens, admit_decode
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
 from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts
 
@@ -27,13 +29,13 @@ def _slots():
 
     buffer = CarryBuffer([seq(0, 3, 9), seq(1, 5, 4, finished=True), seq(2, 2, 17)])
     prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(1, P + 1))) for i in (3, 4, 5)])
-    return admit(buffer, prompts, 6, 8, P, R, True, max_deferrals=2)
+    return admit(buffer, prompts, AdmitRule(6, 8, True, max_deferrals=2), P, R)
 
 
 def _valid_cache(cache):
     """Keys/values at filled positions only (the rest is scratch either path may leave)."""
     filled = jnp.arange(cache.capacity)[None, :] < cache.length[:, None]
-    mask = filled[None, :, :, None, None]
+    mask = filled[None, :, None, :, None]
     return np.asarray(jnp.where(mask, cache.k, 0)), np.asarray(jnp.where(mask, cache.v, 0))
 
 
@@ -56,14 +58,11 @@ def test_split_actor_admission_equals_unsplit(carried_rows):
     params = init_params(ACTOR, jax.random.key(0))
     s = _slots()
 
+    rollout = RolloutSpec(SamplingConfig(temperature=0.7), P, R, EOS)
+
     def run(k):
-        state = admit_decode(
-            ACTOR, params, *map(jnp.asarray, (s.context, s.prompt_len, s.prefix_len)),
-            jnp.asarray(s.prefix_finished), jnp.asarray(s.prompt_ids, jnp.int32),
-            jnp.zeros(8, jnp.int32), jax.random.key(7), jnp.asarray(s.active),
-            prompt_width=P, max_response_len=R, eos_ids=EOS, pad_id=0, temperature=0.7,
-            carried_rows=k,
-        )  # fmt: skip
+        admission = device_admission(s).replace(carried_rows=k)
+        state = admit_decode(ACTOR, params, admission, jax.random.key(7), rollout, 0.7)
         states = [state]
         decode = make_decode_chunk(ACTOR, SamplingConfig(temperature=0.7), 4)
         for _ in range(3):  # tokens sampled after admission must not change either
@@ -87,14 +86,16 @@ def test_split_scorer_admission_equals_unsplit(kind):
     spec = ScorerSpec(model, kind, R, temperature=0.7)
     params = init_params(model, jax.random.key(1))
     s = _slots()
-    inputs = tuple(map(jnp.asarray, (s.context, s.prompt_len, s.prefix_len)))
+    admission = device_admission(s)
     rng = np.random.default_rng(5)
     count = jnp.asarray(np.where(s.active & ~s.prefix_finished, 3, 0), jnp.int32)
-    chunk = ChunkTokens(
-        jnp.asarray(rng.integers(30, 64, (8, 3)), jnp.int32), inputs[2], count, jnp.bool_(True)
-    )
+    tokens = jnp.asarray(rng.integers(30, 64, (8, 3)), jnp.int32)
+    chunk = ChunkTokens(tokens, admission.prefix_len, count, jnp.bool_(True))
     for k in (3, 4):
-        full, split = (scorer_admit(spec, params, *inputs, P, rows) for rows in (None, k))
+        full, split = (
+            scorer_admit(spec, params, admission.replace(carried_rows=rows), P)
+            for rows in (None, k)
+        )
         for _ in range(2):  # and stay equal as chunks stream in
             np.testing.assert_array_equal(full.num_fed, split.num_fed)
             np.testing.assert_allclose(full.last_out, split.last_out, rtol=1e-5, atol=1e-5)
@@ -109,8 +110,28 @@ def test_no_carried_rows_is_the_prompt_width_path():
     prompts = jnp.asarray(rng.integers(30, 64, (4, P)), jnp.int32)
     lens = jnp.array([5, 2, 3, 1])
     spec = ScorerSpec(ACTOR, "logprob", R)
-    zero = jnp.zeros(4, jnp.int32)
-    full, fresh = (scorer_admit(spec, params, prompts, lens, zero, P, k) for k in (None, 0))
+    admission = Admission.fresh(prompts, lens, R)
+    full, fresh = (
+        scorer_admit(spec, params, admission.replace(carried_rows=k), P) for k in (None, 0)
+    )
     np.testing.assert_array_equal(full.last_out, fresh.last_out)
     np.testing.assert_array_equal(fresh.per_token, 0.0)
     _assert_caches_close(full.cache, fresh.cache)
+
+
+def test_slots_out_of_the_carried_first_order_are_refused():
+    """The split admission relies on carried sequences coming first; breaking that is an
+    error, not a silently lost prefix."""
+    s = _slots()
+    s.prefix_len[4] = 1  # a new prompt's slot claims a prefix
+    with pytest.raises(AssertionError, match="must fill the leading slots"):
+        device_admission(s)
+    s = _slots()
+    s.deferrals[[0, 3]] = s.deferrals[[3, 0]]  # a carried sequence after a new one
+    with pytest.raises(AssertionError, match="must fill the leading slots"):
+        device_admission(s)
+    s = _slots()
+    object.__setattr__(s, "prefix_finished", s.prefix_finished.copy())
+    s.deferrals[:], s.prefix_len[:], s.prefix_finished[:] = 1, 0, False
+    s.prefix_len[7] = 3  # every slot carried, one prefix in the last: bucket covers it
+    device_admission(s)

@@ -6,13 +6,18 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
+from oppo_jax.pipeline.kernels import (
+    make_decode_chunk_emit,
+    make_scorer_admit,
+    make_scorer_chunk,
+    make_start_decode,
+)
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
-from oppo_jax.rollout import SamplingConfig
-from oppo_jax.rollout.decode import CutRule, make_decode_chunk_emit, make_start_decode
+from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
+from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
-from oppo_jax.scoring.full import reward_scores
-from oppo_jax.scoring.stream import ScorerSpec, make_scorer_kernels
-from tests.ppo_fixtures import ACTOR, CRITIC
+from oppo_jax.scoring.stream import ScorerSpec
+from tests.ppo_fixtures import ACTOR, CRITIC, reward_scores
 
 R = 12
 
@@ -26,26 +31,24 @@ def test_streamed_scores_equal_full_sequence_pass(chunk):
     prompts = jnp.array([[5, 6, 7, 0], [8, 9, 0, 0], [10, 11, 12, 13]])
     lens = jnp.array([3, 2, 4])
     eos = (20,)  # a common-enough token that some rows end early
-    state = make_start_decode(ACTOR, R, eos)(
-        actor, prompts, lens, jnp.arange(3), jnp.zeros(3, int), jax.random.key(9)
-    )
+    rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompts.shape[1], R, eos)
+    state = make_start_decode(ACTOR, rollout)(actor, prompts, lens, jax.random.key(9))
     specs = {
         "ref": (ScorerSpec(ACTOR, "logprob", R, temperature=0.7), ref),
         "critic": (ScorerSpec(CRITIC, "value", R), critic),
         "reward": (ScorerSpec(CRITIC, "score", R), reward),
     }
+    admission = Admission.fresh(prompts, lens, R)
     scorer_states = {
-        name: make_scorer_kernels(spec)[0](params, prompts, lens)[0]
+        name: make_scorer_admit(spec, prompts.shape[1])(params, admission)[0]
         for name, (spec, params) in specs.items()
     }
-    decode = make_decode_chunk_emit(ACTOR, SamplingConfig(temperature=1.0), chunk)
+    decode = make_decode_chunk_emit(ACTOR, rollout.sampling, chunk, None)
     rule = CutRule(jnp.ones(3, bool), jnp.zeros(3, bool), jnp.int32(3))  # run to the end
     for _ in range(-(-R // chunk)):
         state, emitted = decode(actor, state, rule)
         for name, (spec, params) in specs.items():
-            scorer_states[name], _ = make_scorer_kernels(spec)[1](
-                params, scorer_states[name], emitted
-            )
+            scorer_states[name], _ = make_scorer_chunk(spec)(params, scorer_states[name], emitted)
     n = state.num_generated
     assert len(set(np.asarray(n).tolist())) > 1  # rows of different lengths
     tokens = assemble_sequences(prompts, lens, state.tokens, n)

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Int
 
@@ -25,8 +24,9 @@ from oppo_jax.demo.common import demo_model_config
 from oppo_jax.demo.reward_model import train_reward_model
 from oppo_jax.demo.sft import train_sft
 from oppo_jax.models.api import load_hf_model
-from oppo_jax.rollout.decode import make_decode_chunk, make_start_decode
+from oppo_jax.pipeline.kernels import make_decode_chunk, make_start_decode
 from oppo_jax.rollout.sampling import SamplingConfig
+from oppo_jax.rollout.spec import RolloutSpec
 
 # The SFT loss flattens within a few hundred steps, but the actor learns only late (after about
 # 2000 steps) that responses opened by a long-marker word stop later; that is what gives its
@@ -124,12 +124,13 @@ def sample_responses(
     prompts, prompt_lens = pad_batch(
         sample_prompts(spec, n_prompts, np.random.default_rng([seed, 4])), PAD_ID
     )
-    start = make_start_decode(model.config, spec.max_response_len, (EOS_ID,), PAD_ID)
-    ids = jnp.arange(n_prompts)
-    state = start(
-        model.params, prompts, prompt_lens, ids, jnp.zeros_like(ids), jax.random.key(seed)
+    sampling = SamplingConfig(temperature=temperature)
+    rollout = RolloutSpec(sampling, prompts.shape[1], spec.max_response_len, (EOS_ID,), PAD_ID)
+    # Slot i holds prompt i: its sampling key depends on (seed, i, position) only.
+    state = make_start_decode(model.config, rollout)(
+        model.params, prompts, prompt_lens, jax.random.key(seed)
     )
-    chunk = make_decode_chunk(model.config, SamplingConfig(temperature=temperature), _DECODE_CHUNK)
+    chunk = make_decode_chunk(model.config, sampling, _DECODE_CHUNK)
     for _ in range(-(-spec.max_response_len // _DECODE_CHUNK)):
         state = chunk(model.params, state)
     return np.asarray(state.tokens), np.asarray(state.num_generated)

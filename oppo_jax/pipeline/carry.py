@@ -88,13 +88,6 @@ def select_batch(
     return Selection(batch=batch, cut=int(finish_step[batch].max()) if len(batch) else 0)
 
 
-def ready_to_cut(
-    finished: np.ndarray, active: np.ndarray, must_finish: np.ndarray, batch_size: int
-) -> bool:
-    """The condition the decode loop waits for (the device computes the same)."""
-    return bool((finished & active).sum() >= batch_size and not np.any(must_finish & ~finished))
-
-
 @dataclasses.dataclass
 class SlotBatch:
     """The host's view of one step's slots (S = B + Δ_max), in admission order."""
@@ -119,7 +112,23 @@ class SlotBatch:
     def carried_rows(self) -> int:
         """Leading slots the admission prefills at the full context width (a static bucket):
         all that carry a prefix come first, so the rest need only the prompt width."""
-        return leading_carried_rows((self.prefix_len > 0) | self.prefix_finished, self.num_slots)
+        return leading_carried_rows(self.carrying, self.num_slots)
+
+    @property
+    def carrying(self) -> np.ndarray:
+        """[S] bool: the slot brings work from an earlier step (a prefix, or a whole response)."""
+        return (self.prefix_len > 0) | self.prefix_finished
+
+    def check_carried_first(self) -> None:
+        """Raise unless carried sequences fill the leading slots and every slot with carried
+        work lies within ``carried_rows``: the split admission prefills the other slots at
+        the prompt width only, so a prefix there would be silently dropped."""
+        from_buffer = self.deferrals > 0
+        n, k = int(from_buffer.sum()), self.carried_rows
+        if not from_buffer[:n].all() or (self.carrying & ~from_buffer).any():
+            raise AssertionError("carried sequences must fill the leading slots, before new ones")
+        if self.carrying[k:].any():
+            raise AssertionError(f"a carried slot sits past the leading {k} carried rows")
 
 
 def prefix_bucket(longest_prefix: int, response_len: int) -> int:
@@ -150,30 +159,39 @@ def carried_bucket(num_carried: int, num_slots: int) -> int:
     return min(max(4, 1 << (num_carried - 1).bit_length()), num_slots)
 
 
+@dataclasses.dataclass(frozen=True)
+class AdmitRule:
+    """How one step fills its slots."""
+
+    num_sequences: int  # B + Δ sequences to start
+    num_slots: int  # S >= num_sequences (rounded up so slots shard evenly; the rest stay empty)
+    room_for_prefix: bool  # contexts get room for carried prefixes (carrying is on)
+    max_deferrals: int  # a sequence carried this often must finish in this step
+
+
 def admit(
     buffer: CarryBuffer,
     prompts,
-    num_sequences: int,
-    num_slots: int,
+    rule: AdmitRule,
     prompt_width: int,
     response_len: int,
-    with_prefix: bool,
-    max_deferrals: int,
     pad_id: int = 0,
 ) -> SlotBatch:
-    """Fill ``num_sequences`` of ``num_slots`` slots: carried first (FIFO), then new prompts.
+    """Fill ``rule.num_sequences`` of ``rule.num_slots`` slots: carried first (FIFO), then new
+    prompts.
 
-    ``prompts`` is an iterator of (prompt_id, tokens). The context is P wide plus room for the
-    longest carried prefix, rounded up to a power-of-two bucket (at least 16, at most R), so
-    the admission prefill costs what the carried work needs and compiles for a few widths.
+    ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)]. The context is P wide plus room for
+    the longest carried prefix, rounded up to a power-of-two bucket (at least 16, at most R),
+    so the admission prefill costs what the carried work needs and compiles for a few widths.
     """
-    entries: list = buffer.take(num_sequences)
-    for prompt_id, tokens in prompts.take(num_sequences - len(entries)):
+    n, num_slots = rule.num_sequences, rule.num_slots
+    entries: list = buffer.take(n)
+    for prompt_id, tokens in prompts.take(n - len(entries)):
         entries.append(Carried(int(prompt_id), [int(t) for t in tokens], [], [], [], 0))
     longest = max((len(c.response) for c in entries), default=0)
-    width = prompt_width + (prefix_bucket(longest, response_len) if with_prefix else 0)
+    room = prefix_bucket(longest, response_len) if rule.room_for_prefix else 0
     s = SlotBatch(
-        context=np.full((num_slots, width), pad_id, np.int32),
+        context=np.full((num_slots, prompt_width + room), pad_id, np.int32),
         prompt_len=np.zeros(num_slots, np.int32),
         prefix_len=np.zeros(num_slots, np.int32),
         prefix_finished=np.zeros(num_slots, bool),
@@ -193,38 +211,43 @@ def admit(
         s.prefix_behaviour[i, : len(c.response)] = c.behaviour_logp
         s.prefix_version[i, : len(c.response)] = c.version
         s.active[i] = True
-        s.must_finish[i] = c.deferrals >= max_deferrals
+        s.must_finish[i] = c.deferrals >= rule.max_deferrals
     return s
 
 
+@dataclasses.dataclass
+class HostRollout:
+    """What the host reads back of a finished rollout, for every slot (NumPy)."""
+
+    tokens: np.ndarray  # [S, R] response tokens
+    logprobs: np.ndarray  # [S, R] log-probs recorded by this step's decode/admission
+    num_generated: np.ndarray  # [S] response tokens at the end of decoding
+    finish_step: np.ndarray  # [S] decode position at which each slot finished (-1: running)
+
+
 def carry_out(
-    slots: SlotBatch,
-    selection: Selection,
-    tokens: np.ndarray,
-    logprobs: np.ndarray,
-    num_generated: np.ndarray,
-    finish_step: np.ndarray,
-    step: int,
+    slots: SlotBatch, selection: Selection, rollout: HostRollout, step: int
 ) -> list[Carried]:
     """The sequences not taken into the batch, cut at ``selection.cut``, in admission order.
 
     A running slot keeps the tokens it had at the cut (prefix + cut new tokens); one that
-    finished at or before the cut but did not fit into the batch is carried complete.
+    finished at or before the cut but did not fit into the batch is carried complete. Tokens
+    sampled in this ``step`` are stamped with it as their policy version.
     """
     taken = set(selection.batch.tolist())
     out = []
     for i in range(slots.num_slots):
         if not slots.active[i] or i in taken:
             continue
-        done = 0 <= finish_step[i] <= selection.cut
-        keep = int(num_generated[i]) if done else int(slots.prefix_len[i]) + selection.cut
-        keep = min(keep, int(num_generated[i]))
+        generated = int(rollout.num_generated[i])
+        done = 0 <= rollout.finish_step[i] <= selection.cut
+        keep = generated if done else min(int(slots.prefix_len[i]) + selection.cut, generated)
         n0 = int(slots.prefix_len[i])
         entry = slots.entries[i]
         out.append(Carried(
             prompt_id=entry.prompt_id, prompt=entry.prompt,
-            response=[int(t) for t in tokens[i, :keep]],
-            behaviour_logp=entry.behaviour_logp + [float(x) for x in logprobs[i, n0:keep]],
+            response=[int(t) for t in rollout.tokens[i, :keep]],
+            behaviour_logp=entry.behaviour_logp + [float(x) for x in rollout.logprobs[i, n0:keep]],
             version=entry.version + [step] * (keep - n0),
             deferrals=entry.deferrals + 1, finished=bool(done),
         ))  # fmt: skip

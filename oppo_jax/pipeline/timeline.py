@@ -9,7 +9,6 @@ is later. Busy fraction = Σ stage durations / step wall time, per group.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import queue
 import threading
@@ -18,15 +17,9 @@ from pathlib import Path
 
 import jax
 
+from oppo_jax.pipeline.events import Event, busy_fraction, stage_times
 
-@dataclasses.dataclass
-class Event:
-    """One stage on one device group, in seconds since the step began."""
-
-    stage: str
-    group: str
-    start: float
-    end: float
+__all__ = ["Event", "Timeline", "TraceWriter", "busy_fraction", "stage_times"]
 
 
 class Timeline:
@@ -78,22 +71,6 @@ class Timeline:
             events.append(Event(stage, group, start - self._t0, finished - self._t0))
             free_at[group] = finished
         return events, wall
-
-
-def busy_fraction(events: list[Event], wall: float) -> dict[str, float]:
-    """Fraction of the step's wall time each device group spent running stages."""
-    busy: dict[str, float] = {}
-    for e in events:
-        busy[e.group] = busy.get(e.group, 0.0) + max(e.end - e.start, 0.0)
-    return {group: min(t / wall, 1.0) if wall > 0 else 0.0 for group, t in busy.items()}
-
-
-def stage_times(events: list[Event]) -> dict[str, float]:
-    """Total seconds per stage name (a stage can run many times, e.g. once per chunk)."""
-    totals: dict[str, float] = {}
-    for e in events:
-        totals[e.stage] = totals.get(e.stage, 0.0) + max(e.end - e.start, 0.0)
-    return totals
 
 
 class TraceWriter:

@@ -1,4 +1,4 @@
-"""Prefill and chunked decoding: ``decode_chunk`` advances every slot by C tokens in a lax.scan.
+"""Chunked decoding: ``decode_chunk`` advances every slot by C tokens in a lax.scan.
 
 Dimension letters: S slots, P prompt width, R response capacity (max response length), V vocab.
 All slots decode in lockstep; a slot that has finished (EOS, max length, or empty) is frozen:
@@ -11,20 +11,19 @@ device holds 1/(data x fsdp) of the slots; the parameters arrive with their own 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.models.kv_cache import KVCache, init_cache
+from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
-from oppo_jax.rollout.layout import gather_response, response_tokens
+from oppo_jax.rollout.admission import Admission, admission_prefill, prefix_logprob_fn
+from oppo_jax.rollout.layout import response_tokens
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
+from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.sharding import constrain_slots
 
 
@@ -55,19 +54,46 @@ def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None):
     return Transformer(cfg).apply({"params": params}, tokens, cache, n_valid)
 
 
-def prefill(
+def admit_decode(
     cfg: ModelConfig,
     params,
-    cache: KVCache,
-    tokens: Int[Array, "S T"],
-    n_valid: Int[Array, " S"],
-) -> tuple[Float[Array, "S T O"], KVCache]:
-    """Append ``n_valid[s]`` tokens of each right-padded row to the cache; return head outputs.
+    admission: Admission,
+    base_key: jax.Array,
+    rollout: RolloutSpec,
+    temperature: float,
+) -> DecodeState:
+    """Admit slots that may carry a partial response (prompt + prefix in the context).
 
-    Any split of a sequence into successive prefills gives the same outputs as one call.
+    The whole context is prefilled under the current parameters, which rebuilds the actor's
+    cache and also yields the current policy's log-probs (logits / ``temperature``) of the
+    prefix tokens, stored in ``logprobs``: the "old" log-probs of this step. Decoding then
+    continues at each slot's response position ``prefix_len[s]``, with the same sampling keys
+    it would have used had it never been interrupted. ``prefix_finished`` slots are complete
+    already. With ``rollout.mesh`` the state comes out sharded along the slots.
     """
-    out, cache = _apply(cfg, params, tokens, cache, n_valid)
-    return out.astype(jnp.float32), cache
+    a, r = admission, rollout.max_response_len
+    cache, next_logits, logprobs = admission_prefill(
+        cfg, params, a, prefix_logprob_fn(temperature), (rollout.prompt_width, r), rollout.mesh
+    )
+    prefix = response_tokens(a.context, a.prompt_len, r)
+    in_prefix = jnp.arange(r)[None, :] < a.prefix_len[:, None]
+    finished = ~a.active | a.prefix_finished
+    state = DecodeState(
+        cache=cache,
+        next_logits=next_logits,
+        tokens=jnp.where(in_prefix, prefix, rollout.pad_id).astype(jnp.int32),
+        logprobs=logprobs,
+        num_generated=a.prefix_len.astype(jnp.int32),
+        finished=finished,
+        finish_step=jnp.where(finished, 0, -1).astype(jnp.int32),
+        prompt_id=a.prompt_id.astype(jnp.int32),
+        sample_index=a.sample_index.astype(jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        base_key=base_key,
+        eos_ids=tuple(rollout.eos_ids),
+        pad_id=rollout.pad_id,
+    )
+    return constrain_slots(state, rollout.mesh)
 
 
 def start_decode(
@@ -75,158 +101,17 @@ def start_decode(
     params,
     prompts: Int[Array, "S P"],
     prompt_lens: Int[Array, " S"],
-    prompt_id: Int[Array, " S"],
-    sample_index: Int[Array, " S"],
     base_key: jax.Array,
-    max_response_len: int,
-    eos_ids: tuple[int, ...],
-    pad_id: int = 0,
+    rollout: RolloutSpec,
     active: Bool[Array, " S"] | None = None,
 ) -> DecodeState:
-    """Prefill the prompts into a fresh cache and set up the state for ``decode_chunk``.
+    """Prefill new prompts (slot s is prompt id s) and set up the state for ``decode_chunk``.
 
     ``active[s]`` False marks an empty slot: it starts finished and never samples. This is
     ``admit_decode`` with no carried prefixes.
     """
-    num_slots, width = prompts.shape
-    none = jnp.zeros((num_slots,), jnp.int32)
-    return admit_decode(
-        cfg, params, prompts, prompt_lens, none, none.astype(bool), prompt_id, sample_index,
-        base_key, jnp.ones((num_slots,), bool) if active is None else active,
-        prompt_width=width, max_response_len=max_response_len, eos_ids=eos_ids, pad_id=pad_id,
-        temperature=1.0, carried_rows=0,
-    )  # fmt: skip
-
-
-PrefixFn = Callable[[Float[Array, "S R O"], Int[Array, "S R"]], Float[Array, "S R"]]
-
-
-def _prefill_rows(
-    cfg, params, context, prompt_lens, prefix_len, capacity, response_len, prefix_fn, mesh=None
-):
-    """Prefill rows into a fresh cache: (cache, output at the last context token, prefix
-    quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
-    # Born sharded along the slots: a replicated [L, S, P + R, K, Dh] buffer would not fit.
-    cache = constrain_slots(init_cache(cfg, context.shape[0], capacity), mesh)
-    context_len = prompt_lens + prefix_len
-    out, cache = prefill(cfg, params, cache, context, context_len)
-    last = jnp.maximum(context_len - 1, 0)
-    last_out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
-    if prefix_fn is None:
-        return cache, last_out, jnp.zeros((context.shape[0], response_len), jnp.float32)
-    before = gather_response(out, prompt_lens, response_len)
-    prefix = response_tokens(context, prompt_lens, response_len)
-    in_prefix = jnp.arange(response_len)[None, :] < prefix_len[:, None]
-    return cache, last_out, jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
-
-
-def admission_prefill(
-    cfg: ModelConfig,
-    params,
-    context: Int[Array, "S W"],
-    prompt_lens: Int[Array, " S"],
-    prefix_len: Int[Array, " S"],
-    prefix_fn: PrefixFn,
-    *,
-    prompt_width: int,
-    response_len: int,
-    carried_rows: int | None = None,
-    mesh: Mesh | None = None,
-) -> tuple[KVCache, Float[Array, "S O"], Float[Array, "S R"]]:
-    """Prefill each slot's context (prompt + carried prefix) into a cache of P + R per slot.
-
-    The first ``carried_rows`` slots (all when None) are prefilled at the full width W and
-    yield ``prefix_fn`` of their outputs; the rest, which must carry no prefix, only at the
-    prompt width P, and yield zeros. Prefill cost is then about K·W + (S − K)·P tokens, not
-    S·W, and the [rows, W, O] outputs exist for the carried rows only.
-
-    Returns (cache, head output at each slot's last context token, prefix quantities [S, R]),
-    laid out along the slots over ``mesh`` when one is given.
-    """
-    slots = context.shape[0]
-    k = slots if carried_rows is None else min(carried_rows, slots)
-    prefill_rows = functools.partial(
-        _prefill_rows, cfg, params, capacity=prompt_width + response_len,
-        response_len=response_len, mesh=mesh,
-    )  # fmt: skip
-    if k == slots:
-        return constrain_slots(
-            prefill_rows(context, prompt_lens, prefix_len, prefix_fn=prefix_fn), mesh
-        )
-    fresh = prefill_rows(
-        context[k:, :prompt_width], prompt_lens[k:], jnp.zeros_like(prefix_len[k:]), prefix_fn=None
-    )
-    if k == 0:
-        return constrain_slots(fresh, mesh)
-    carried = prefill_rows(context[:k], prompt_lens[:k], prefix_len[:k], prefix_fn=prefix_fn)
-    # Caches share the capacity P + R, so the two parts stack along the slot axis.
-    cache = KVCache(
-        k=jnp.concatenate([carried[0].k, fresh[0].k], axis=1),
-        v=jnp.concatenate([carried[0].v, fresh[0].v], axis=1),
-        length=jnp.concatenate([carried[0].length, fresh[0].length]),
-    )
-    rest = (jnp.concatenate([a, b]) for a, b in zip(carried[1:], fresh[1:], strict=True))
-    return constrain_slots((cache, *rest), mesh)
-
-
-def admit_decode(
-    cfg: ModelConfig,
-    params,
-    context: Int[Array, "S W"],
-    prompt_lens: Int[Array, " S"],
-    prefix_len: Int[Array, " S"],
-    prefix_finished: Bool[Array, " S"],
-    prompt_id: Int[Array, " S"],
-    sample_index: Int[Array, " S"],
-    base_key: jax.Array,
-    active: Bool[Array, " S"],
-    *,
-    prompt_width: int,
-    max_response_len: int,
-    eos_ids: tuple[int, ...],
-    pad_id: int,
-    temperature: float,
-    carried_rows: int | None = None,
-    mesh: Mesh | None = None,
-) -> DecodeState:
-    """Admit slots that may carry a partial response (prompt + prefix in ``context``).
-
-    The whole context is prefilled under the current parameters, which rebuilds the actor's
-    cache and also yields the current policy's log-probs of the prefix tokens (stored in
-    ``logprobs``: the "old" log-probs of this step). Decoding then continues at each slot's
-    response position ``prefix_len[s]``, with the same sampling keys it would have used had
-    it never been interrupted. ``prefix_finished`` slots are complete already. Only the first
-    ``carried_rows`` slots may carry a prefix (see ``admission_prefill``; None: any slot).
-    With a ``mesh`` the state comes out sharded along the slots (see the module docstring).
-    """
-
-    def prefix_logp(logits, prefix):
-        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-        return jnp.take_along_axis(logp, prefix[..., None], axis=-1)[..., 0]
-
-    cache, next_logits, logprobs = admission_prefill(
-        cfg, params, context, prompt_lens, prefix_len, prefix_logp, prompt_width=prompt_width,
-        response_len=max_response_len, carried_rows=carried_rows, mesh=mesh,
-    )  # fmt: skip
-    prefix = response_tokens(context, prompt_lens, max_response_len)
-    in_prefix = jnp.arange(max_response_len)[None, :] < prefix_len[:, None]
-    finished = ~active | prefix_finished
-    state = DecodeState(
-        cache=cache,
-        next_logits=next_logits,
-        tokens=jnp.where(in_prefix, prefix, pad_id).astype(jnp.int32),
-        logprobs=logprobs,
-        num_generated=prefix_len.astype(jnp.int32),
-        finished=finished,
-        finish_step=jnp.where(finished, 0, -1).astype(jnp.int32),
-        prompt_id=prompt_id.astype(jnp.int32),
-        sample_index=sample_index.astype(jnp.int32),
-        step=jnp.zeros((), jnp.int32),
-        base_key=base_key,
-        eos_ids=tuple(eos_ids),
-        pad_id=pad_id,
-    )
-    return constrain_slots(state, mesh)
+    admission = Admission.fresh(prompts, prompt_lens, rollout.max_response_len, active=active)
+    return admit_decode(cfg, params, admission, base_key, rollout, temperature=1.0)
 
 
 def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: DecodeState):
@@ -298,17 +183,43 @@ def decode_chunk_emit(
     rule: CutRule,
     mesh: Mesh | None = None,
 ) -> tuple[DecodeState, ChunkTokens]:
-    """``decode_chunk`` that also returns the chunk's new tokens as fresh (undonated) arrays,
-    and whether ``rule`` allows the rollout to stop after this chunk."""
+    """Up to ``chunk_size`` lockstep decode steps that stop as soon as ``rule`` holds, with
+    the chunk's new tokens as fresh (undonated) arrays and whether the rollout may stop.
+
+    Stopping at the cut position wastes no decode step past it: steps after the cut would
+    only make tokens the carry throws away. The chunk the host dispatches before it reads
+    that the rule holds therefore runs no step at all. Every token up to the cut is the same
+    as with whole chunks, so results do not depend on the chunk size.
+    """
     start = state.num_generated
-    state = decode_chunk(cfg, sampling, chunk_size, params, state, mesh)
-    offsets = jnp.arange(chunk_size)[None, :]
+
+    def going(carry):
+        i, s = carry
+        return (i < chunk_size) & ~rule.ready(s.finished)
+
+    def step(carry):
+        i, s = carry
+        return i + 1, constrain_slots(decode_step(cfg, sampling, params, s), mesh)
+
+    _, state = jax.lax.while_loop(going, step, (jnp.int32(0), constrain_slots(state, mesh)))
+    chunk = tokens_since(state, start, chunk_size, rule.ready(state.finished))
+    return state, constrain_slots(chunk, mesh)
+
+
+def tokens_since(
+    state: DecodeState, start: Int[Array, " S"], width: int, ready: Bool[Array, ""]
+) -> ChunkTokens:
+    """The response tokens each slot made from index ``start[s]`` on, left-aligned in ``width``
+    columns (pad past the count): what a scorer is fed after a chunk, or after the rollout.
+
+    Example: tokens [[7, 8, 9, pad]], num_generated [3], start [1], width 2 -> [[8, 9]], count 2.
+    """
+    offsets = jnp.arange(width)[None, :]
     cols = jnp.clip(start[:, None] + offsets, 0, state.response_capacity - 1)
     count = state.num_generated - start
     tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
     tokens = jnp.where(offsets < count[:, None], tokens, state.pad_id)
-    chunk = ChunkTokens(tokens, start, count, rule.ready(state.finished))
-    return state, constrain_slots(chunk, mesh)
+    return ChunkTokens(tokens, start, count, ready)
 
 
 def decode_chunk(
@@ -327,32 +238,3 @@ def decode_chunk(
 
     state, _ = jax.lax.scan(body, constrain_slots(state, mesh), None, length=chunk_size)
     return state
-
-
-@functools.cache
-def make_decode_chunk(
-    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh: Mesh | None = None
-):
-    """``decode_chunk`` jitted for one (model, sampling, C, mesh), donating the state it
-    replaces. Cached, so every caller with the same static settings shares one kernel.
-    """
-    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh)
-    return jax.jit(fn, donate_argnums=(1,))
-
-
-@functools.cache
-def make_decode_chunk_emit(
-    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh: Mesh | None = None
-):
-    """``decode_chunk_emit`` jitted for one (model, sampling, C, mesh), donating the state."""
-    fn = functools.partial(decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh)
-    return jax.jit(fn, donate_argnums=(1,))
-
-
-@functools.cache
-def make_start_decode(cfg: ModelConfig, max_response_len: int, eos_ids, pad_id: int = 0):
-    """``start_decode`` jitted for one model and response capacity."""
-    fn = functools.partial(
-        start_decode, cfg, max_response_len=max_response_len, eos_ids=tuple(eos_ids), pad_id=pad_id
-    )
-    return jax.jit(fn)

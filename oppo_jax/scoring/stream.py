@@ -21,14 +21,14 @@ import functools
 from typing import Literal
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.rollout.decode import ChunkTokens, admission_prefill, prefill
+from oppo_jax.rollout.admission import Admission, admission_prefill, prefill, prefix_logprob_fn
+from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.sharding import constrain_slots
 
 ScorerKind = Literal["logprob", "value", "score"]
@@ -60,43 +60,76 @@ class ScorerState:
         return self.last_out[:, 0]
 
 
-def scorer_start(
-    spec: ScorerSpec, params, prompts: Int[Array, "S P"], prompt_lens: Int[Array, " S"]
-) -> ScorerState:
-    """Prefill the prompts into a fresh cache sized for prompt + response."""
-    none = jnp.zeros((prompts.shape[0],), jnp.int32)
-    return scorer_admit(spec, params, prompts, prompt_lens, none, prompts.shape[1], 0)
+ROLES = ("reference", "critic", "reward")  # the scorers of a PPO step, in dispatch order
 
 
-def scorer_admit(
-    spec: ScorerSpec,
-    params,
-    context: Int[Array, "S W"],
-    prompt_lens: Int[Array, " S"],
-    prefix_len: Int[Array, " S"],
-    prompt_width: int,
-    carried_rows: int | None = None,
-) -> ScorerState:
+@dataclasses.dataclass(frozen=True)
+class ScorerSpecs:
+    """The streaming consumers of the actor's tokens, by role. ``reward`` is None when a
+    programmatic reward function scores the sequences instead of a reward model."""
+
+    reference: ScorerSpec  # log-probs of the frozen reference policy
+    critic: ScorerSpec  # values of the critic (this step's parameters)
+    reward: ScorerSpec | None  # the reward model's score, or None
+
+    def present(self) -> tuple[str, ...]:
+        """The roles that have a model, in dispatch order."""
+        return tuple(role for role in ROLES if getattr(self, role) is not None)
+
+
+@flax.struct.dataclass
+class ScorerOutputs:
+    """What the scorers produced for every slot, read after the rollout."""
+
+    ref_logp: Float[Array, "S R"]  # reference log-prob of each response token
+    values: Float[Array, "S R"]  # critic value before each response token
+    scores: Float[Array, " S"] | None  # reward-model score at the last token (None: no model)
+
+
+@flax.struct.dataclass
+class ScorerParams:
+    """Each role's parameters, where its scorer runs (the same roles as its ``ScorerSpecs``)."""
+
+    reference: dict
+    critic: dict
+    reward: dict | None = None
+
+
+@flax.struct.dataclass
+class ScorerStates:
+    """Each role's streaming state (the same roles as its ``ScorerSpecs``)."""
+
+    reference: ScorerState
+    critic: ScorerState
+    reward: ScorerState | None = None
+
+    def outputs(self) -> ScorerOutputs:
+        reward = None if self.reward is None else self.reward.score
+        return ScorerOutputs(self.reference.per_token, self.critic.per_token, reward)
+
+
+def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: int) -> ScorerState:
     """Prefill prompt + carried partial response; the prefix's quantities come out at once.
 
-    Only the first ``carried_rows`` slots may carry a prefix (None: any); the others are
-    prefilled at the prompt width alone (see ``admission_prefill``).
+    Only the first ``admission.carried_rows`` slots may carry a prefix (None: any); the
+    others are prefilled at the prompt width alone (see ``admission_prefill``).
     """
     cache, last_out, per_token = admission_prefill(
-        spec.model, params, context, prompt_lens, prefix_len,
-        functools.partial(_per_token, spec), prompt_width=prompt_width,
-        response_len=spec.response_len, carried_rows=carried_rows, mesh=spec.mesh,
+        spec.model, params, admission, functools.partial(_per_token, spec),
+        (prompt_width, spec.response_len), spec.mesh,
     )  # fmt: skip
     state = ScorerState(
-        cache=cache, last_out=last_out, per_token=per_token, num_fed=prefix_len.astype(jnp.int32)
+        cache=cache,
+        last_out=last_out,
+        per_token=per_token,
+        num_fed=admission.prefix_len.astype(jnp.int32),
     )
     return constrain_slots(state, spec.mesh)
 
 
 def _per_token(spec: ScorerSpec, before: Float[Array, "S C O"], tokens: Int[Array, "S C"]):
     if spec.kind == "logprob":
-        logprobs = jax.nn.log_softmax(before / spec.temperature, axis=-1)
-        return jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+        return prefix_logprob_fn(spec.temperature)(before, tokens)
     return before[..., 0]
 
 
@@ -122,34 +155,3 @@ def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens
         num_fed=state.num_fed + chunk.count,
     )
     return constrain_slots(new, spec.mesh)
-
-
-@functools.cache
-def make_scorer_kernels(spec: ScorerSpec):
-    """(start, chunk) jitted for one scorer. ``chunk`` donates the state it replaces. Both
-    also return a tiny fresh array that completes with them, so a timeline can wait on it
-    after the state itself has been donated to the next call."""
-
-    def start_with_marker(params, prompts, prompt_lens):
-        state = scorer_start(spec, params, prompts, prompt_lens)
-        return state, jnp.sum(state.last_out)
-
-    def chunk_with_marker(params, state, chunk):
-        new = score_chunk(spec, params, state, chunk)
-        return new, jnp.sum(new.num_fed)
-
-    return jax.jit(start_with_marker), jax.jit(chunk_with_marker, donate_argnums=(1,))
-
-
-@functools.cache
-def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
-    """``scorer_admit`` jitted, returning (state, marker) like the other scorer kernels;
-    ``carried_rows`` is static (one compilation per bucket)."""
-
-    def admit_with_marker(params, context, prompt_lens, prefix_len, carried_rows=None):
-        state = scorer_admit(
-            spec, params, context, prompt_lens, prefix_len, prompt_width, carried_rows
-        )
-        return state, jnp.sum(state.last_out)
-
-    return jax.jit(admit_with_marker, static_argnames=("carried_rows",))

@@ -38,7 +38,7 @@ outputs say PROJECTION. Not modelled: varying prompt lengths (one length for all
 limits, compilations (a bench step that compiles is an outlier the medians ignore).
 """
 
-from oppo_jax.sim.engine import Event
+from oppo_jax.pipeline.events import Event
 from oppo_jax.sim.events import (
     PLACEMENTS,
     SCHEDULES,

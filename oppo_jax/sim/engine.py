@@ -16,15 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One stage on one device group, seconds since the step began."""
-
-    stage: str
-    group: str
-    start: float
-    end: float
+from oppo_jax.pipeline.events import Event
 
 
 @dataclasses.dataclass

@@ -31,14 +31,13 @@ import math
 
 import numpy as np
 
-from oppo_jax.pipeline.carry import prefix_bucket
-from oppo_jax.sim.engine import Event, Plan
+from oppo_jax.pipeline.carry import prefix_bucket, select_batch
+from oppo_jax.pipeline.events import Event, busy_fraction, stage_times
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.sim.engine import Plan
 from oppo_jax.sim.model import CostModel
 from oppo_jax.sim.trace import forward_steps, split_rows
 
-# name -> (scorers stream the actor's chunks, carry stragglers with B + Δ slots)
-SCHEDULES = {"sync": (False, False), "intra": (True, False), "inter": (False, True),
-             "oppo": (True, True)}  # fmt: skip
 PLACEMENTS = ("colocated", "disaggregated")
 
 
@@ -140,9 +139,10 @@ def _step(cost: CostModel, seqs: list[_Seq], shape: _Shape, disagg: bool, max_de
     f = np.array([s.length - s.generated for s in seqs])
     prefix = np.array([s.generated for s in seqs])
     must = np.array([not shape.carrying or s.deferrals >= max_deferrals for s in seqs])
-    cut = int(max(np.sort(f)[b - 1], f[must].max(initial=0)))
-    order = np.lexsort((np.arange(f.size), f, ~must))
-    batch = [i for i in order if f[i] <= cut][:b]
+    # Every slot's finish position is known here, so the engine's own cut rule gives the cut
+    # (the first position at which B have finished, must-finish ones included) and the batch.
+    selection = select_batch(f, np.ones(f.size, bool), must, b)
+    cut, batch = selection.cut, selection.batch.tolist()
     lengths = np.array([seqs[i].length for i in batch])
     bucket = prefix_bucket(int(prefix.max()), shape.capacity) if shape.carrying else 0
     width = shape.prompt_len + bucket  # the padded engine's admission context
@@ -177,14 +177,10 @@ def _step(cost: CostModel, seqs: list[_Seq], shape: _Shape, disagg: bool, max_de
 def _record(events: list[Event], shape: _Shape, trace: dict, overcommit: int, carried: int):
     """A metrics-like record of one simulated step (as ``metrics.jsonl`` holds, plus trace)."""
     wall = max(e.end for e in events)
-    stage_time, busy = {}, {}
-    for e in events:
-        stage_time[e.stage] = stage_time.get(e.stage, 0.0) + e.end - e.start
-        busy[e.group] = busy.get(e.group, 0.0) + e.end - e.start
     lengths = trace["lengths"]
     return {
-        "step_time_s": wall, "stage_time_s": stage_time,
-        "busy_fraction": {k: v / wall if wall else 0.0 for k, v in busy.items()},
+        "step_time_s": wall, "stage_time_s": stage_times(events),
+        "busy_fraction": busy_fraction(events, wall),
         "response_len_mean": float(np.mean(lengths)), "response_len_max": int(max(lengths)),
         "chunk_size": shape.chunk, "overcommit": overcommit, "carried": carried,
         "batch_size": shape.batch, "prompt_len": shape.prompt_len, "streamed": shape.streamed,
@@ -250,7 +246,7 @@ def simulate(
                          f"{sorted(SCHEDULES)} / {PLACEMENTS}")  # fmt: skip
     if batch < 1 or chunk_size < 1 or delta < 0:
         raise ValueError("need batch >= 1, chunk_size >= 1, delta >= 0")
-    streamed, carrying = SCHEDULES[schedule]
+    streamed, carrying = SCHEDULES[schedule].stream, SCHEDULES[schedule].carry
     delta = delta if carrying else 0  # Δ is an inter-step setting
     source, buffer, next_id = LengthSource(lengths, seed), [], 0
     capacity = int(capacity or source.lengths.max())

@@ -1,0 +1,263 @@
+"""One PPO step, top to bottom: admit -> prefill -> decode (streaming) -> cut -> experience ->
+update -> carry.
+
+This is the only place a step is orchestrated; ``train`` and ``bench`` call ``run_step``. It is
+plain Python that dispatches compiled kernels (``pipeline.kernels``) and never waits on them,
+except for one small read per decode chunk (may the rollout be cut?), read one chunk late so
+the actor's queue never drains while the host looks, and the reads the cut and the carry need.
+Every schedule runs the same code: ``schedule.stream`` decides whether the scorers consume each
+chunk as it is decoded or whole responses after generation; carrying is on when the plan
+starts more sequences than the batch takes (B + Δ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oppo_jax.pipeline.carry import (
+    AdmitRule,
+    Carried,
+    CarryBuffer,
+    HostRollout,
+    Selection,
+    SlotBatch,
+    admit,
+    carry_out,
+    select_batch,
+)
+from oppo_jax.pipeline.kernels import Kernels
+from oppo_jax.pipeline.placement import GENERATION, Placement
+from oppo_jax.pipeline.schedule import Schedule
+from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
+from oppo_jax.rollout.admission import Admission
+from oppo_jax.rollout.decode import ChunkTokens, CutRule, DecodeState
+from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
+from oppo_jax.sharding import to_host
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEngine:
+    """What every step of a run dispatches to (static for the run)."""
+
+    kernels: Kernels
+    placement: Placement
+    ref_params: Any  # reference weights, on the scoring group
+    reward_params: Any  # reward-model weights on the scoring group; None with a reward_fn
+    sample_key: jax.Array  # the run's sampling key: a token depends on (seed, prompt, position)
+    max_deferrals: int  # a sequence carried this often must finish in its next step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What the controllers chose for one step."""
+
+    step: int  # index of the step (the policy version stamped on the tokens it samples)
+    batch_size: int  # B, sequences the update takes
+    overcommit: int  # Δ, sequences started beyond B (0 without carrying)
+    reserved: int  # slots held for this run's largest B + Δ (one compiled shape); >= B + Δ
+    chunk_size: int  # C, tokens per decode chunk
+    kl_coef: float  # β of the KL penalty
+    update_key: jax.Array  # randomness of the update's minibatch shuffles
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step produced; host arrays cover all S slots, in admission order."""
+
+    metrics: dict  # device scalars: rollout statistics and update metrics
+    selection: Selection  # batch slots and the cut position
+    slots: SlotBatch  # what was admitted
+    rollout: HostRollout  # every slot's tokens, log-probs, lengths and finish positions
+    events: list[Event]  # the step's timeline
+    wall_s: float  # the step's wall time
+    batch: Any = None  # the PPOBatch the update consumed (device arrays, for inspection)
+
+    @property
+    def responses(self) -> np.ndarray:
+        """[B, R] the batch's responses, in batch order."""
+        return self.rollout.tokens[self.selection.batch]
+
+    @property
+    def response_len(self) -> np.ndarray:
+        """[B] the batch's response lengths."""
+        return self.rollout.num_generated[self.selection.batch]
+
+    @property
+    def stage_time_s(self) -> dict[str, float]:
+        return stage_times(self.events)
+
+    @property
+    def busy_fraction(self) -> dict[str, float]:
+        return busy_fraction(self.events, self.wall_s)
+
+
+def run_step(
+    engine: StepEngine,
+    schedule: Schedule,
+    plan: StepPlan,
+    train_state,
+    buffer: CarryBuffer,
+    prompts,
+    timeline: Timeline,
+) -> tuple[Any, list[Carried], StepResult]:
+    """One PPO step; returns (new train state, carried sequences, StepResult).
+
+    ``buffer`` gives up the sequences this step admits; the caller adds the returned carried
+    ones to it. ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)].
+    """
+    k, place, rollout = engine.kernels, engine.placement, engine.kernels.rollout
+    timeline.begin_step()
+    # 1. Admit: carried sequences first (FIFO), then new prompts, B + Δ of the slots.
+    rule = AdmitRule(
+        plan.batch_size + plan.overcommit,
+        place.num_slots(plan.reserved),  # rounded up so the slots shard evenly
+        room_for_prefix=plan.reserved > plan.batch_size,
+        max_deferrals=engine.max_deferrals,
+    )
+    slots = admit(buffer, prompts, rule, rollout.prompt_width, rollout.max_response_len,
+                  rollout.pad_id)  # fmt: skip
+    admission = device_admission(slots)
+    # 2. Prefill the actor under the current parameters (a carried prefix gets this step's
+    #    old log-probs from the same pass).
+    actor = train_state.actor_params
+    decoding, marker = k.admit(actor, admission, engine.sample_key)
+    timeline.track("prefill actor", GENERATION, marker)
+    # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
+    #    actor decodes the next. Not streaming: they score whole responses afterwards.
+    scorers = _Scorers(engine, train_state.critic_params, timeline)
+    cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
+    on_scoring = place.to_scoring(admission)
+    if schedule.stream:
+        scorers.admit(on_scoring)
+        decoding = _decode(k, timeline, actor, decoding, cut_rule, plan.chunk_size,
+                           lambda chunk: scorers.feed(place.to_scoring(chunk)))  # fmt: skip
+    else:
+        decoding = _decode(k, timeline, actor, decoding, cut_rule, plan.chunk_size)
+        scorers.admit(on_scoring)  # then the responses past any carried prefix, as one chunk
+        scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
+    # 4. Cut: the first B completed sequences, in the fixed batch order.
+    finish_step = to_host(decoding.finish_step)
+    selection = select_batch(finish_step, slots.active, slots.must_finish, plan.batch_size)
+    if selection is None:  # the decode loop only stops when the rule holds
+        raise RuntimeError("rollout ended before enough sequences finished")
+    # 5. Experience: rewards with the KL penalty, GAE and whitening over the batch rows.
+    kl_coef = jnp.float32(plan.kl_coef)
+    scored = place.to_generation(scorers.outputs())
+    # Only the prompt columns: one compilation for every admission width.
+    prompts_only = admission.replace(context=jnp.asarray(slots.context[:, : rollout.prompt_width]))
+    rows = jnp.asarray(selection.batch, jnp.int32)
+    batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
+    timeline.track("build batch", GENERATION, stats["reward"])
+    # Drop the KV caches (actor and scorers) before the update: their buffers are freed as
+    # soon as the experience kernel has read them, so the update has that memory.
+    outputs = (decoding.tokens, decoding.logprobs, decoding.num_generated)
+    del decoding, scored
+    scorers.close()
+    # 6. Update: PPO epochs x minibatches over the batch, one jitted call.
+    train_state, update_metrics = k.update(train_state, batch, plan.update_key, kl_coef)
+    timeline.track("update", GENERATION, update_metrics["policy_loss"])
+    # 7. Carry: sequences not taken keep the tokens they had at the cut (read while the
+    #    update runs).
+    host = _read_rollout(outputs, finish_step)
+    carried = carry_out(slots, selection, host, plan.step)
+    events, wall = timeline.end_step()
+    result = StepResult({**stats, **update_metrics}, selection, slots, host, events, wall, batch)
+    return train_state, carried, result
+
+
+def device_admission(slots: SlotBatch) -> Admission:
+    """The slots as device arrays for the admission kernels, after checking the split
+    admission's invariant (carried sequences first; see ``SlotBatch.check_carried_first``)."""
+    slots.check_carried_first()
+    return Admission(
+        context=jnp.asarray(slots.context),
+        prompt_len=jnp.asarray(slots.prompt_len),
+        prefix_len=jnp.asarray(slots.prefix_len),
+        prefix_finished=jnp.asarray(slots.prefix_finished),
+        prefix_behaviour=jnp.asarray(slots.prefix_behaviour),
+        prompt_id=jnp.asarray(slots.prompt_ids, jnp.int32),
+        sample_index=jnp.zeros(slots.num_slots, jnp.int32),
+        active=jnp.asarray(slots.active),
+        must_finish=jnp.asarray(slots.must_finish),
+        carried_rows=slots.carried_rows,
+    )
+
+
+def _decode(
+    kernels: Kernels,
+    timeline: Timeline,
+    params,
+    state: DecodeState,
+    rule: CutRule,
+    chunk_size: int,
+    on_chunk: Callable[[ChunkTokens], None] | None = None,
+) -> DecodeState:
+    """Decode until ``rule`` allows the cut; ``on_chunk`` receives each chunk's tokens."""
+    decode = kernels.decode(chunk_size)
+    state, chunk = decode(params, state, rule)
+    timeline.track("decode", GENERATION, chunk.count)
+    while True:
+        if on_chunk is not None:
+            on_chunk(chunk)
+        ready = chunk.ready
+        state, chunk = decode(params, state, rule)  # dispatched before the host reads `ready`
+        timeline.track("decode", GENERATION, chunk.count)
+        if jax.device_get(ready):  # the loop's only host read (explicit, one boolean)
+            return state
+
+
+def _read_rollout(outputs: tuple, finish_step: np.ndarray) -> HostRollout:
+    """(tokens, logprobs, num_generated) of every slot, read to the host."""
+    tokens, logprobs, num_generated = to_host(outputs)
+    return HostRollout(
+        np.asarray(tokens), np.asarray(logprobs), np.asarray(num_generated), finish_step
+    )
+
+
+class _Scorers:
+    """The streaming consumers (reference, critic, reward) of one rollout, on their group."""
+
+    def __init__(self, engine: StepEngine, critic_params, timeline: Timeline):
+        k, place = engine.kernels, engine.placement
+        self.kernels, self.timeline, self.group = k, timeline, place.scoring_group
+        self.roles = k.scorer_specs.present()
+        self.params = ScorerParams(
+            reference=engine.ref_params,
+            critic=place.critic_for_scoring(k.spec.critic, critic_params),
+            reward=engine.reward_params if "reward" in self.roles else None,
+        )
+        self.states: ScorerStates | None = None
+
+    def _dispatch(self, stage: str, role: str, kernel: Callable, *args):
+        state, marker = kernel(getattr(self.params, role), *args)
+        self.timeline.track(f"{stage} {role}", self.group, marker)
+        return state
+
+    def admit(self, admission: Admission) -> None:
+        """Prefill every scorer with the prompts and carried prefixes."""
+        self.states = ScorerStates(**{
+            role: self._dispatch("prefill", role, self.kernels.scorer_admit(role), admission)
+            for role in self.roles
+        })  # fmt: skip
+
+    def feed(self, chunk: ChunkTokens) -> None:
+        """Prefill every scorer with the chunk's new tokens."""
+        self.states = ScorerStates(**{
+            role: self._dispatch(
+                "score", role, self.kernels.scorer_chunk(role), getattr(self.states, role), chunk
+            )
+            for role in self.roles
+        })  # fmt: skip
+
+    def outputs(self) -> ScorerOutputs:
+        return self.states.outputs()
+
+    def close(self) -> None:
+        """Let go of the scorers' caches and of this step's critic copy."""
+        self.states = self.params = None

@@ -1,0 +1,159 @@
+"""Admission: what enters a step's slots, and the prefill that starts a rollout from it.
+
+A slot holds a new prompt, or a carried sequence (prompt + the response it had when its last
+step was cut). Carried slots come first, so only a leading bucket of ``carried_rows`` slots
+needs the full context width W; the rest are prefilled at the prompt width P. Dimension
+letters: S slots, W context width (P + room for carried prefixes), R response capacity,
+O head outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int
+
+from oppo_jax.models.kv_cache import KVCache, init_cache
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.transformer import Transformer
+from oppo_jax.rollout.layout import gather_response, response_tokens
+from oppo_jax.sharding import constrain_slots
+
+
+@flax.struct.dataclass
+class Admission:
+    """The device-side inputs of one step's slots, in admission order (carried first)."""
+
+    context: Int[Array, "S W"]  # prompt then carried response prefix, right-padded
+    prompt_len: Int[Array, " S"]
+    prefix_len: Int[Array, " S"]  # response tokens carried in (0 for new prompts)
+    prefix_finished: Bool[Array, " S"]  # carried in already complete
+    prefix_behaviour: Float[Array, "S R"]  # log-probs recorded when the prefix was sampled
+    prompt_id: Int[Array, " S"]  # the prompt's id (its sampling key depends on it)
+    sample_index: Int[Array, " S"]  # which of the prompt's samples this is
+    active: Bool[Array, " S"]  # the slot holds a sequence
+    must_finish: Bool[Array, " S"]  # the sequence may not be carried again
+    # Leading slots that may carry a prefix, prefilled at the full width W (a static bucket);
+    # None: any slot may (all prefilled at W).
+    carried_rows: int | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def num_slots(self) -> int:
+        return self.prompt_len.shape[0]
+
+    @property
+    def context_len(self) -> Int[Array, " S"]:
+        return self.prompt_len + self.prefix_len
+
+    @classmethod
+    def fresh(
+        cls,
+        prompts: Int[Array, "S P"],
+        prompt_len: Int[Array, " S"],
+        response_len: int,
+        prompt_id: Int[Array, " S"] | None = None,
+        active: Bool[Array, " S"] | None = None,
+    ) -> Admission:
+        """New prompts only (no carried prefixes); ``prompt_id`` defaults to the slot index."""
+        s = prompts.shape[0]
+        zeros = jnp.zeros((s,), jnp.int32)
+        return cls(
+            context=jnp.asarray(prompts, jnp.int32),
+            prompt_len=jnp.asarray(prompt_len, jnp.int32),
+            prefix_len=zeros,
+            prefix_finished=zeros.astype(bool),
+            prefix_behaviour=jnp.zeros((s, response_len), jnp.float32),
+            prompt_id=jnp.arange(s, dtype=jnp.int32) if prompt_id is None else prompt_id,
+            sample_index=zeros,
+            active=jnp.ones((s,), bool) if active is None else jnp.asarray(active, bool),
+            must_finish=zeros.astype(bool),
+            carried_rows=0,
+        )
+
+
+# prefix_fn(outputs before each prefix token [rows, R, O], prefix tokens [rows, R]) -> [rows, R]
+PrefixFn = Callable[[Float[Array, "S R O"], Int[Array, "S R"]], Float[Array, "S R"]]
+
+
+def prefill(
+    cfg: ModelConfig, params, cache: KVCache, tokens: Int[Array, "S T"], n_valid: Int[Array, " S"]
+) -> tuple[Float[Array, "S T O"], KVCache]:
+    """Append ``n_valid[s]`` tokens of each right-padded row to the cache; return head outputs.
+
+    Any split of a sequence into successive prefills gives the same outputs as one call.
+    """
+    out, cache = Transformer(cfg).apply({"params": params}, tokens, cache, n_valid)
+    return out.astype(jnp.float32), cache
+
+
+def _prefill_rows(cfg, params, context, context_len, prefix_len, prefix_fn, rows_spec):
+    """Prefill rows into a fresh cache: (cache, output at the last context token, prefix
+    quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
+    capacity, response_len, mesh = rows_spec
+    # Born sharded along the slots: a replicated [L, S, K, P + R, Dh] buffer would not fit.
+    cache = constrain_slots(init_cache(cfg, context.shape[0], capacity), mesh)
+    out, cache = prefill(cfg, params, cache, context, context_len)
+    last = jnp.maximum(context_len - 1, 0)
+    last_out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+    if prefix_fn is None:
+        return cache, last_out, jnp.zeros((context.shape[0], response_len), jnp.float32)
+    prompt_len = context_len - prefix_len
+    before = gather_response(out, prompt_len, response_len)
+    prefix = response_tokens(context, prompt_len, response_len)
+    in_prefix = jnp.arange(response_len)[None, :] < prefix_len[:, None]
+    return cache, last_out, jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
+
+
+def admission_prefill(
+    cfg: ModelConfig,
+    params,
+    admission: Admission,
+    prefix_fn: PrefixFn,
+    shape: tuple[int, int],
+    mesh: Mesh | None = None,
+) -> tuple[KVCache, Float[Array, "S O"], Float[Array, "S R"]]:
+    """Prefill each slot's context (prompt + carried prefix) into a cache of P + R per slot.
+
+    ``shape`` is (P, R). The first ``admission.carried_rows`` slots (all when None) are
+    prefilled at the full width W and yield ``prefix_fn`` of their outputs; the rest, which
+    carry no prefix, only at the prompt width P, and yield zeros. Prefill cost is then about
+    K·W + (S − K)·P tokens, not S·W, and [rows, W, O] outputs exist for carried rows only.
+
+    Returns (cache, head output at each slot's last context token, prefix quantities [S, R]),
+    laid out along the slots over ``mesh`` when one is given.
+    """
+    prompt_width, response_len = shape
+    a, slots = admission, admission.num_slots
+    k = slots if a.carried_rows is None else min(a.carried_rows, slots)
+    rows = functools.partial(
+        _prefill_rows, cfg, params, rows_spec=(prompt_width + response_len, response_len, mesh)
+    )
+    if k == slots:
+        return constrain_slots(rows(a.context, a.context_len, a.prefix_len, prefix_fn), mesh)
+    fresh = rows(a.context[k:, :prompt_width], a.prompt_len[k:], 0 * a.prefix_len[k:], None)
+    if k == 0:
+        return constrain_slots(fresh, mesh)
+    carried = rows(a.context[:k], a.context_len[:k], a.prefix_len[:k], prefix_fn)
+    # Caches share the capacity P + R, so the two parts stack along the slot axis.
+    stacked = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=_slot_axis(x)), carried, fresh)
+    return constrain_slots(stacked, mesh)
+
+
+def _slot_axis(x) -> int:
+    """Slot axis of an admission output: 1 for cache keys/values [L, S, ...], else 0."""
+    return 1 if x.ndim == 5 else 0
+
+
+def prefix_logprob_fn(temperature: float) -> PrefixFn:
+    """log softmax(logits / temperature)[token] of each prefix token (the actor's old log-probs)."""
+
+    def fn(logits, prefix):
+        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+        return jnp.take_along_axis(logp, prefix[..., None], axis=-1)[..., 0]
+
+    return fn

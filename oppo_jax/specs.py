@@ -30,11 +30,12 @@ def sampling_config(cfg: Config) -> SamplingConfig:
 
 
 def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateSpec:
-    """Static description of the PPO update for ``cfg`` (optimizers sized to the run)."""
+    """Static description of the PPO update for ``cfg`` (optimizers sized to the run, layers
+    rematerialised as ``model.remat`` says: the rollout never differentiates, so only here)."""
     updates = cfg.train.steps * cfg.ppo.ppo_epochs * cfg.ppo.num_minibatches
     return UpdateSpec(
-        actor=actor,
-        critic=critic,
+        actor=actor.replace(remat=cfg.model.remat),
+        critic=critic.replace(remat=cfg.model.remat),
         ppo=cfg.ppo,
         temperature=cfg.rollout.temperature,
         actor_tx=make_optimizer(cfg.optim, cfg.optim.actor_lr, updates),

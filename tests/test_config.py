@@ -394,3 +394,14 @@ def test_every_schedule_is_a_mode():
         assert Schedule.named(cfg.pipeline.mode) == schedule and schedule.name == name
     with pytest.raises(ConfigError, match="pipeline.mode='fast'"):
         load_config(None, ["pipeline.mode=fast"])
+
+
+def test_remat_reaches_the_update_models_only():
+    from oppo_jax.specs import update_spec
+    from tests.ppo_fixtures import ACTOR, CRITIC
+
+    spec = update_spec(load_config(None, ["model.remat=dots"]), ACTOR, CRITIC)
+    assert spec.actor.remat == spec.critic.remat == "dots"
+    assert ACTOR.remat == "none"  # the rollout's own configs are untouched
+    with pytest.raises(ConfigError, match="model.remat='some'"):
+        load_config(None, ["model.remat=some"])

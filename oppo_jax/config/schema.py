@@ -28,6 +28,8 @@ class ModelConfig:
     dtype: str = "float32"  # activation dtype: float32 | bfloat16
     param_dtype: str = "float32"  # parameter dtype: float32 | bfloat16
     trust_remote_code: bool = False  # let transformers run code shipped inside a checkpoint
+    # recompute each layer in the update's backward: none | full | dots (keep matmul outputs)
+    remat: str = "none"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "model.critic_init": ("reward", "actor"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "dots"),
     "rollout.prompt_too_long": ("truncate", "reject"),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
     "ppo.loss_agg": ("token_mean", "seq_mean"),

@@ -8,10 +8,10 @@ Each optimizer update averages the gradients of ``grad_accum_steps`` microbatche
 On a mesh (``make_sharded_update``) the update is traced with the logical-axis rules active, so
 the model's activation constraints hold (rows over data × fsdp, FSDP weights gathered per layer),
 every minibatch and microbatch keeps its rows sharded, and the gradient accumulators are laid out
-like the parameters. Non-finite values skip work without a second copy of the train state: a
-bad batch skips the whole update (``lax.cond``), a bad loss or gradient skips its optimizer step
-(a per-leaf select fused into the update, as ``optax.apply_if_finite`` does), so the donated
-state is updated in place.
+like the parameters. Non-finite values skip work without a second copy of the train state: each
+optimizer step is applied under a ``lax.cond`` (as ``optax.apply_if_finite`` does) only when the
+batch and its loss, metrics and gradients are finite, and a bad batch also skips every forward
+and backward pass; so XLA updates the donated state in place.
 """
 
 from __future__ import annotations

@@ -1,0 +1,465 @@
+"""Bytes per device of a run: its state from shapes and shardings, its kernels from XLA's own
+memory analysis. Nothing is allocated.
+
+Every array is a ``jax.ShapeDtypeStruct`` carrying the sharding the run gives it. Each kernel
+(the PPO update, the actor's admission prefill, a decode chunk, a reference-scorer chunk) is
+jitted as the run jits it (same donation), lowered with those inputs and compiled for the CPU
+backend on fake CPU devices, one per mesh device; ``compiled.memory_analysis()`` then gives one
+device's argument, output, aliased (donated) and temporary bytes.
+
+The CPU backend is not the target: XLA:CPU computes bfloat16 arithmetic in float32, so kernel
+temporaries of a bf16 model are upper bounds (arguments and state keep their dtypes), and its
+fusion and scheduling differ from GPU/TPU. A kernel's "with resident" adds its temporaries and
+new outputs (output − aliased) to everything a step keeps resident: trained and frozen
+parameters, optimizer state, the four KV caches and the PPO batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+
+from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.models.kv_cache import init_cache
+from oppo_jax.models.model_config import ModelConfig, preset
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.update import (
+    UpdateSpec,
+    batch_shardings,
+    init_train_state,
+    make_optimizer,
+    make_sharded_update,
+)
+from oppo_jax.rollout.admission import Admission
+from oppo_jax.rollout.decode import ChunkTokens, CutRule, admit_decode, decode_chunk_emit
+from oppo_jax.rollout.sampling import SamplingConfig
+from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
+from oppo_jax.sharding import (
+    abstract_params,
+    make_mesh,
+    padded_slot_count,
+    param_shardings,
+    per_device_bytes,
+    replicated,
+    slot_shardings,
+)
+
+KERNELS = ("update", "admission", "decode_chunk", "score_chunk")
+CPU_NOTE = (
+    "lowered for the CPU backend on fake devices: XLA:CPU computes bf16 in f32, so kernel "
+    "temporaries of a bf16 model are upper bounds; state bytes keep their dtypes"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShapes:
+    """The shapes a run compiles its kernels for."""
+
+    batch_size: int  # B, sequences per PPO update
+    prompt_len: int  # P, prompt width, tokens
+    response_len: int  # R, response capacity, tokens
+    slots: int  # S, rollout slots (B + Δ_max), before padding to a multiple of data x fsdp
+    chunk_size: int  # C, decode steps per chunk (and the scorer chunk's width), tokens
+    carried_rows: int = 0  # admission slots prefilled at the full width P + R (carried ones)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMemory:
+    """One device's bytes of a compiled kernel, from ``compiled.memory_analysis()``."""
+
+    argument: int  # inputs, donated ones included
+    output: int  # outputs, those written into donated inputs included
+    alias: int  # outputs written in place of donated inputs
+    temp: int  # XLA temporaries: activations, gathered weights, gradients...
+
+    @classmethod
+    def of(cls, compiled) -> KernelMemory:
+        m = compiled.memory_analysis()
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
+                   m.temp_size_in_bytes)  # fmt: skip
+
+    @property
+    def peak(self) -> int:
+        """Inputs, new outputs and temporaries all live at once (an upper bound)."""
+        return self.argument + self.output - self.alias + self.temp
+
+    def extrapolate(self, one_more: KernelMemory, extra_layers: int) -> KernelMemory:
+        """Linear in depth, from ``self`` and ``one_more`` (the same kernel one layer deeper)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return KernelMemory(**{
+            n: getattr(self, n) + extra_layers * (getattr(one_more, n) - getattr(self, n))
+            for n in names
+        })  # fmt: skip
+
+
+def _abstract(tree, shardings):
+    """``tree``'s leaves as ShapeDtypeStructs carrying ``shardings`` (a list in leaf order, or
+    a tree of shardings matching ``tree``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not isinstance(shardings, list):
+        shardings = jax.tree.leaves(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )
+    out = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+           for x, s in zip(leaves, shardings, strict=True)]  # fmt: skip
+    return jax.tree.unflatten(treedef, out)
+
+
+def _on_slots(tree, mesh):
+    """``tree`` (abstract) laid out like the rollout state: slots over data x fsdp."""
+    return _abstract(tree, slot_shardings(tree, mesh))
+
+
+def _params(cfg: ModelConfig, mesh):
+    return _abstract(abstract_params(cfg), param_shardings(cfg, mesh))
+
+
+def _sds(shape, dtype, sharding=None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@contextlib.contextmanager
+def _shape_checks_off():
+    """Runtime shape checks (jaxtyping's, on in the tests) reject ShapeDtypeStruct leaves in
+    the rollout's typed dataclasses; the abstract inputs are built and lowered without them."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def _shaped(cls, *fields, **static):
+    """``cls(*arrays, **static)`` with a ShapeDtypeStruct per (shape, dtype) of ``fields``."""
+    return cls(*(jax.ShapeDtypeStruct(s, d) for s, d in fields), **static)
+
+
+def abstract_ppo_batch(rows: int, prompt: int, response: int, mesh) -> PPOBatch:
+    """A PPOBatch of ShapeDtypeStructs for ``rows`` sequences, sharded as the update takes it."""
+    shapes = {f.name: ((rows, response), jnp.float32) for f in dataclasses.fields(PPOBatch)}
+    shapes.update(tokens=((rows, prompt + response), jnp.int32), prompt_len=((rows,), jnp.int32),
+                  mask=((rows, response), jnp.bool_), scores=((rows,), jnp.float32))  # fmt: skip
+    sh = batch_shardings(mesh)
+    return PPOBatch(**{n: _sds(*s, getattr(sh, n)) for n, s in shapes.items()})
+
+
+def _abstract_state(spec: UpdateSpec):
+    init = functools.partial(init_train_state, spec)
+    return jax.eval_shape(init, abstract_params(spec.actor), abstract_params(spec.critic))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The models, shapes and meshes one report lowers kernels for."""
+
+    spec: UpdateSpec  # actor and critic as the update runs them (remat), their optimizers
+    policy: ModelConfig  # the actor's architecture as the rollout runs it; also the reference's
+    reward: ModelConfig
+    shapes: RunShapes
+    sampling: SamplingConfig
+    mesh: jax.sharding.Mesh  # generation and training
+    scoring_mesh: jax.sharding.Mesh  # reference and reward (and the critic's scoring copy)
+
+    @functools.cached_property
+    def slots(self) -> int:
+        return padded_slot_count(self.shapes.slots, self.mesh)
+
+    def at_depth(self, layers: int) -> _Run:
+        """The same run with every model cut to ``layers`` layers."""
+        cut = lambda m: m.replace(num_layers=layers)  # noqa: E731
+        spec = dataclasses.replace(
+            self.spec, actor=cut(self.spec.actor), critic=cut(self.spec.critic)
+        )
+        return dataclasses.replace(self, spec=spec, policy=cut(self.policy),
+                                   reward=cut(self.reward))  # fmt: skip
+
+    def admission(self, mesh) -> Admission:
+        """Abstract admission of every slot, the first ``carried_rows`` at width P + R."""
+        s, r, n = self.shapes, self.shapes.response_len, self.slots
+        i32, flag = ((n,), jnp.int32), ((n,), jnp.bool_)
+        admission = _shaped(
+            Admission, ((n, s.prompt_len + r), jnp.int32), i32, i32, flag, ((n, r), jnp.float32),
+            i32, i32, flag, flag, carried_rows=min(s.carried_rows, n),
+        )  # fmt: skip
+        return _on_slots(admission, mesh)
+
+    def update(self):
+        """(the sharded update as the run jits it, its abstract arguments)."""
+        update, state_sh = make_sharded_update(self.spec, self.mesh)
+        s, key = self.shapes, _sds((), jax.random.key(0).dtype, replicated(self.mesh))
+        batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, self.mesh)
+        state = _abstract(_abstract_state(self.spec), state_sh)
+        return update, (state, batch, key, _sds((), jnp.float32, replicated(self.mesh)))
+
+    def admit(self):
+        """(the actor's admission prefill, its abstract arguments)."""
+        s, actor = self.shapes, self.policy
+        rollout = RolloutSpec(self.sampling, s.prompt_len, s.response_len, (1,), 0, self.mesh,
+                              self.scoring_mesh)  # fmt: skip
+
+        def admit(params, admission, key):
+            return admit_decode(actor, params, admission, key, rollout, self.sampling.temperature)
+
+        key = _sds((), jax.random.key(0).dtype, replicated(self.mesh))
+        return jax.jit(admit), (_params(actor, self.mesh), self.admission(self.mesh), key)
+
+    def decode_chunk(self):
+        """(one decode chunk, donating its state, and its abstract arguments)."""
+        admit, args = self.admit()
+        state = _on_slots(jax.eval_shape(admit, *args), self.mesh)
+        flag = ((self.slots,), jnp.bool_)
+        rule = _on_slots(_shaped(CutRule, flag, flag, ((), jnp.int32)), self.mesh)
+        fn = functools.partial(decode_chunk_emit, self.policy, self.sampling,
+                               self.shapes.chunk_size, mesh=self.mesh)  # fmt: skip
+        return jax.jit(fn, donate_argnums=(1,)), (args[0], state, rule)
+
+    def score_chunk(self):
+        """(one reference-scorer chunk, donating its state, and its abstract arguments)."""
+        s, mesh, n = self.shapes, self.scoring_mesh, self.slots
+        spec = ScorerSpec(self.policy, "logprob", s.response_len, self.sampling.temperature,
+                          mesh)  # fmt: skip
+        params = _params(self.policy, mesh)
+        admit = functools.partial(scorer_admit, spec, prompt_width=s.prompt_len)
+        state = _on_slots(jax.eval_shape(admit, params, self.admission(mesh)), mesh)
+        count = ((n,), jnp.int32)
+        chunk = _shaped(ChunkTokens, ((n, s.chunk_size), jnp.int32), count, count, ((), jnp.bool_))
+        fn = jax.jit(functools.partial(score_chunk, spec), donate_argnums=(1,))
+        return fn, (params, state, _on_slots(chunk, mesh))
+
+    def kernel(self, name: str) -> KernelMemory:
+        """Lower and compile one of ``KERNELS``; its memory per device."""
+        with _shape_checks_off():
+            fn, args = getattr(self, "admit" if name == "admission" else name)()
+            lowered = fn.lower(*args)
+        return KernelMemory.of(lowered.compile())
+
+    def resident(self) -> dict:
+        """Bytes per device of everything a step keeps resident."""
+        spec, mesh, scoring, s = self.spec, self.mesh, self.scoring_mesh, self.shapes
+        state, state_sh = _abstract_state(spec), make_sharded_update(spec, mesh)[1]
+
+        def params(cfg, on):
+            return per_device_bytes(abstract_params(cfg), param_shardings(cfg, on))
+
+        def cache(cfg, on):
+            width = s.prompt_len + s.response_len
+            abstract = jax.eval_shape(lambda: init_cache(cfg, self.slots, width))
+            return per_device_bytes(abstract, slot_shardings(abstract, on))
+
+        batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, mesh)
+        opt = per_device_bytes((state.actor_opt, state.critic_opt),
+                               (state_sh.actor_opt, state_sh.critic_opt))  # fmt: skip
+        return {
+            "actor_params": params(spec.actor, mesh),
+            "critic_params": params(spec.critic, mesh),
+            "optimizer": opt,
+            "reference_params": params(self.policy, scoring),
+            "reward_params": params(self.reward, scoring),
+            "kv_caches": {
+                "actor": cache(self.policy, mesh),
+                "critic": cache(spec.critic, scoring),
+                "reference": cache(self.policy, scoring),
+                "reward": cache(self.reward, scoring),
+            },  # fmt: skip
+            "ppo_batch": per_device_bytes(batch, [x.sharding for x in jax.tree.leaves(batch)]),
+        }
+
+
+def _meshes(mesh_shape, scoring_shape):
+    """(training/generation mesh, scoring mesh) on fake CPU devices; the scoring mesh is the
+    same one when ``scoring_shape`` is None (colocated), else on the devices after it."""
+    n, extra = math.prod(mesh_shape), math.prod(scoring_shape or (0,))
+    devices = jax.devices("cpu")
+    if len(devices) < n + extra:
+        raise RuntimeError(
+            f"the memory report lowers on {n + extra} CPU devices but this process has "
+            f"{len(devices)}: call jax.config.update('jax_num_cpu_devices', {n + extra}) (or "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n + extra}) before JAX starts"
+        )
+    mesh = make_mesh(*mesh_shape, devices[:n])
+    return mesh, mesh if scoring_shape is None else make_mesh(
+        *scoring_shape, devices[n : n + extra]
+    )
+
+
+def _model(model: ModelConfig | str, head: str) -> ModelConfig:
+    return preset(model, head=head) if isinstance(model, str) else model
+
+
+def memory_report(
+    actor: ModelConfig | str,
+    shapes: RunShapes,
+    *,
+    critic: ModelConfig | str | None = None,
+    reward: ModelConfig | str | None = None,
+    mesh: tuple[int, int, int] = (1, 1, 1),
+    scoring_mesh: tuple[int, int, int] | None = None,
+    ppo: PPOConfig | None = None,
+    optim: OptimConfig | None = None,
+    sampling: SamplingConfig | None = None,
+    kernels: Sequence[str] = KERNELS,
+    layers: int | None = None,
+    remat: str | None = None,
+) -> dict:
+    """Bytes per device of a PPO run's resident state and of its compiled kernels.
+
+    Args:
+        actor: the actor's (and the reference's) architecture, or a preset name.
+        shapes: the run's B, P, R, slots, chunk size and carried admission rows.
+        critic: the critic's architecture (default: the actor's with a score head);
+            ``reward``: the reward model's (default: the critic's).
+        mesh: (data, fsdp, tensor) of generation and training; ``scoring_mesh``: that of
+            disaggregated scorers (None: colocated, the same mesh).
+        ppo, optim, sampling: the update's and the rollout's settings (defaults when None).
+        kernels: which of ``KERNELS`` to lower and compile.
+        layers: lower the kernels at this depth and one more and extrapolate linearly to the
+            models' depth (faster); None lowers them at full depth. State bytes are exact.
+        remat: the update's per-layer rematerialisation (none | full | dots), as
+            ``model.remat``; None keeps the models' own. The rollout never differentiates.
+
+    Returns:
+        A JSON-ready dict: ``bytes`` (parameters, AdamW moments, KV caches, batch),
+        ``resident`` (their sum) and ``kernels``: per kernel its memory analysis, ``peak``
+        and ``with_resident``.
+    """
+    actor = _model(actor, "lm")
+    critic = actor.replace(head="score") if critic is None else _model(critic, "score")
+    reward = critic if reward is None else _model(reward, "score")
+    trained = [m if remat is None else m.replace(remat=remat) for m in (actor, critic)]
+    ppo, optim, sampling = ppo or PPOConfig(), optim or OptimConfig(), sampling or SamplingConfig()
+    txs = (
+        make_optimizer(optim, optim.actor_lr, 1000),
+        make_optimizer(optim, optim.critic_lr, 1000),
+    )
+    spec = UpdateSpec(*trained, ppo, sampling.temperature, *txs)
+    run = _Run(spec, actor, reward, shapes, sampling, *_meshes(mesh, scoring_mesh))
+    state = run.resident()
+    resident = sum(v if isinstance(v, int) else sum(v.values()) for v in state.values())
+    depth = actor.num_layers
+    cut = layers is not None and layers < depth
+    note = CPU_NOTE + (
+        f"; kernels lowered at {layers} and {layers + 1} layers, extrapolated linearly to {depth}"
+        if cut else ""
+    )  # fmt: skip
+    report = {
+        "mesh": "x".join(map(str, mesh)),
+        "scoring_mesh": "x".join(map(str, scoring_mesh or mesh)),
+        "models": {n: _describe(m) for n, m in zip(("actor", "critic", "reward"),
+                                                   (*trained, reward), strict=True)},
+        "shapes": dataclasses.asdict(shapes) | {"slots_padded": run.slots},
+        "note": note,
+        "bytes": state,
+        "resident": resident,
+        "kernels": {},
+    }  # fmt: skip
+    for name in kernels:
+        if cut:
+            shallow = run.at_depth(layers).kernel(name)
+            mem = shallow.extrapolate(run.at_depth(layers + 1).kernel(name), depth - layers)
+        else:
+            mem = run.kernel(name)
+        report["kernels"][name] = dataclasses.asdict(mem) | {
+            "peak": mem.peak, "with_resident": resident + mem.temp + mem.output - mem.alias,
+        }  # fmt: skip
+    return report
+
+
+def _describe(cfg: ModelConfig) -> dict:
+    return {"params": cfg.num_params(), "layers": cfg.num_layers, "head": cfg.head,
+            "param_dtype": cfg.param_dtype, "dtype": cfg.dtype, "remat": cfg.remat}  # fmt: skip
+
+
+def config_memory_report(cfg, kernels: Sequence[str] = KERNELS, layers: int | None = None,
+                         remat: str | None = None) -> dict:  # fmt: skip
+    """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
+    ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
+    carry), the largest chunk size it may use, and the widest carried-row admission bucket."""
+    # Higher layers, imported here only: the report itself needs no pipeline.
+    from oppo_jax.pipeline.carry import carried_bucket
+    from oppo_jax.pipeline.schedule import Schedule
+    from oppo_jax.specs import preset_models
+
+    actor, critic = preset_models(cfg)
+    r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
+    delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
+    delta = delta if Schedule.named(p.mode).carry else 0
+    chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
+    slots = r.batch_size + delta
+    shapes = RunShapes(r.batch_size, r.max_prompt_len, r.max_response_len, slots, chunk,
+                       carried_rows=carried_bucket(delta, slots) if delta else 0)  # fmt: skip
+    scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
+    report = memory_report(
+        actor, shapes, critic=critic, mesh=(m.data, m.fsdp, m.tensor), scoring_mesh=scoring,
+        ppo=cfg.ppo, optim=cfg.optim, kernels=kernels, layers=layers,
+        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy),
+        remat=remat or cfg.model.remat,
+    )  # fmt: skip
+    return {"preset": cfg.model.preset, **report}
+
+
+def format_table(report: dict) -> str:
+    """Markdown tables of a ``memory_report`` per device: resident bytes, then the kernels."""
+    unit, scale = ("GiB", 2**30) if report["resident"] >= 2**30 else ("MiB", 2**20)
+    fmt = lambda n: f"{n / scale:.2f}"  # noqa: E731
+    b = report["bytes"]
+    rows = [
+        ("actor parameters (trained)", b["actor_params"]),
+        ("critic parameters (trained)", b["critic_params"]),
+        ("AdamW moments (actor + critic)", b["optimizer"]),
+        ("reference parameters (frozen)", b["reference_params"]),
+        ("reward parameters (frozen)", b["reward_params"]),
+        *((f"KV cache: {role}", n) for role, n in b["kv_caches"].items()),
+        ("PPO batch", b["ppo_batch"]),
+        ("resident", report["resident"]),
+    ]
+    lines = [
+        f"{unit} per device, mesh {report['mesh']} (scorers {report['scoring_mesh']}); "
+        f"{report['note']}.",
+        "",
+        f"| state | {unit} |",
+        "|---|---|",
+        *(f"| {name} | {fmt(n)} |" for name, n in rows),
+        "",
+        "| kernel | arguments | outputs | aliased | temporaries | peak | with resident |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, k in report["kernels"].items():
+        cells = (k[f] for f in ("argument", "output", "alias", "temp", "peak", "with_resident"))
+        lines.append(f"| {name} | " + " | ".join(map(fmt, cells)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``oppo-jax memory CONFIG [--set K=V ...] [--json]``: the report of one run config."""
+    from oppo_jax.config import devices_needed, load_config
+
+    parser = argparse.ArgumentParser(prog="oppo-jax memory", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="config name or YAML file (needs model.preset)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--layers", type=int, help="lower at this depth and extrapolate")
+    parser.add_argument("--remat", choices=("none", "full", "dots"), help="override model remat")
+    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    try:  # only possible before JAX has started its backends; _meshes says so otherwise
+        jax.config.update("jax_num_cpu_devices", devices_needed(cfg))
+    except RuntimeError:
+        pass
+    report = config_memory_report(cfg, args.kernels, args.layers, args.remat)
+    print(json.dumps(report, indent=1) if args.json else format_table(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The per-device memory report: state bytes equal hand-computed ones, kernels are compiled."""
+
+import functools
+import json
+
+import pytest
+
+from oppo_jax.config import PPOConfig
+from oppo_jax.memory import KERNELS, RunShapes, format_table, main, memory_report
+from oppo_jax.models.model_config import ModelConfig
+
+# No biases and an untied head: only the RMSNorm scales, (2L + 1) x D values, are replicated.
+MODEL = ModelConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16,
+)  # fmt: skip
+SHAPES = RunShapes(batch_size=8, prompt_len=8, response_len=16, slots=10, chunk_size=4,
+                   carried_rows=2)  # fmt: skip
+FSDP = 4
+
+
+@functools.cache
+def _report():
+    ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, grad_accum_steps=2)
+    return memory_report(MODEL, SHAPES, mesh=(1, FSDP, 1), ppo=ppo)
+
+
+def _param_bytes(cfg: ModelConfig) -> int:
+    """float32 parameters split over fsdp along the model width, norm scales on every device."""
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    return 4 * ((cfg.num_params() - norms) // FSDP + norms)
+
+
+def test_state_bytes_equal_hand_computed_ones():
+    b = _report()["bytes"]
+    actor, critic = _param_bytes(MODEL), _param_bytes(MODEL.replace(head="score"))
+    assert b["actor_params"] == b["reference_params"] == actor
+    assert b["critic_params"] == b["reward_params"] == critic
+    # AdamW: two moments per parameter, and two int32 step counts (Adam's, the schedule's)
+    # per optimizer.
+    assert b["optimizer"] == 2 * (actor + critic) + 2 * 2 * 4
+    # 10 slots padded to 12, 3 per device; keys and values [L, 3, K, P + R, Dh], lengths [3].
+    slots = 3
+    per_cache = 2 * 2 * slots * 2 * (8 + 16) * 16 * 4 + slots * 4
+    assert b["kv_caches"] == dict.fromkeys(("actor", "critic", "reference", "reward"), per_cache)
+    rows = 8 // FSDP  # tokens [2, 24] int32; six float32 [2, 16]; mask bool; two [2] vectors
+    assert b["ppo_batch"] == rows * (24 * 4 + 6 * 16 * 4 + 16 + 4 + 4)
+    assert (
+        _report()["resident"]
+        == 2 * (actor + critic) + b["optimizer"] + 4 * per_cache + (b["ppo_batch"])
+    )
+    assert _report()["shapes"]["slots_padded"] == 12
+
+
+def test_kernels_are_compiled_with_positive_temporaries():
+    report = _report()
+    kernels = report["kernels"]
+    assert tuple(kernels) == KERNELS
+    for name, k in kernels.items():
+        assert k["temp"] > 0, name
+        assert k["peak"] == k["argument"] + k["output"] - k["alias"] + k["temp"]
+        assert k["with_resident"] == report["resident"] + k["temp"] + k["output"] - k["alias"]
+    b = report["bytes"]
+    state = b["actor_params"] + b["critic_params"] + b["optimizer"] + 4  # + the step counter
+    assert kernels["update"]["alias"] == state  # the train state is donated, updated in place
+    assert kernels["decode_chunk"]["alias"] >= b["kv_caches"]["actor"]  # the cache too
+    table = format_table(report)
+    assert "| update |" in table and "KV cache: reward" in table and "CPU backend" in table
+    json.dumps(report)  # JSON-ready
+
+
+def test_extrapolation_from_one_and_two_layers_is_exact_at_two():
+    full = _report()["kernels"]["update"]
+    ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, grad_accum_steps=2)
+    cut = memory_report(MODEL, SHAPES, mesh=(1, FSDP, 1), ppo=ppo, kernels=["update"], layers=1)
+    assert cut["kernels"]["update"] == full
+    assert "extrapolated linearly to 2" in cut["note"]
+
+
+@pytest.mark.parametrize("remat", ["full"])
+def test_command_reports_the_7b_update_per_device(capsys, remat):
+    # Qwen2.5-7B on four GH200s, all 28 layers, abstract: the update's state is 1/4 of the
+    # bf16 parameters and moments, and with per-layer remat its temporaries stay far below
+    # the no-remat activations (CPU float32 upper bound).
+    main(["qwen2.5-7b_gh200x4", "--json", "--kernels", "update", "--remat", remat])
+    report = json.loads(capsys.readouterr().out)
+    b, update = report["bytes"], report["kernels"]["update"]
+    params = 7_615_616_512 * 2 / 4  # Qwen2.5-7B parameters, bf16, over fsdp = 4
+    assert abs(b["actor_params"] - params) / params < 0.01
+    assert update["alias"] == b["actor_params"] + b["critic_params"] + b["optimizer"] + 4
+    assert report["models"]["actor"]["remat"] == remat
+    assert 0 < update["temp"] < 48 * 2**30

@@ -6,7 +6,6 @@ the device count; and the non-finite guard keeps no second train state, so the d
 is updated in place.
 """
 
-import dataclasses
 import functools
 import math
 
@@ -15,11 +14,10 @@ import jax.numpy as jnp
 import pytest
 
 from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.memory import abstract_ppo_batch
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import (
     UpdateSpec,
-    batch_shardings,
     init_train_state,
     make_optimizer,
     make_sharded_update,
@@ -40,20 +38,6 @@ def _spec(model: ModelConfig, ppo: PPOConfig) -> UpdateSpec:
     return UpdateSpec(model, model.replace(head="score"), ppo, 1.0, tx, tx)
 
 
-def _abstract_batch(rows: int, prompt: int, response: int, shardings: PPOBatch) -> PPOBatch:
-    """A PPOBatch of ShapeDtypeStructs for ``rows`` sequences, laid out as ``shardings``."""
-
-    def leaf(name, shape, dtype=jnp.float32):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name))
-
-    fields = {f.name: leaf(f.name, (rows, response)) for f in dataclasses.fields(PPOBatch)}
-    fields["tokens"] = leaf("tokens", (rows, prompt + response), jnp.int32)
-    fields["prompt_len"] = leaf("prompt_len", (rows,), jnp.int32)
-    fields["mask"] = leaf("mask", (rows, response), jnp.bool_)
-    fields["scores"] = leaf("scores", (rows,))
-    return PPOBatch(**fields)
-
-
 @functools.cache
 def _compiled(mesh_shape, model=MODEL, ppo=ONE_STEP, shape=(ROWS, PROMPT, RESPONSE)):
     """(compiled sharded update, per-device train-state bytes) on a mesh of ``mesh_shape``."""
@@ -69,7 +53,7 @@ def _compiled(mesh_shape, model=MODEL, ppo=ONE_STEP, shape=(ROWS, PROMPT, RESPON
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh
     )
-    batch = _abstract_batch(*shape, batch_shardings(mesh))
+    batch = abstract_ppo_batch(*shape, mesh)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     lowered = update.lower(state, batch, key, jax.ShapeDtypeStruct((), jnp.float32))
     return lowered.compile(), state_bytes

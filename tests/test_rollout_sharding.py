@@ -190,4 +190,4 @@ def test_split_admission_with_carried_prefixes_shards_and_agrees():
     assert sharded.cache.k.addressable_shards[0].data.shape[1] == 8 // 4
     np.testing.assert_allclose(sharded.per_token, whole.per_token, atol=1e-5)
     assert np.all(np.asarray(whole.per_token)[:3, :5] < 0)  # the prefixes were scored
-    np.testing.assert_allclose(sharded.last_out, whole.last_out, atol=1e-5)
+    np.testing.assert_allclose(sharded.last_hidden, whole.last_hidden, atol=1e-5)

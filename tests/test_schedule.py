@@ -62,9 +62,12 @@ def _assert_same_step(run_a, run_b, rtol=1e-5):
     np.testing.assert_array_equal(a.response_len, b.response_len)
     for name in ("advantages", "returns", "old_values", "ref_logp", "old_logp"):
         np.testing.assert_allclose(getattr(a.batch, name), getattr(b.batch, name), atol=1e-5)
+    # Adam divides each gradient by its running RMS, so a one-ulp difference in a near-zero
+    # gradient (differently shaped prefills round differently) can move that parameter by a
+    # fraction of the learning rate: agreement is judged against Adam's step size, lr = 1e-3.
     for x, y in zip(jax.tree.leaves(state_a.actor_params),
                     jax.tree.leaves(state_b.actor_params), strict=True):  # fmt: skip
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6)
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=0.01 * 1e-3)
     for key in ("reward", "kl", "policy_loss", "value_loss"):
         np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=rtol, atol=1e-6)
 

@@ -98,7 +98,8 @@ def test_split_scorer_admission_equals_unsplit(kind):
         )
         for _ in range(2):  # and stay equal as chunks stream in
             np.testing.assert_array_equal(full.num_fed, split.num_fed)
-            np.testing.assert_allclose(full.last_out, split.last_out, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(full.last_hidden, split.last_hidden, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(full.score, split.score, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(full.per_token, split.per_token, rtol=1e-5, atol=1e-5)
             _assert_caches_close(full.cache, split.cache)
             full, split = (score_chunk(spec, params, st, chunk) for st in (full, split))
@@ -114,7 +115,7 @@ def test_no_carried_rows_is_the_prompt_width_path():
     full, fresh = (
         scorer_admit(spec, params, admission.replace(carried_rows=k), P) for k in (None, 0)
     )
-    np.testing.assert_array_equal(full.last_out, fresh.last_out)
+    np.testing.assert_array_equal(full.last_hidden, fresh.last_hidden)
     np.testing.assert_array_equal(fresh.per_token, 0.0)
     _assert_caches_close(full.cache, fresh.cache)
 

@@ -167,3 +167,22 @@ def _blocked_bwd(block: int, axis: int, residuals, cotangents):
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def logprobs_at(
+    cfg: ModelConfig,
+    params,
+    hidden: Float[Array, "*rows D"],
+    targets: Int[Array, "*rows"],
+    temperature: float | Float[Array, ""] = 1.0,
+) -> Float[Array, "*rows"]:
+    """log softmax(logits / temperature)[target] at hidden states of any leading shape, in
+    vocabulary blocks (``token_logprobs_and_entropy``)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, _ = token_logprobs_and_entropy(cfg, params, flat, targets.reshape(-1), temperature)
+    return logp.reshape(targets.shape)
+
+
+def scores_at(cfg: ModelConfig, params, hidden: Float[Array, "*rows D"]) -> Float[Array, "*rows"]:
+    """A score head's first output (value, reward) at hidden states, in float32."""
+    return apply_head(cfg, params, hidden)[..., 0].astype(jnp.float32)

@@ -65,7 +65,7 @@ def make_actor_admit(cfg: ModelConfig, rollout: RolloutSpec, temperature: float)
 def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
     def run(params, admission):
         state = scorer_admit(spec, params, admission, prompt_width)
-        return state, jnp.sum(state.last_out)
+        return state, jnp.sum(state.num_fed)
 
     return jax.jit(run)
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
+from oppo_jax.models.heads import gather_rows
 from oppo_jax.models.kv_cache import KVCache, init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
@@ -76,56 +77,68 @@ class Admission:
         )
 
 
-# prefix_fn(outputs before each prefix token [rows, R, O], prefix tokens [rows, R]) -> [rows, R]
-PrefixFn = Callable[[Float[Array, "S R O"], Int[Array, "S R"]], Float[Array, "S R"]]
+# prefix_fn(hidden states before each prefix token [rows, R, D], prefix tokens [rows, R])
+#   -> the consumer's quantity per prefix token [rows, R] (a log-prob, a value)
+PrefixFn = Callable[[Float[Array, "S R D"], Int[Array, "S R"]], Float[Array, "S R"]]
+
+
+def prefill_hidden(
+    cfg: ModelConfig, params, cache: KVCache, tokens: Int[Array, "S T"], n_valid: Int[Array, " S"]
+) -> tuple[Float[Array, "S T D"], KVCache]:
+    """Append ``n_valid[s]`` tokens of each right-padded row to the cache; return the final
+    hidden states (heads are applied only where a value is needed: ``models.heads``).
+
+    Any split of a sequence into successive prefills gives the same outputs as one call.
+    """
+    apply = Transformer(cfg).apply
+    return apply({"params": params}, tokens, cache, n_valid, return_hidden=True)
 
 
 def prefill(
     cfg: ModelConfig, params, cache: KVCache, tokens: Int[Array, "S T"], n_valid: Int[Array, " S"]
 ) -> tuple[Float[Array, "S T O"], KVCache]:
-    """Append ``n_valid[s]`` tokens of each right-padded row to the cache; return head outputs.
-
-    Any split of a sequence into successive prefills gives the same outputs as one call.
-    """
+    """``prefill_hidden`` with the head applied at every position (float32): for tests and
+    small models; the kernels never build this [S, T, V] tensor."""
     out, cache = Transformer(cfg).apply({"params": params}, tokens, cache, n_valid)
     return out.astype(jnp.float32), cache
 
 
 def _prefill_rows(cfg, params, context, context_len, prefix_len, prefix_fn, rows_spec):
-    """Prefill rows into a fresh cache: (cache, output at the last context token, prefix
-    quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
+    """Prefill rows into a fresh cache: (cache, hidden state at the last context token,
+    prefix quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
     capacity, response_len, mesh = rows_spec
     # Born sharded along the slots: a replicated [L, S, K, P + R, Dh] buffer would not fit.
     cache = constrain_slots(init_cache(cfg, context.shape[0], capacity), mesh)
-    out, cache = prefill(cfg, params, cache, context, context_len)
+    hidden, cache = prefill_hidden(cfg, params, cache, context, context_len)
     last = jnp.maximum(context_len - 1, 0)
-    last_out = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+    last_hidden = gather_rows(hidden, last[:, None])[:, 0]
     if prefix_fn is None:
-        return cache, last_out, jnp.zeros((context.shape[0], response_len), jnp.float32)
+        return cache, last_hidden, jnp.zeros((context.shape[0], response_len), jnp.float32)
     prompt_len = context_len - prefix_len
-    before = gather_response(out, prompt_len, response_len)
+    before = gather_response(hidden, prompt_len, response_len)
     prefix = response_tokens(context, prompt_len, response_len)
     in_prefix = jnp.arange(response_len)[None, :] < prefix_len[:, None]
-    return cache, last_out, jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
+    return cache, last_hidden, jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
 
 
 def admission_prefill(
     cfg: ModelConfig,
     params,
     admission: Admission,
-    prefix_fn: PrefixFn,
+    prefix_fn: PrefixFn | None,
     shape: tuple[int, int],
     mesh: Mesh | None = None,
-) -> tuple[KVCache, Float[Array, "S O"], Float[Array, "S R"]]:
+) -> tuple[KVCache, Float[Array, "S D"], Float[Array, "S R"]]:
     """Prefill each slot's context (prompt + carried prefix) into a cache of P + R per slot.
 
     ``shape`` is (P, R). The first ``admission.carried_rows`` slots (all when None) are
-    prefilled at the full width W and yield ``prefix_fn`` of their outputs; the rest, which
+    prefilled at the full width W and yield ``prefix_fn`` of their hidden states (zeros when
+    ``prefix_fn`` is None: a consumer that needs no per-token quantity); the rest, which
     carry no prefix, only at the prompt width P, and yield zeros. Prefill cost is then about
-    K·W + (S − K)·P tokens, not S·W, and [rows, W, O] outputs exist for carried rows only.
+    K·W + (S − K)·P tokens, not S·W, and no head runs over a whole row.
 
-    Returns (cache, head output at each slot's last context token, prefix quantities [S, R]),
-    laid out along the slots over ``mesh`` when one is given.
+    Returns (cache, hidden state at each slot's last context token [S, D], prefix quantities
+    [S, R]), laid out along the slots over ``mesh`` when one is given.
     """
     prompt_width, response_len = shape
     a, slots = admission, admission.num_slots
@@ -147,13 +160,3 @@ def admission_prefill(
 def _slot_axis(x) -> int:
     """Slot axis of an admission output: 1 for cache keys/values [L, S, ...], else 0."""
     return 1 if x.ndim == 5 else 0
-
-
-def prefix_logprob_fn(temperature: float) -> PrefixFn:
-    """log softmax(logits / temperature)[token] of each prefix token (the actor's old log-probs)."""
-
-    def fn(logits, prefix):
-        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-        return jnp.take_along_axis(logp, prefix[..., None], axis=-1)[..., 0]
-
-    return fn

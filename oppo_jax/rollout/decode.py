@@ -11,17 +11,21 @@ device holds 1/(data x fsdp) of the slots; the parameters arrive with their own 
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
+from oppo_jax.models.heads import apply_head, logprobs_at
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
-from oppo_jax.rollout.admission import Admission, admission_prefill, prefix_logprob_fn
+from oppo_jax.rollout.admission import Admission, admission_prefill
 from oppo_jax.rollout.layout import response_tokens
+from oppo_jax.rollout.lengths import NO_TARGET, sample_to_length, target_lengths
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.sharding import constrain_slots
@@ -42,8 +46,11 @@ class DecodeState:
     sample_index: Int[Array, " S"]  # which of the prompt's samples this is
     step: Int[Array, ""]  # decode steps taken (the lockstep clock)
     base_key: jax.Array  # the run's sampling key
+    # response length at which EOS is forced (withheld before it); NO_TARGET: the policy's
+    target_len: Int[Array, " S"]
     eos_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(1,))
     pad_id: int = flax.struct.field(pytree_node=False, default=0)
+    fixed_lengths: bool = flax.struct.field(pytree_node=False, default=False)  # steer EOS
 
     @property
     def response_capacity(self) -> int:
@@ -72,9 +79,12 @@ def admit_decode(
     already. With ``rollout.mesh`` the state comes out sharded along the slots.
     """
     a, r = admission, rollout.max_response_len
-    cache, next_logits, logprobs = admission_prefill(
-        cfg, params, a, prefix_logprob_fn(temperature), (rollout.prompt_width, r), rollout.mesh
+    old_logp = functools.partial(logprobs_at, cfg, params, temperature=temperature)
+    cache, last_hidden, logprobs = admission_prefill(
+        cfg, params, a, old_logp, (rollout.prompt_width, r), rollout.mesh
     )
+    # The LM head at one position per slot: the logits the first decode step samples from.
+    next_logits = apply_head(cfg, params, last_hidden).astype(jnp.float32)
     prefix = response_tokens(a.context, a.prompt_len, r)
     in_prefix = jnp.arange(r)[None, :] < a.prefix_len[:, None]
     finished = ~a.active | a.prefix_finished
@@ -90,10 +100,21 @@ def admit_decode(
         sample_index=a.sample_index.astype(jnp.int32),
         step=jnp.zeros((), jnp.int32),
         base_key=base_key,
+        target_len=_target_lengths(rollout, base_key, a),
         eos_ids=tuple(rollout.eos_ids),
         pad_id=rollout.pad_id,
+        fixed_lengths=rollout.lengths is not None,
     )
     return constrain_slots(state, rollout.mesh)
+
+
+def _target_lengths(rollout: RolloutSpec, base_key: jax.Array, a: Admission) -> jax.Array:
+    """Each slot's synthetic length (a function of seed, prompt id and sample index, so a
+    carried sequence gets its own back), or NO_TARGET when the policy decides."""
+    if rollout.lengths is None:
+        return jnp.full(a.prompt_id.shape, NO_TARGET, jnp.int32)
+    r = rollout.max_response_len
+    return target_lengths(rollout.lengths, base_key, a.prompt_id, a.sample_index, r)
 
 
 def start_decode(
@@ -119,7 +140,12 @@ def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: Decod
     running = ~state.finished
     position = state.num_generated
     keys = token_keys(state.base_key, state.prompt_id, state.sample_index, position)
-    token, logprob = sample_tokens(state.next_logits, keys, sampling)
+    if state.fixed_lengths:  # EOS withheld before the target length, forced at it
+        token, logprob = sample_to_length(
+            state.next_logits, keys, sampling, state.target_len, position, state.eos_ids
+        )
+    else:
+        token, logprob = sample_tokens(state.next_logits, keys, sampling)
     rows = jnp.arange(token.shape[0])
     write_at = jnp.where(running, position, state.response_capacity)  # out of range: dropped
     num_generated = position + running.astype(jnp.int32)

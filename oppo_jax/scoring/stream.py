@@ -1,12 +1,13 @@
 """Streaming scorers: each keeps its own KV cache and prefills the actor's tokens chunk by chunk.
 
 Three kinds of consumer share one mechanism. A model output at sequence position p belongs to
-the token at p + 1, so each scorer keeps the output at the last position it has fed
-(``last_out``); when a chunk of new tokens arrives, token i's quantity comes from the output
-before it:
-    logprob (reference):  log softmax(out / temperature)[token]   per response token
-    value   (critic):     out[0]                                  per response token
-    score   (reward):     out[0] at the last fed token            per sequence
+the token at p + 1, so each scorer keeps the final hidden state at the last position it has
+fed (``last_hidden``); when a chunk of new tokens arrives, token i's quantity comes from the
+hidden state h before it, with the head applied only there (``oppo_jax.models.heads``):
+    logprob (reference):  log softmax(head(h) / temperature)[token]   per response token,
+                          over the vocabulary in blocks (no [S, C, V] logits)
+    value   (critic):     head(h)[0]                                  per response token
+    score   (reward):     head(h)[0] at the last fed token            per sequence
 Because every scorer is a causal decoder, chunked prefill equals one full forward pass, so the
 streamed quantities equal those of the sync path (up to float rounding).
 
@@ -25,9 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.models.heads import gather_rows, logprobs_at, scores_at
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.rollout.admission import Admission, admission_prefill, prefill, prefix_logprob_fn
+from oppo_jax.rollout.admission import Admission, admission_prefill, prefill_hidden
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.sharding import constrain_slots
 
@@ -50,14 +52,10 @@ class ScorerState:
     """A scorer's cache and what it has produced so far, for S slots."""
 
     cache: KVCache  # prompt + fed response tokens
-    last_out: Float[Array, "S O"]  # head output at each slot's last fed position (float32)
+    last_hidden: Float[Array, "S D"]  # final hidden state at each slot's last fed position
     per_token: Float[Array, "S R"]  # log-prob or value per response token fed so far
     num_fed: Int[Array, " S"]  # response tokens consumed
-
-    @property
-    def score(self) -> Float[Array, " S"]:
-        """The sequence score: the output at the last fed (last valid) token."""
-        return self.last_out[:, 0]
+    score: Float[Array, " S"]  # score-head output at the last fed token ("score" kind; else 0)
 
 
 ROLES = ("reference", "critic", "reward")  # the scorers of a PPO step, in dispatch order
@@ -114,30 +112,38 @@ def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: i
     Only the first ``admission.carried_rows`` slots may carry a prefix (None: any); the
     others are prefilled at the prompt width alone (see ``admission_prefill``).
     """
-    cache, last_out, per_token = admission_prefill(
-        spec.model, params, admission, functools.partial(_per_token, spec),
-        (prompt_width, spec.response_len), spec.mesh,
-    )  # fmt: skip
+    per_token = None if spec.kind == "score" else functools.partial(_per_token, spec, params)
+    cache, last_hidden, quantities = admission_prefill(
+        spec.model, params, admission, per_token, (prompt_width, spec.response_len), spec.mesh
+    )
     state = ScorerState(
         cache=cache,
-        last_out=last_out,
-        per_token=per_token,
+        last_hidden=last_hidden,
+        per_token=quantities,
         num_fed=admission.prefix_len.astype(jnp.int32),
+        score=_score(spec, params, last_hidden),
     )
     return constrain_slots(state, spec.mesh)
 
 
-def _per_token(spec: ScorerSpec, before: Float[Array, "S C O"], tokens: Int[Array, "S C"]):
+def _per_token(spec: ScorerSpec, params, before: Float[Array, "S C D"], tokens: Int[Array, "S C"]):
+    """Token i's quantity from the hidden state before it: a log-prob or a value."""
     if spec.kind == "logprob":
-        return prefix_logprob_fn(spec.temperature)(before, tokens)
-    return before[..., 0]
+        return logprobs_at(spec.model, params, before, tokens, spec.temperature)
+    return scores_at(spec.model, params, before)
+
+
+def _score(spec: ScorerSpec, params, last_hidden: Float[Array, "S D"]) -> Float[Array, " S"]:
+    """The sequence score at the last fed token (a score head at one position per slot)."""
+    if spec.kind != "score":
+        return jnp.zeros(last_hidden.shape[:1], jnp.float32)
+    return scores_at(spec.model, params, last_hidden)
 
 
 def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens) -> ScorerState:
     """Append one chunk of each slot's new tokens to the cache and record their quantities."""
     width = chunk.tokens.shape[1]
-    out, cache = prefill(spec.model, params, state.cache, chunk.tokens, chunk.count)
-    before = jnp.concatenate([state.last_out[:, None], out[:, :-1]], axis=1)
+    hidden, cache = prefill_hidden(spec.model, params, state.cache, chunk.tokens, chunk.count)
     rows = jnp.arange(chunk.tokens.shape[0])[:, None]
     offsets = jnp.arange(width)[None, :]
     at = jnp.where(
@@ -145,13 +151,17 @@ def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens
     )
     per_token = state.per_token
     if spec.kind != "score":
-        per_token = per_token.at[rows, at].set(_per_token(spec, before, chunk.tokens), mode="drop")
-    last = jnp.maximum(chunk.count - 1, 0)
-    newest = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+        before = jnp.concatenate([state.last_hidden[:, None], hidden[:, :-1]], axis=1)
+        quantities = _per_token(spec, params, before, chunk.tokens)
+        per_token = per_token.at[rows, at].set(quantities, mode="drop")
+    fed = chunk.count > 0
+    newest = gather_rows(hidden, jnp.maximum(chunk.count - 1, 0)[:, None])[:, 0]
+    last_hidden = jnp.where(fed[:, None], newest, state.last_hidden)
     new = ScorerState(
         cache=cache,
-        last_out=jnp.where(chunk.count[:, None] > 0, newest, state.last_out),
+        last_hidden=last_hidden,
         per_token=per_token,
         num_fed=state.num_fed + chunk.count,
+        score=jnp.where(fed, _score(spec, params, last_hidden), state.score),
     )
     return constrain_slots(new, spec.mesh)

@@ -129,6 +129,19 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT
     return jax.tree_util.tree_map_with_path(one, _boxed_abstract(cfg), is_leaf=_is_boxed)
 
 
+def placed_on(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+    """For ``load_hf_model(placement=...)``: given a model's config, a function that puts each
+    parameter read from disk straight onto its ``param_shardings`` over ``mesh``, so loading
+    never gathers a whole model on one device first."""
+
+    def for_config(cfg: ModelConfig):
+        flat = jax.tree_util.tree_flatten_with_path(param_shardings(cfg, mesh, rules))[0]
+        shardings = {tuple(k.key for k in path): sh for path, sh in flat}
+        return lambda path, value: jax.device_put(value, shardings[path])
+
+    return for_config
+
+
 def init_sharded_params(
     cfg: ModelConfig, key: jax.Array, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
 ) -> Any:

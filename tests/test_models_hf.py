@@ -123,3 +123,25 @@ def test_tokenizer_larger_than_the_vocabulary_is_named(tmp_path):
         CheckpointError, match="tokenizer has 200 tokens but the model's vocab_size is 96"
     ):
         oppo_jax.load_hf_model(tmp_path)
+
+
+def test_loading_places_every_tensor_on_its_sharding(tmp_path):
+    """With a placement, each tensor goes straight to its param_shardings over the mesh (no
+    device holds the whole model first); the values are those of a plain load."""
+    import jax
+
+    from oppo_jax.sharding import make_mesh, param_shardings, placed_on
+
+    save_tiny_hf_model(tmp_path, "qwen2", "ForCausalLM")
+    mesh = make_mesh(1, 2, 2, jax.devices()[:4])
+    placed = oppo_jax.load_hf_model(tmp_path, placement=placed_on(mesh))
+    plain = oppo_jax.load_hf_model(tmp_path)
+    want = jax.tree.leaves(param_shardings(placed.config, mesh))
+    got = jax.tree.leaves(placed.params)
+    assert len(got) == len(want) > 0
+    for array, sharding in zip(got, want, strict=True):
+        assert array.sharding == sharding
+    sharded = [a for a in got if not a.sharding.is_fully_replicated]
+    assert sharded  # the fsdp/tensor axes really split some tensors
+    for a, b in zip(got, jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,8 @@ from oppo_jax.models.transformer import Transformer
 
 # Public inputs may be NumPy or JAX integer arrays.
 Ids = Int[Array | np.ndarray, "B T"]
+# (parameter path, host array) -> the array where it belongs (see load_hf_model's placement)
+PlaceFn = Callable[[tuple[str, ...], np.ndarray], Any]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -83,6 +87,7 @@ def load_hf_model(
     dtype: str = "float32",
     param_dtype: str | None = None,
     trust_remote_code: bool = False,
+    placement: Callable[[ModelConfig], PlaceFn] | None = None,
 ) -> HFModel:
     """Load a local Qwen2/Llama CausalLM or SequenceClassification directory.
 
@@ -92,13 +97,16 @@ def load_hf_model(
       dtype: activation dtype, "float32" or "bfloat16".
       param_dtype: parameter dtype (default: same as dtype).
       trust_remote_code: passed to transformers; off by default.
+      placement: given the model's config, a ``(param_path, array) -> array`` that puts each
+        tensor straight onto its devices as it is read (e.g. its sharding over a mesh), so no
+        device ever holds the whole model unless that is the target; None: the default device.
     Returns:
       An ``HFModel`` whose ``.logits(ids, mask)`` gives ``[B, T, V]`` and ``.score(ids, mask)``
       gives ``[B]``.
     """
     path = Path(path)
     cfg = read_config(path, dtype, param_dtype, trust_remote_code)
-    params = load_params(path, cfg)
+    params = load_params(path, cfg, place=None if placement is None else placement(cfg))
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = load_tokenizer(path, trust_remote_code)

@@ -19,6 +19,7 @@ from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import (
     abstract_params,
+    batch_sharding,
     make_device_groups,
     param_shardings,
     per_device_bytes,
@@ -191,3 +192,42 @@ def test_split_admission_with_carried_prefixes_shards_and_agrees():
     np.testing.assert_allclose(sharded.per_token, whole.per_token, atol=1e-5)
     assert np.all(np.asarray(whole.per_token)[:3, :5] < 0)  # the prefixes were scored
     np.testing.assert_allclose(sharded.last_hidden, whole.last_hidden, atol=1e-5)
+
+
+def _host_reads(fn):
+    """(result of fn(), number of device arrays read into host memory meanwhile)."""
+    from jax._src import array
+
+    reads, original = [], array.ArrayImpl._value
+    with pytest.MonkeyPatch.context() as m:
+
+        def counted(self):
+            reads.append(self.shape)
+            return original.fget(self)
+
+        m.setattr(array.ArrayImpl, "_value", property(counted))
+        out = jax.block_until_ready(fn())
+    return out, len(reads)
+
+
+def test_copies_between_groups_stay_on_devices():
+    """Disaggregated: 2 generation devices, 1 scoring device. Slot arrays split over the
+    generation devices, and parameters sharded over them, reach the scoring device (and
+    scores come back) without passing through host memory, with their values unchanged.
+    (A plain jax.device_put reads each of them through the host here.)"""
+    placement = _placement("disaggregated", 1, 2, 1, scoring=1)
+    gen = placement.groups.generation
+    slots = jax.device_put(jnp.arange(6 * 5).reshape(6, 5), batch_sharding(gen, 2))
+    assert len(slots.sharding.device_set) == 2
+    moved, reads = _host_reads(lambda: placement.to_scoring(slots))
+    assert reads == 0
+    assert moved.sharding.device_set == set(placement.scoring_mesh.devices.flat)
+    np.testing.assert_array_equal(moved, np.arange(30).reshape(6, 5))
+    back, reads = _host_reads(lambda: placement.to_generation(moved))
+    assert reads == 0 and back.sharding.device_set == set(gen.devices.flat)
+    critic = jax.device_put(_models()[1], param_shardings(CRITIC, gen))
+    assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(critic))
+    copy, reads = _host_reads(lambda: placement.critic_for_scoring(CRITIC, critic))
+    assert reads == 0
+    for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(critic), strict=True):
+        np.testing.assert_array_equal(a, b)

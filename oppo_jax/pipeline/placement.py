@@ -6,7 +6,8 @@ import dataclasses
 import functools
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.sharding import DeviceGroups, make_mesh, padded_slot_count, param_shardings
@@ -51,7 +52,7 @@ class Placement:
     def scoring_params(self, model: ModelConfig, params):
         """A frozen scorer's parameters (reference, reward) sharded over ``scoring_mesh`` like
         the train state (``param_shardings``), instead of a whole copy per device."""
-        return jax.device_put(params, param_shardings(model, self.scoring_mesh))
+        return move(params, param_shardings(model, self.scoring_mesh))
 
     def critic_for_scoring(self, model: ModelConfig, params):
         """This step's critic weights where the scorers run: as they are when colocated (the
@@ -63,10 +64,52 @@ class Placement:
         """Copy arrays to the scoring group (replicated there); a no-op when colocated."""
         if not self.disaggregated:
             return tree
-        return jax.device_put(tree, NamedSharding(self.scoring_mesh, PartitionSpec()))
+        return move(tree, NamedSharding(self.scoring_mesh, PartitionSpec()))
 
     def to_generation(self, tree):
         """Copy arrays back to the generation/training group; a no-op when colocated."""
         if not self.disaggregated:
             return tree
-        return jax.device_put(tree, NamedSharding(self.groups.generation, PartitionSpec()))
+        return move(tree, NamedSharding(self.groups.generation, PartitionSpec()))
+
+
+def move(tree, target):
+    """``jax.device_put(tree, target)`` (one sharding, or a tree of them) that copies device to
+    device between device groups.
+
+    ``device_put`` copies shard by shard only when each target shard exists whole in some
+    buffer of the source; otherwise (e.g. slots split over the generation devices, replicated
+    on the scoring device) it assembles the value in host memory first. So each array is first
+    laid out on its own devices as the target's shards (``_staging``, an on-device reshard),
+    then copied.
+    """
+    targets = target if not isinstance(target, Sharding) else jax.tree.map(lambda _: target, tree)
+    return jax.tree.map(lambda x, t: jax.device_put(_staged(x, t), t), tree, targets)
+
+
+def _staged(x, target: NamedSharding):
+    source = getattr(x, "sharding", None)
+    if source is None or source.num_devices == 1 or source.device_set == target.device_set:
+        return x  # host data, one device (sliced on device), or a reshard jit does itself
+    staging = _staging(tuple(source._device_assignment), target)
+    return x if staging is None else _reshard(staging)(x)
+
+
+def _staging(devices: tuple, target: NamedSharding) -> NamedSharding | None:
+    """A layout over ``devices`` whose shards are exactly the target's shards, replicated over
+    the remaining devices; None when the device counts do not allow one."""
+    n, m = target.mesh.size, len(devices)
+    if m % n:
+        return (
+            NamedSharding(Mesh(np.array(devices), ("all",)), PartitionSpec())
+            if (target.is_fully_replicated)
+            else None
+        )
+    grid = np.array(devices, dtype=object).reshape(*target.mesh.devices.shape, m // n)
+    return NamedSharding(Mesh(grid, (*target.mesh.axis_names, "replica")), target.spec)
+
+
+@functools.cache
+def _reshard(sharding: NamedSharding):
+    """An on-device identity that lays its input out as ``sharding`` (same devices)."""
+    return jax.jit(lambda x: x, out_shardings=sharding)

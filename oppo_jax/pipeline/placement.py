@@ -83,8 +83,13 @@ def move(tree, target):
     laid out on its own devices as the target's shards (``_staging``, an on-device reshard),
     then copied.
     """
-    targets = target if not isinstance(target, Sharding) else jax.tree.map(lambda _: target, tree)
-    return jax.tree.map(lambda x, t: jax.device_put(_staged(x, t), t), tree, targets)
+    leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(target, Sharding):
+        targets = [target] * len(leaves)
+    else:  # typed flax structs cannot hold shardings as leaves: pair them up flat
+        targets = jax.tree.leaves(target, is_leaf=lambda t: isinstance(t, Sharding))
+    moved = [jax.device_put(_staged(x, t), t) for x, t in zip(leaves, targets, strict=True)]
+    return jax.tree.unflatten(treedef, moved)
 
 
 def _staged(x, target: NamedSharding):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 
-from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.config import ConfigError, OptimConfig, PPOConfig
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.ppo.batch import PPOBatch
@@ -390,6 +390,9 @@ def config_memory_report(cfg, kernels: Sequence[str] = KERNELS, layers: int | No
     from oppo_jax.pipeline.schedule import Schedule
     from oppo_jax.specs import preset_models
 
+    if cfg.model.preset is None:
+        raise ConfigError("model.preset is not set: the memory report needs an architecture "
+                          "(e.g. --set model.preset=qwen2.5-7b)")  # fmt: skip
     actor, critic = preset_models(cfg)
     r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
     delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
@@ -440,13 +443,19 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``oppo-jax memory CONFIG [--set K=V ...] [--json]``: the report of one run config."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """``oppo-jax memory CONFIG [--set K=V ...] [--json]``: print the report of one config.
+
+    Call it before JAX has started (it then fakes the CPU devices the config's mesh needs).
+    """
     from oppo_jax.config import devices_needed, load_config
 
     parser = argparse.ArgumentParser(prog="oppo-jax memory", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="config name or YAML file (needs model.preset)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    parser.add_argument(
+        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        help="override config keys (give CONFIG first)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--layers", type=int, help="lower at this depth and extrapolate")
     parser.add_argument("--remat", choices=("none", "full", "dots"), help="override model remat")
@@ -459,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         pass
     report = config_memory_report(cfg, args.kernels, args.layers, args.remat)
     print(json.dumps(report, indent=1) if args.json else format_table(report))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

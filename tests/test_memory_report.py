@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from oppo_jax.config import PPOConfig
+from oppo_jax.config import ConfigError, PPOConfig
 from oppo_jax.memory import KERNELS, RunShapes, format_table, main, memory_report
 from oppo_jax.models.model_config import ModelConfig
 
@@ -90,3 +90,8 @@ def test_command_reports_the_7b_update_per_device(capsys, remat):
     assert update["alias"] == b["actor_params"] + b["critic_params"] + b["optimizer"] + 4
     assert report["models"]["actor"]["remat"] == remat
     assert 0 < update["temp"] < 48 * 2**30
+
+
+def test_command_names_the_missing_preset():
+    with pytest.raises(ConfigError, match="model.preset"):
+        main(["demo_cpu", "--kernels", "update"])

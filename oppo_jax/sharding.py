@@ -85,6 +85,31 @@ class ShardingRules:
 DEFAULT_RULES = ShardingRules()
 
 
+@contextlib.contextmanager
+def tracing_rules(mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> Iterator[None]:
+    """While tracing a jitted kernel: make the model's ``nn.with_logical_constraint`` act on
+    ``mesh`` (a no-op context for None). ``jax.set_mesh`` is refused inside jit; flax reads the
+    abstract mesh, and explicit NamedShardings carry the concrete one."""
+    if mesh is None:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules.rules):
+        yield
+
+
+def with_rules(fn, mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES):
+    """``fn`` traced under ``tracing_rules(mesh)``: wrap a function before ``jax.jit``."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with tracing_rules(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 @functools.lru_cache(maxsize=8)
 def _boxed_abstract(cfg: ModelConfig) -> Any:
     """Shapes of the boxed (LogicallyPartitioned) parameters, traced once per config."""

@@ -5,15 +5,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
-from oppo_jax.pipeline.kernels import build_kernels, make_scorer_admit
+from oppo_jax.pipeline.kernels import (
+    build_kernels,
+    make_actor_admit,
+    make_decode_chunk_emit,
+    make_scorer_admit,
+)
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.step import device_admission
-from oppo_jax.rollout import SamplingConfig
+from oppo_jax.rollout import Admission, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.stream import ScorerSpec
@@ -231,3 +237,27 @@ def test_copies_between_groups_stay_on_devices():
     assert reads == 0
     for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(critic), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_decode_activations_are_split_along_the_slots():
+    """The model's logical constraints act inside the rollout kernels (traced under the rules):
+    on a 1x4x1 mesh each device computes the MLP of its own 2 of 8 slots, never all 8."""
+    import re
+
+    mesh = _placement("colocated", 1, 4, 1).groups.generation
+    cfg = ACTOR.replace(intermediate_size=88)  # a width that appears nowhere else
+    params = jax.device_put(init_params(cfg, jax.random.key(0)), param_shardings(cfg, mesh))
+    rollout = RolloutSpec(SamplingConfig(temperature=1.0), P, R, (20,), mesh=mesh)
+    admission = Admission.fresh(jnp.full((8, P), 5, jnp.int32), jnp.full((8,), P), R)
+    state, _ = make_actor_admit(cfg, rollout, 1.0)(params, admission, jax.random.key(0))
+    rule = CutRule(jnp.ones(8, bool), jnp.zeros(8, bool), jnp.int32(8))
+    decode = make_decode_chunk_emit(cfg, rollout.sampling, CHUNK, mesh)
+    # Lowering rebuilds the typed state with abstract leaves, which the runtime shape checks
+    # (on in tests) reject: switch them off for the lowering only.
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        hlo = decode.lower(params, state, rule).compile().as_text()
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+    rows = set(re.findall(r"f32\[(\d+),1,88\]", hlo))
+    assert rows == {"2"}, rows

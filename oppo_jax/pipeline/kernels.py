@@ -27,6 +27,7 @@ from oppo_jax.rollout.decode import (
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
+from oppo_jax.sharding import with_rules
 
 __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_chunk"]
 
@@ -35,21 +36,21 @@ __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_c
 def make_decode_chunk(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh=None):
     """``decode_chunk`` jitted for one (model, sampling, C, mesh), donating the state."""
     fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh)
-    return jax.jit(fn, donate_argnums=(1,))
+    return jax.jit(with_rules(fn, mesh), donate_argnums=(1,))
 
 
 @functools.cache
 def make_decode_chunk_emit(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh):
     """``decode_chunk_emit`` jitted, donating the state; the chunk's counts are the marker."""
     fn = functools.partial(decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh)
-    return jax.jit(fn, donate_argnums=(1,))
+    return jax.jit(with_rules(fn, mesh), donate_argnums=(1,))
 
 
 @functools.cache
 def make_start_decode(cfg: ModelConfig, rollout: RolloutSpec):
     """``start_decode`` jitted for one model and rollout shape: (params, prompts, prompt_lens,
     base_key, active=None) -> DecodeState."""
-    return jax.jit(functools.partial(start_decode, cfg, rollout=rollout))
+    return jax.jit(with_rules(functools.partial(start_decode, cfg, rollout=rollout), rollout.mesh))
 
 
 @functools.cache
@@ -58,7 +59,9 @@ def make_actor_admit(cfg: ModelConfig, rollout: RolloutSpec, temperature: float)
         state = admit_decode(cfg, params, admission, base_key, rollout, temperature)
         return state, state.num_generated + 0  # a fresh marker: the state itself gets donated
 
-    return jax.jit(run)  # one compilation per admission shape (width, carried-row bucket)
+    return jax.jit(
+        with_rules(run, rollout.mesh)
+    )  # one compilation per admission shape (width, carried-row bucket)
 
 
 @functools.cache
@@ -67,7 +70,7 @@ def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
         state = scorer_admit(spec, params, admission, prompt_width)
         return state, jnp.sum(state.num_fed)
 
-    return jax.jit(run)
+    return jax.jit(with_rules(run, spec.mesh))
 
 
 @functools.cache
@@ -76,7 +79,7 @@ def make_scorer_chunk(spec: ScorerSpec):
         new = score_chunk(spec, params, state, chunk)
         return new, jnp.sum(new.num_fed)
 
-    return jax.jit(run, donate_argnums=(1,))
+    return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from oppo_jax.sharding import (
     fitted_sharding,
     param_shardings,
     replicated,
+    tracing_rules,
 )
 
 
@@ -79,16 +79,10 @@ class UpdateLayout:
     rules: ShardingRules
     state: TrainState  # NamedSharding leaves, from ``train_state_shardings``
 
-    @contextlib.contextmanager
     def tracing(self):
-        """Make ``nn.with_logical_constraint`` act while tracing under jit.
-
-        ``jax.set_mesh`` (``ShardingRules.context``) is refused inside jit; the abstract mesh
-        is what flax consults, and explicit NamedShardings carry the concrete one.
-        """
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            with nn.logical_axis_rules(self.rules.rules):
-                yield
+        """Make ``nn.with_logical_constraint`` act while tracing under jit (see
+        ``sharding.tracing_rules``)."""
+        return tracing_rules(self.mesh, self.rules)
 
     def rows(self, tree, axis: int = 0):
         """``tree`` with each leaf's ``axis`` (its rows) over the batch axes, the rest replicated;

@@ -18,6 +18,7 @@ from oppo_jax.ppo.update import (
     make_optimizer,
     make_sharded_update,
 )
+from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.sharding import abstract_params, make_mesh, param_shardings, per_device_bytes
@@ -56,7 +57,16 @@ def rollout_spec(
         pad_id=pad_id,
         mesh=None if placement is None else placement.groups.generation,
         scoring_mesh=None if placement is None else placement.scoring_mesh,
+        lengths=length_spec(cfg),
     )
+
+
+def length_spec(cfg: Config) -> LengthSpec | None:
+    """The synthetic length distribution of ``rollout.length_sampler: lognormal``, else None."""
+    r = cfg.rollout
+    if r.length_sampler == "policy":
+        return None
+    return LengthSpec(median=float(r.length_median), p99=float(r.length_p99))
 
 
 def preset_models(cfg: Config) -> tuple[ModelConfig, ModelConfig]:

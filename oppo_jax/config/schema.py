@@ -18,12 +18,12 @@ STABLE_KEYS = (
 class ModelConfig:
     """Where the actor, reference, critic and reward model start from, and their numerics."""
 
-    # actor and reference weights: a local Hugging Face directory, or "demo" (built-in assets)
+    # actor and reference weights: local HF directory | demo | random (model.preset, eos 1, pad 0)
     actor_path: str = "demo"
-    # reward-model weights: a local Hugging Face directory, or "demo" (built-in assets)
+    # reward-model weights: a local Hugging Face directory | demo | random (as model.actor_path)
     reward_path: str = "demo"
     critic_init: str = "reward"  # checkpoint the critic's backbone starts from: reward | actor
-    # built-in architecture (e.g. qwen2.5-3b, qwen2.5-7b) for abstract shape checks; None = off
+    # built-in architecture (tiny, small, qwen2.5-0.5b/3b/7b) of random models and shape checks
     preset: str | None = None
     dtype: str = "float32"  # activation dtype: float32 | bfloat16
     param_dtype: str = "float32"  # parameter dtype: float32 | bfloat16
@@ -44,6 +44,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling: smallest token set with this probability mass
     greedy: bool = False  # take the most likely token instead of sampling
     prompt_too_long: str = "truncate"  # prompts over max_prompt_len: truncate | reject (error)
+    # who ends a response: policy (its EOS) | lognormal (benchmarks: EOS forced at a drawn length)
+    length_sampler: str = "policy"
+    length_median: float = 32.0  # lognormal: median response length, tokens
+    length_p99: float = 256.0  # lognormal: 99th-percentile length, tokens (capped at the max)
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,11 @@ class TrainConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    prompts: str = "demo"  # prompt file (JSONL or parquet), or "demo" (the built-in task)
+    # prompt file (JSONL or parquet) | demo (the built-in task) | random (seeded token ids)
+    prompts: str = "demo"
     prompt_field: str = "prompt"  # field of each record that holds the prompt text
+    # data.prompts=random: [shortest, longest] prompt, tokens (uniform, inclusive)
+    random_prompt_len: list[int] = field(default_factory=lambda: [4, 16])
 
 
 @dataclass(frozen=True)

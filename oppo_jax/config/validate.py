@@ -26,6 +26,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots"),
     "rollout.prompt_too_long": ("truncate", "reject"),
+    "rollout.length_sampler": ("policy", "lognormal"),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
     "ppo.loss_agg": ("token_mean", "seq_mean"),
     "optim.schedule": ("constant", "cosine", "linear"),
@@ -48,7 +49,7 @@ _NONNEGATIVE = (
 )  # fmt: skip
 _POSITIVE_FLOATS = (
     "ppo.target_kl", "ppo.cliprange", "ppo.cliprange_value", "optim.max_grad_norm",
-    "optim.adam_eps",
+    "optim.adam_eps", "rollout.length_median", "rollout.length_p99",
 )  # fmt: skip
 
 
@@ -135,9 +136,44 @@ def _value_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _source_problems(cfg: Config) -> list[str]:
+    """Model and prompt sources: built-in ones come in pairs, random models need a preset,
+    random prompts a length range, synthetic lengths a median within the response cap."""
+    problems, m, r, d = [], cfg.model, cfg.rollout, cfg.data
+    for kind in ("demo", "random"):
+        if kind in (m.actor_path, m.reward_path) and m.actor_path != m.reward_path:
+            problems.append(
+                f"model.actor_path={m.actor_path!r}, model.reward_path={m.reward_path!r}: "
+                f"must both be {kind!r} or neither"
+            )
+    if m.actor_path == "random" and m.preset is None:
+        problems.append("model.preset=None: random models need an architecture (e.g. small)")
+    if m.actor_path == "random" and d.prompts != "random":
+        problems.append(
+            f"data.prompts={d.prompts!r}: must be 'random' with random models (no tokenizer)"
+        )
+    lo_hi = d.random_prompt_len
+    if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1] <= r.max_prompt_len:
+        problems.append(
+            f"data.random_prompt_len={lo_hi!r}: must be [shortest, longest] with "
+            f"1 <= shortest <= longest <= rollout.max_prompt_len={r.max_prompt_len}"
+        )
+    if r.length_sampler == "lognormal" and not r.length_median <= r.length_p99:
+        problems.append(
+            f"rollout.length_median={r.length_median!r}: must be <= "
+            f"rollout.length_p99={r.length_p99!r}"
+        )
+    if r.length_sampler == "lognormal" and r.length_median > r.max_response_len:
+        problems.append(
+            f"rollout.length_median={r.length_median!r}: must be <= "
+            f"rollout.max_response_len={r.max_response_len}"
+        )
+    return problems
+
+
 def _relation_problems(cfg: Config) -> list[str]:
     """Constraints that tie several keys together (batch splits, Δ bounds, placement)."""
-    problems = []
+    problems = _source_problems(cfg)
     b, ppo, mesh, p = cfg.rollout.batch_size, cfg.ppo, cfg.mesh, cfg.pipeline
     splits, batch_shards = ppo.num_minibatches * ppo.grad_accum_steps, mesh.data * mesh.fsdp
     if b % splits:

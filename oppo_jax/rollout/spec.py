@@ -6,6 +6,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.rollout.sampling import SamplingConfig
 
 
@@ -20,3 +21,6 @@ class RolloutSpec:
     pad_id: int = 0  # padding token id
     mesh: Mesh | None = None  # generation mesh: decode state sharded along slots (None: as is)
     scoring_mesh: Mesh | None = None  # scorers' mesh, likewise (the same one when colocated)
+    # synthetic response lengths (rollout.length_sampler lognormal; a benchmarking device);
+    # None: the policy decides when to stop
+    lengths: LengthSpec | None = None

@@ -1,5 +1,6 @@
 """The pipeline simulator (oppo_jax.sim) on hand-made cases with numbers worked out by hand,
-and against the recorded CPU benchmark (docs/benchmarks/bench.json)."""
+and against the recorded CPU benchmarks (docs/benchmarks/*.json, each simulated as the engine
+that recorded it)."""
 
 import dataclasses
 import json
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 
 from oppo_jax.sim import (
+    ACTIVE,
+    BUILT,
+    FEATURES,
+    MODELS,
+    PADDED,
     CostModel,
+    TrainSettings,
+    Workload,
     calibrate,
     calibrate_from_bench,
     project_cost_model,
@@ -18,23 +26,28 @@ from oppo_jax.sim import (
     simulate,
     validate,
 )
-from oppo_jax.sim.cli import demo_lengths, longtail_lengths, main
+from oppo_jax.sim.cli import main
 from oppo_jax.sim.engine import Plan
-from oppo_jax.sim.fitting import _km_median
+from oppo_jax.sim.engines import recorded_engine
+from oppo_jax.sim.fitting import _km_median, bench_records
+from oppo_jax.sim.lengths import demo_lengths, longtail_lengths
+from oppo_jax.sim.roofline import HARDWARE
 from oppo_jax.sim.trace import forward_steps, observe
 
-BENCH = Path(__file__).parent.parent / "docs" / "benchmarks" / "bench.json"
+BENCHMARKS = Path(__file__).parent.parent / "docs" / "benchmarks"
+BENCH = BENCHMARKS / "bench.json"  # recorded by the padded engine (no engine stamp)
 COST = CostModel(
     decode_a=1e-3, decode_b=1e-4, decode_c=1e-6, prefill_p0=2e-4, prefill_p1=1e-5, n_scorers=3,
     admit_p0=5e-4, admit_p1=2e-5, update_u0=1e-2, update_u1=1e-5, copy_s=3e-3,
 )  # fmt: skip
-# A padded engine on a shared machine: host delays, and both groups slowed while both work.
-PADDED = CostModel(
+# A fixed-shape engine's costs on a shared machine: host delays, and both groups slowed while
+# both work.
+FIXED = CostModel(
     decode_a=2e-4, decode_b=1e-5, decode_c=1e-7, decode_chunk_s=5e-4, prefill_p0=1e-3,
     prefill_p1=8e-6, n_scorers=3, admit_p0=3e-4, admit_p1=1.5e-5, build_s=5e-4, update_u0=0.02,
     update_u1=2e-6, copy_s=1e-4, host_admit_s=2e-3, host_setup_s=5e-3, host_stream_s=4e-3,
     host_collect_s=3e-3, host_dispatch_s=8e-3, host_finish_s=2e-3, host_update_s=0.012,
-    overlap_rate=0.6, padded_decode=True,
+    overlap_rate=0.6,
 )  # fmt: skip
 
 
@@ -48,9 +61,9 @@ def _decode(cost, lengths, base, cut):
     return total
 
 
-def _one(schedule, lengths, b, cost=COST, **kw):
+def _one(schedule, lengths, b, cost=COST, engine=ACTIVE, **kw):
     kw = {"seed": None, "steps": 1, **kw}
-    return simulate(cost, schedule, b, lengths, **kw)
+    return simulate(cost, schedule, Workload(b, **kw), lengths, engine)
 
 
 def test_engine_shares_the_machine_and_waits_for_dependencies():
@@ -83,7 +96,7 @@ def test_equal_lengths_intra_hides_exactly_the_overlapped_scoring():
     sync, intra = _one("sync", [n], b, **kw), _one("intra", [n], b, **kw)
     inter, oppo = _one("inter", [n], b, **kw), _one("oppo", [n], b, **kw)
     admit, dec = COST.admit_s(b * p), _decode(COST, [n] * b, [p] * b, n)
-    tail = COST.update_s(b, b * (p + n)) + COST.copy_s
+    tail = COST.update_s(b * (p + n)) + COST.copy_s
     expected_sync = admit + dec + COST.scorers_s(b * p) + COST.scorers_s(b * n) + tail
     # Intra: the scorers' admission and chunks 0..K-2 hide under decoding; only the last
     # chunk's scoring is exposed (each chunk's scoring is shorter than a decode chunk).
@@ -107,12 +120,14 @@ def test_equal_lengths_intra_hides_exactly_the_overlapped_scoring():
     )
 
 
-def test_equal_lengths_padded_engine_with_host_delays():
-    # The padded engine, worked by hand: 4 slots of 20 tokens, C = 8, P = 4, R = 32.
-    cost = dataclasses.replace(PADDED, overlap_rate=1.0)
+@pytest.mark.parametrize("engine", [PADDED, BUILT], ids=["padded", "built"])
+def test_equal_lengths_fixed_shape_engine_with_host_delays(engine):
+    # A fixed-shape engine, worked by hand: 4 slots of 20 tokens, C = 8, P = 4, R = 32. Both
+    # engines alike: once every slot has finished, no step runs the model.
+    cost = dataclasses.replace(FIXED, overlap_rate=1.0)
     b, n, c, p, r = 4, 20, 8, 4, 32
     kw = {"chunk_size": c, "prompt_len": p, "capacity": r}
-    sync, oppo = _one("sync", [n], b, cost, **kw), _one("oppo", [n], b, cost, **kw)
+    sync, oppo = _one("sync", [n], b, cost, engine, **kw), _one("oppo", [n], b, cost, engine, **kw)
     step = cost.decode_step_s(b, p + r)  # every slot, the whole cache, every step
     chunks = [cost.decode_chunk_s + k * step for k in (8, 8, 3, 0)]  # 19 feeds; one look-ahead
     actor_end = cost.host_admit_s + cost.admit_s(b * p)
@@ -121,7 +136,7 @@ def test_equal_lengths_padded_engine_with_host_delays():
     scored = seen + cost.host_collect_s + cost.scorers_s(b * p) + cost.scorers_s(b * r)
     dispatched = max(seen + cost.host_dispatch_s, start + sum(chunks)) + cost.host_finish_s
     update_at = max(dispatched + cost.host_update_s, scored + cost.build_s)
-    tail = cost.update_s(b, b * (p + r)) + cost.copy_s
+    tail = cost.update_s(b * (p + r)) + cost.copy_s
     assert sync.step_times[0] == pytest.approx(update_at + tail, rel=1e-12)
     # Streaming: the scorers' admission waits for the setup, the first decode for its dispatch.
     start = max(actor_end, cost.host_admit_s + cost.host_setup_s + cost.host_stream_s)
@@ -141,8 +156,8 @@ def test_colocated_intra_gains_nothing():
     assert intra.step_times[0] - sync.step_times[0] == pytest.approx(extra, rel=1e-9)
     assert {e.group for e in intra.events[0]} == {"generation"}
     free = dataclasses.replace(COST, prefill_p0=0.0)
-    same = [simulate(free, s, b, [37, 5, 64, 12], seed=None, steps=4, **kw).step_times
-            for s in ("sync", "intra")]  # fmt: skip
+    w = Workload(b, seed=None, steps=4, **kw)
+    same = [simulate(free, s, w, [37, 5, 64, 12], ACTIVE).step_times for s in ("sync", "intra")]
     np.testing.assert_allclose(same[0], same[1], rtol=1e-12)
 
 
@@ -162,17 +177,18 @@ def test_straggler_is_carried_not_waited_for():
         + _decode(COST, [10, 10, 10, 100, 10], [0] * 5, 10)
         + COST.scorers_s(0)
         + COST.scorers_s(50)
-        + COST.update_s(b, 40)
+        + COST.update_s(40)
         + COST.copy_s
     )
     assert inter.step_times[0] == pytest.approx(first, rel=1e-12)
-    # Step 1 re-prefills the straggler's 10 carried tokens (actor and scorers).
+    # Step 1 re-prefills the straggler's 10 carried tokens in the actor and the critic; the
+    # frozen scorers (reference, reward) kept its cache.
     second = (
         COST.admit_s(10)
         + _decode(COST, [90, 10, 10, 10, 10], [10, 0, 0, 0, 0], 10)
-        + COST.scorers_s(10)
+        + COST.scoring_s(10)
         + COST.scorers_s(50)
-        + COST.update_s(b, 40)
+        + COST.update_s(40)
         + COST.copy_s
     )
     assert inter.step_times[1] == pytest.approx(second, rel=1e-12)
@@ -189,31 +205,41 @@ def test_straggler_is_carried_not_waited_for():
     assert capped.step_times[0] < sync.step_times[0] / 3
 
 
-def test_padded_straggler_costs_every_slot_and_a_wider_admission():
-    cost = dataclasses.replace(PADDED, overlap_rate=1.0)
+def test_fixed_shape_straggler_costs_every_slot_and_a_wider_admission():
+    cost = dataclasses.replace(FIXED, overlap_rate=1.0)
     kw = {"chunk_size": 8, "prompt_len": 4, "capacity": 64, "steps": 2}
     lengths = [10, 10, 10, 60] + [10] * 50
-    sync, oppo = _one("sync", lengths, 4, cost, **kw), _one("oppo", lengths, 4, cost, delta=1,
-                                                              **kw)  # fmt: skip
+
+    def run(schedule, engine, **more):
+        return _one(schedule, lengths, 4, cost, engine, **kw, **more)
+
     # Sync decodes 8 chunks (cut 60) and the look-ahead over all 4 slots; 59 steps feed.
-    assert sync.records[0]["trace"]["finish"] == [10, 10, 10, 60]
-    assert [e.stage for e in sync.events[0]].count("decode") == 9
-    want = 9 * cost.decode_chunk_s + 59 * cost.decode_step_s(4, 4 + 64)
-    assert sync.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
-    # Oppo cuts at 10: 2 chunks and the look-ahead, all 24 steps feeding the straggler; it
-    # is readmitted next step with 16 carried tokens: a context 4 + 16 wide for the carried
-    # rows' bucket (1 row -> 4), the prompt width 4 for the fifth slot.
-    t0, t1 = oppo.records[0]["trace"], oppo.records[1]["trace"]
+    for engine in (PADDED, BUILT):
+        sync = run("sync", engine)
+        assert sync.records[0]["trace"]["finish"] == [10, 10, 10, 60]
+        assert [e.stage for e in sync.events[0]].count("decode") == 9
+        want = 9 * cost.decode_chunk_s + 59 * cost.decode_step_s(4, 4 + 64)
+        assert sync.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
+    # Oppo cuts at 10. The padded engine decodes 2 chunks and the look-ahead, all 24 steps
+    # feeding the straggler; the built one stops at the cut: 8 + 2 steps, the third chunk
+    # runs none. The straggler is readmitted next step with 10 carried tokens: a context
+    # 4 + 16 wide for the carried rows' bucket (1 row -> 4), the prompt width 4 for the fifth.
+    padded, built = run("oppo", PADDED, delta=1), run("oppo", BUILT, delta=1)
+    t0, t1 = padded.records[0]["trace"], padded.records[1]["trace"]
     assert (t0["cut"], t0["finish"][3], t0["width"]) == (10, -1, 4)
     assert (t1["prefix"], t1["width"]) == ([10, 0, 0, 0, 0], 4 + 16)
     want = 3 * cost.decode_chunk_s + 24 * cost.decode_step_s(5, 4 + 64)
-    assert oppo.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
+    assert padded.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
+    want = 3 * cost.decode_chunk_s + 10 * cost.decode_step_s(5, 4 + 64)
+    assert built.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
+    assert built.records[0]["trace"]["finish"] == [10, 10, 10, -1, 10]
     assert t1["carried_rows"] == 4
-    admit = [e.end - e.start for e in oppo.events[1] if e.stage == "prefill actor"]
-    assert admit == [pytest.approx(cost.admit_s(4 * 20 + 1 * 4), rel=1e-12)]
+    for sim in (padded, built):
+        admit = [e.end - e.start for e in sim.events[1] if e.stage == "prefill actor"]
+        assert admit == [pytest.approx(cost.admit_s(4 * 20 + 1 * 4), rel=1e-12)]
     # The engine before the split admission prefilled every slot at the wide context.
-    unsplit = dataclasses.replace(cost, split_admission=False)
-    old = _one("oppo", lengths, 4, unsplit, delta=1, **kw)
+    unsplit = dataclasses.replace(PADDED, split_admission=False)
+    old = _one("oppo", lengths, 4, cost, unsplit, delta=1, **kw)
     admit = [e.end - e.start for e in old.events[1] if e.stage == "prefill actor"]
     assert admit == [pytest.approx(cost.admit_s(5 * 20), rel=1e-12)]
 
@@ -240,24 +266,28 @@ def test_trace_helpers():
     assert _km_median([5.0, 6.0], [False, False]) == 0.0
 
 
-def _synthetic_records(cost, placement="colocated"):
+def _synthetic_records(cost, engine=ACTIVE, placement="colocated"):
     lengths = demo_lengths(400, seed=3)
     records = []
     for schedule, c, d, p in [("sync", 16, 0, 8), ("intra", 8, 0, 24), ("inter", 16, 2, 8),
                               ("oppo", 4, 3, 24), ("sync", 32, 0, 24)]:  # fmt: skip
-        sim = simulate(cost, schedule, 8, lengths, c, d, placement, 12, seed=len(records),
-                       max_deferrals=2, prompt_len=p, capacity=64)  # fmt: skip
-        records += sim.records
+        w = Workload(8, c, d, p, 64, placement, steps=12, seed=len(records))
+        records += simulate(cost, schedule, w, lengths, engine).records
     return records
 
 
-def test_calibration_from_timelines_recovers_the_cost_model():
-    fitted = calibrate(_synthetic_records(PADDED, "disaggregated"))
+ALL_FEATURES = BUILT.with_features(FEATURES)
+
+
+@pytest.mark.parametrize("engine", [PADDED, BUILT, ALL_FEATURES], ids=lambda e: e.name)
+def test_calibration_from_timelines_recovers_the_cost_model(engine):
+    # Traces carry the engine that made them: the fit counts the work as that engine did.
+    fitted = calibrate(_synthetic_records(FIXED, engine, "disaggregated"))
     for f in dataclasses.fields(CostModel):
-        want = getattr(PADDED, f.name)
+        want = getattr(FIXED, f.name)
         if isinstance(want, float):
             assert getattr(fitted, f.name) == pytest.approx(want, rel=1e-6, abs=1e-12), f.name
-    assert fitted.n_scorers == 3 and fitted.padded_decode and "timelines" in fitted.label
+    assert fitted.n_scorers == 3 and f"{engine.name} engine" in fitted.label
 
 
 def test_calibration_without_timelines():
@@ -280,16 +310,31 @@ def test_calibrate_from_bench_needs_stage_times():
              "schedules": {"sync": {"step_time_s": [[0.1, 0.2]]}}}  # fmt: skip
     with pytest.raises(ValueError, match="stage_time_s"):
         calibrate_from_bench(bench)
-    bench["schedules"]["sync"]["records"] = [_synthetic_records(PADDED, "disaggregated")]
-    assert calibrate_from_bench(bench).decode_a == pytest.approx(PADDED.decode_a, rel=1e-6)
+    bench["schedules"]["sync"]["records"] = [_synthetic_records(FIXED, PADDED, "disaggregated")]
+    assert calibrate_from_bench(bench).decode_a == pytest.approx(FIXED.decode_a, rel=1e-6)
 
 
-def test_simulator_predicts_the_recorded_cpu_bench_within_15_percent():
+def _recorded_benches() -> list:
+    """Every recorded bench with timelines under docs/benchmarks, tagged with its engine."""
+    out = []
+    for path in sorted(BENCHMARKS.glob("*.json")):
+        bench = json.loads(path.read_text())
+        recs = [r for rs in bench_records(bench).values() for r in rs]
+        if recs and all("trace" in r for r in recs):
+            engine = recorded_engine([r["trace"] for r in recs])
+            out.append(pytest.param(bench, engine, id=f"{path.name}-{engine.name}"))
+    return out
+
+
+@pytest.mark.parametrize(("bench", "engine"), _recorded_benches())
+def test_simulator_predicts_each_recorded_cpu_bench_within_15_percent(bench, engine):
     # A check of the model against recorded data (deterministic), not a timing test: fitted on
-    # the first half of each schedule's measured steps, it predicts the second half; then each
-    # schedule is predicted from a fit that never saw it (in time or in schedule).
-    bench = json.loads(BENCH.read_text())
-    table = validate(bench)["table"]
+    # the even steps of each schedule, it predicts the odd ones; then each schedule is
+    # predicted from a fit that never saw it (in time or in schedule). Each bench is simulated
+    # as the engine that recorded it: docs/benchmarks/bench.json is the padded engine's.
+    result = validate(bench)
+    assert result["engine"] == engine.to_dict()
+    table = result["table"]
     assert set(table) == {"sync", "intra", "inter", "oppo"}
     for name, row in table.items():
         assert abs(row["error"]) <= 0.15, (name, row)
@@ -299,17 +344,42 @@ def test_simulator_predicts_the_recorded_cpu_bench_within_15_percent():
         assert not row["fit"] and abs(row["error"]) <= 0.15, (name, row)
 
 
+def test_the_docs_bench_was_recorded_by_the_padded_engine():
+    # Unstamped, with slots that finished past the cut (whole chunks) and no carried_rows
+    # (before the split admission): the padded engine, unsplit.
+    bench = json.loads(BENCH.read_text())
+    traces = [r["trace"] for rs in bench_records(bench).values() for r in rs]
+    engine = recorded_engine(traces)
+    assert engine == dataclasses.replace(PADDED, split_admission=False)
+
+
 def test_roofline_projection():
-    cost = project_cost_model("qwen2.5-7b:gh200", batch=8)
+    one = TrainSettings(ppo_epochs=1, trained=("actor",))
+    cost = project_cost_model("qwen2.5-7b:gh200", 8, one)
     assert cost.decode_step_s(1, 0) == pytest.approx(7.62e9 * 2 / 4.0e12, rel=1e-6)  # 3.8 ms
     assert cost.decode_step_s(1, 0) == pytest.approx(3.81e-3, rel=1e-3)
     assert cost.label.startswith("PROJECTION")
     # Past the ridge, decode is compute-bound: B · 2 · params / peak.
-    big = roofline_cost_model(15.24e9, 2 * 7.62e9, 4.0e12, 989e12, batch=1024)
+    m, gh200 = MODELS["qwen2.5-7b"], HARDWARE["gh200"]
+    big = roofline_cost_model(m, gh200, one, batch=1024)
     assert big.decode_step_s(1024, 0) == pytest.approx(1024 * 2 * 7.62e9 / 989e12, rel=1e-9)
-    assert big.update_s(1, 1000) == pytest.approx(3 * 1000 * 2 * 7.62e9 / (989e12 * 0.5))
-    tpu = project_cost_model("qwen2.5-3b:tpu-v5p", batch=8)
-    assert tpu.decode_step_s(1, 0) == pytest.approx(3.09e9 * 2 / 2.765e12, rel=1e-3)
+    # The update: forward + backward (3 × 2 · params FLOPs per token) per epoch and model,
+    # and 7 parameter-sized arrays through HBM per optimizer step.
+    optimizer = 7 * 15.24e9 / 4.0e12
+    assert big.update_s(1000) == pytest.approx(
+        optimizer + 3 * 1000 * 2 * 7.62e9 / (989e12 * 0.5), rel=1e-9
+    )
+    four = roofline_cost_model(m, gh200, TrainSettings(4, 2, ("actor", "critic")), batch=1024)
+    assert four.update_u1 == pytest.approx(8 * big.update_u1, rel=1e-12)
+    assert four.update_u0 == pytest.approx(16 * big.update_u0, rel=1e-12)
+    assert (four.n_scorers, four.trained_scorers, big.n_scorers, big.trained_scorers) == (
+        3,
+        1,
+        2,
+        0,
+    )
+    tpu = project_cost_model("qwen2.5-3b:tpu-v5p", 8, one, chips=4)
+    assert tpu.decode_step_s(1, 0) == pytest.approx(3.09e9 * 2 / (4 * 2.765e12), rel=1e-3)
     with pytest.raises(ValueError):
         project_cost_model("llama:gh200", 8)
     lengths = longtail_lengths()
@@ -317,7 +387,8 @@ def test_roofline_projection():
 
 
 def test_recommend_picks_from_the_candidates():
-    rec = recommend(COST, demo_lengths(500, seed=1), 2, (8, 16, 32), (0, 1, 4, 16), steps=20)
+    w = Workload(2, steps=20)
+    rec = recommend(COST, w, demo_lengths(500, seed=1), ACTIVE, (8, 16, 32), (0, 1, 4, 16))
     assert rec["chunk_size"] in (8, 16, 32) and 0 <= rec["delta"] <= 2
     assert rec["step_time_s"] == min(g["step_time_s"] for g in rec["grid"])
     assert {g["delta"] for g in rec["grid"]} == {0, 1}
@@ -327,11 +398,13 @@ def test_recommend_picks_from_the_candidates():
 def test_cli(tmp_path, capsys):
     out = tmp_path / "sim.json"
     argv = ["--project", "qwen2.5-3b:gh200", "--batch", "4", "--lengths", "demo", "--steps", "5",
-            "--candidates-c", "8,16", "--candidates-delta", "0,2", "--out", str(out)]  # fmt: skip
+            "--candidates-c", "8,16", "--candidates-delta", "0,2", "--out", str(out),
+            "--no-regime-map"]  # fmt: skip
     assert main(argv) == 0
     assert "PROJECTION" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["projection"] and set(data["schedules"]) == {"sync", "intra", "inter", "oppo"}
+    assert data["projection"] and set(data["engines"]) == {"built", "active"}
+    assert set(data["engines"]["built"]["schedules"]) == {"sync", "intra", "inter", "oppo"}
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps(r) for r in _synthetic_records(COST)))
     lengths = tmp_path / "lengths.txt"
@@ -341,8 +414,11 @@ def test_cli(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "calibrated from" in printed and "PROJECTION" not in printed
     assert main(["--bench", str(BENCH), "--validate", "--fit-schedules", "sync,intra"]) == 0
-    assert "held out" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "held out" in printed and "recorded by the padded" in printed
     assert main(["--bench", str(BENCH), "--steps", "6", "--candidates-c", "8",
                  "--candidates-delta", "8"]) == 0  # fmt: skip
-    assert "B=16, prompt 16 tokens, disaggregated, C=8, Δ=8" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "B=16, prompt 16 tokens, disaggregated, C=8, Δ=8" in printed
+    assert "engine: padded" in printed
     assert main(["--validate", "--fit-schedules", "sync"]) == 2

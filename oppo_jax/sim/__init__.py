@@ -1,8 +1,8 @@
 """A discrete-event simulator of the PPO-RLHF pipeline: predicted step time per schedule.
 
 Pure Python and numpy (no JAX). It answers "how fast would sync / intra / inter / oppo be for
-this response-length distribution on this hardware, and which chunk size C and overcommit Δ
-should I use?" before spending GPU hours.
+this response-length distribution on this hardware and this engine, and which chunk size C
+and overcommit Δ should I use?" before spending GPU hours.
 
 Model
 -----
@@ -12,57 +12,61 @@ Model
   Disaggregated: two groups run concurrently, each in dispatch order; score chunk k waits
   for decode k; while both work, each keeps ``overlap_rate`` of its speed (1 on separate
   chips; below 1 for two fake devices sharing a CPU's cores) (``engine``).
-- Costs (``CostModel``, seconds): decode_step_s(S, ctx) = a + b·S + c·S·ctx per lockstep
-  step, plus decode_chunk_s per chunk; prefill_s(n) = p0 + p1·n per scorer call
-  (×n_scorers); admit_s(n) = q0 + q1·n for the actor's prefill of prompts + carried
-  prefixes; build_s; update_s(B, n) = u0 + u1·n over the batch's n tokens; copy_s; and
-  host_* delays before the dispatches the host makes late (the first decode, the scorers
-  after the rollout, the build, the update).
-- Engines. Active (a serving engine: finished slots stop costing, real token counts) or
-  ``padded_decode`` (this project's JAX engine: fixed shapes, whole chunks plus the one
-  dispatched before the host reads the cut, every slot every step until all finished,
-  admission and scorer calls over padded [S, width], the update over [B, P + R]).
+- Engines (``engines``): what each stage computes. ``built`` is this project's engine as it
+  runs now (fixed shapes; the decode loop stops at the cut), with a named switch for each of
+  issue #13's changes not built yet; ``padded`` the engine before the decode stopped at the
+  cut; ``active`` the token-proportional reference. ``work`` counts a step's work under an
+  engine: tokens per prefill, per decode chunk the steps, slots and context read, the update's
+  tokens.
+- Costs (``CostModel``, seconds per unit of that work; ``model``), fitted to measurements
+  (``fitting``) or from a roofline (``roofline``: GH200, TPU v5p; Qwen2.5-3B/7B; PPO epochs,
+  minibatches and trained models from a config; outputs say PROJECTION).
 - Schedules. sync: decode all B to the longest, then score, then update. intra: the scorers
   prefill each chunk of C tokens while the actor decodes the next (Δ = 0). inter: B + Δ slots
   start, the step's rollout is cut when B have finished (the B-th shortest remaining length;
   later if a slot carried ``max_deferrals`` times still runs), the rest are carried with their
-  tokens and re-prefilled next step; scoring after generation. oppo: both (``events``).
+  tokens; scoring after generation. oppo: both (``events``).
 - Step time = the end of the last stage (the copy after the update).
 
-Calibration (``fitting``): ``calibrate_from_bench`` fits every cost to the per-step
-timelines ``oppo-jax bench`` records (``trace``); ``calibrate`` also takes a run's
-metrics.jsonl (stage sums only: a rougher fit). ``validate`` (``validation``) checks the
-simulator against a bench.json on held-out steps. Projections: ``roofline_cost_model`` /
-``project_cost_model`` with GH200 and TPU v5p presets and Qwen2.5-3B/7B shapes; their
-outputs say PROJECTION. Not modelled: varying prompt lengths (one length for all), memory
+Calibration: ``calibrate_from_bench`` fits every cost to the per-step timelines ``oppo-jax
+bench`` records (``trace``), as the engine that recorded them computed; ``calibrate`` also
+takes a run's metrics.jsonl (stage sums only: a rougher fit). ``validate`` (``validation``)
+checks the simulator against any bench.json on held-out steps. ``project`` builds a
+projection's settings from a config and the regime map (OPPO's speedup over PPO epochs ×
+median response length). Not modelled: varying prompt lengths (one width for all), memory
 limits, compilations (a bench step that compiles is an outlier the medians ignore).
 """
 
 from oppo_jax.pipeline.events import Event
+from oppo_jax.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, PADDED, Engine
 from oppo_jax.sim.events import (
     PLACEMENTS,
     SCHEDULES,
     LengthSource,
     SimResult,
+    Workload,
     compare,
     recommend,
     simulate,
 )
 from oppo_jax.sim.fitting import calibrate, calibrate_from_bench, calibrate_traces
-from oppo_jax.sim.model import (
+from oppo_jax.sim.model import CostModel
+from oppo_jax.sim.project import Projection, regime_map
+from oppo_jax.sim.roofline import (
     HARDWARE,
     MODELS,
-    CostModel,
     Hardware,
     ModelShape,
+    TrainSettings,
     project_cost_model,
     roofline_cost_model,
 )
 from oppo_jax.sim.validation import validate
 
 __all__ = [
-    "HARDWARE", "MODELS", "PLACEMENTS", "SCHEDULES", "CostModel", "Event", "Hardware",
-    "LengthSource", "ModelShape", "SimResult", "calibrate", "calibrate_from_bench",
-    "calibrate_traces", "compare", "project_cost_model", "recommend", "roofline_cost_model",
-    "simulate", "validate",
+    "ACTIVE", "BUILT", "ENGINES", "FEATURES", "HARDWARE", "MODELS", "PADDED", "PLACEMENTS",
+    "SCHEDULES", "CostModel", "Engine", "Event", "Hardware", "LengthSource", "ModelShape",
+    "Projection", "SimResult", "TrainSettings", "Workload", "calibrate", "calibrate_from_bench",
+    "calibrate_traces", "compare", "project_cost_model", "recommend", "regime_map",
+    "roofline_cost_model", "simulate", "validate",
 ]  # fmt: skip

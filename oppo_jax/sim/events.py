@@ -16,27 +16,26 @@ that the rollout may stop (not streamed), the build and the update.
 Lockstep decode and the cut (DESIGN.md §3): all slots advance together; slot i finishes at
 decode position f_i (its remaining length). Without carrying (sync, intra: B slots) the cut is
 max f_i; with carrying (inter, oppo: B+Δ slots) it is the B-th smallest f_i, or later if a
-slot carried ``max_deferrals`` times is still running. The batch is B finished slots ordered by
-(must-finish first, f_i, admission order); the others are carried (FIFO) with the tokens they
-had at the cut, re-prefilled (actor and scorers) when next admitted. A padded engine decodes
-whole chunks, one more than the cut needs (the host reads the cut one chunk late), over
-caches P + R wide, and admits carried rows at a context width W rounded up like
-``oppo_jax.pipeline.carry.prefix_bucket``.
+slot carried ``max_deferrals`` times is still running (``pipeline.carry.select_batch``, the
+engine's own rule). The batch is B finished slots ordered by (must-finish first, f_i,
+admission order); the others are carried (FIFO) with the tokens they had at the cut. What each
+stage computes (chunks, slots, widths, re-prefills) is the engine's (``engines``, ``work``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from oppo_jax.pipeline.carry import prefix_bucket, select_batch
 from oppo_jax.pipeline.events import Event, busy_fraction, stage_times
-from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.sim.engine import Plan
+from oppo_jax.sim.engines import BUILT, Engine
 from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.trace import forward_steps, split_rows
+from oppo_jax.sim.trace import split_rows
+from oppo_jax.sim.work import StepFacts, Work, decode_chunks, step_work
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -69,121 +68,130 @@ class LengthSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shape:
-    """What a step's costs depend on besides the lengths."""
+class Workload:
+    """A simulated run's settings: everything but the costs, the engine, the schedule and the
+    response lengths."""
 
-    batch: int  # B
-    chunk: int  # C
-    prompt_len: int  # P
-    capacity: int  # R, response capacity (padded engine)
-    streamed: bool
-    carrying: bool
+    batch: int  # B, sequences per PPO batch
+    chunk_size: int = 128  # C, tokens per decode chunk
+    delta: int = 0  # Δ, sequences started beyond B (carrying schedules only)
+    prompt_len: int = 0  # P, prompt width, tokens
+    capacity: int | None = None  # R, response capacity, tokens (None: the longest length)
+    placement: str = "disaggregated"  # colocated | disaggregated
+    max_deferrals: int = 2  # steps a sequence may be carried before it must finish
+    steps: int = 100  # simulated steps
+    seed: int | None = 0  # sampling of new prompts' lengths; None: in order, cycled
 
-
-def _decode(cost: CostModel, f: np.ndarray, base: np.ndarray, cut: int, chunk: int, cache: int):
-    """Per decode chunk: seconds; per scored chunk: tokens to score; and the finish list."""
-    scored = math.ceil(cut / chunk)
-    if cost.padded_decode:  # whole chunks, every slot; one chunk more than the host needed
-        scored = max(1, scored)
-        n = scored + 1
-        finish = np.where(f > n * chunk, -1, f)
-        per_step = cost.decode_step_s(f.size, cache)
-        seconds = [cost.decode_chunk_s + k * per_step for k in forward_steps(finish, n, chunk)]
-        return seconds, [f.size * chunk] * scored, finish
-    # Active slots only, to the cut. O(steps + n log n): with f sorted, running slots are a suffix.
-    order = np.argsort(f, kind="stable")
-    fs, bs = f[order], base[order]
-    t = np.arange(cut)
-    done = np.searchsorted(fs, t, side="right")  # slots with f_i <= t
-    running = f.size - done
-    ctx = np.concatenate([np.cumsum(bs[::-1])[::-1], [0]])[done] + t * running
-    per_step = cost.decode_a + cost.decode_b * running + cost.decode_c * ctx
-    starts = np.arange(0, cut, chunk)
-    seconds = np.add.reduceat(per_step, starts) if cut else np.zeros(0)
-    tokens = np.add.reduceat(running, starts) if cut else np.zeros(0, int)
-    finish = np.where(f > cut, -1, f)
-    return [cost.decode_chunk_s + float(x) for x in seconds], [int(x) for x in tokens], finish
+    def check(self) -> None:
+        """Raise ValueError on settings no engine runs."""
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r}: expected one of {PLACEMENTS}")
+        if self.batch < 1 or self.chunk_size < 1 or self.delta < 0 or self.steps < 1:
+            raise ValueError("need batch >= 1, chunk_size >= 1, delta >= 0, steps >= 1")
 
 
-def _plan(cost: CostModel, shape: _Shape, admit: int, seconds, tokens, update_tokens: int,
-          sync_tokens: int, disagg: bool) -> Plan:  # fmt: skip
+def _plan(cost: CostModel, work: Work, streamed: bool, disagg: bool) -> Plan:
     """The step's stages in dispatch order (see the module docstring)."""
     gen, sco = "generation", "scoring" if disagg else "generation"
     p, at = Plan(), cost.host_admit_s + cost.host_setup_s
-    actor = p.add("prefill actor", gen, cost.admit_s(admit), at=cost.host_admit_s)
+    actor = p.add("prefill actor", gen, cost.admit_s(work.actor_tokens), at=cost.host_admit_s)
     scoring = None
-    if shape.streamed:
-        scoring = p.add("prefill scorers", sco, cost.scorers_s(admit), at=at)
+    if streamed:
+        scoring = p.add("prefill scorers", sco, cost.scoring_s(work.scorer_admit_tokens), at=at)
         at += cost.host_stream_s
     decodes = []
-    for k, dur in enumerate(seconds):
-        decodes.append(p.add("decode", gen, dur, at=at))
-        if shape.streamed and k < len(tokens):
-            scoring = p.add("score", sco, cost.scorers_s(tokens[k]), [(decodes[-1], 0.0)])
-    seen = decodes[len(tokens) - 1] if tokens else actor  # the host reads the cut after it
+    for k, chunk in enumerate(work.decode):
+        decodes.append(p.add("decode", gen, cost.decode_s(*chunk), at=at))
+        if streamed and k < len(work.score_chunks):
+            tokens = work.score_chunks[k]
+            scoring = p.add("score", sco, cost.scoring_s(tokens), [(decodes[-1], 0.0)])
+    scored = len(work.score_chunks)
+    seen = decodes[scored - 1] if scored else actor  # the host reads the cut after it
     host = [(decodes[-1] if decodes else actor, cost.host_finish_s)]
-    if not shape.streamed:
-        p.add("prefill scorers", sco, cost.scorers_s(admit), [(seen, cost.host_collect_s)])
-        scoring = p.add("score", sco, cost.scorers_s(sync_tokens))
+    if not streamed:
+        admit = cost.scoring_s(work.scorer_admit_tokens)
+        p.add("prefill scorers", sco, admit, [(seen, cost.host_collect_s)])
+        scoring = p.add("score", sco, cost.scoring_s(work.sync_score_tokens))
         host.append((seen, cost.host_dispatch_s + cost.host_finish_s))
     p.add("build batch", gen, cost.build_s, host, needs=[scoring])
     update_deps = [(i, offset + cost.host_update_s) for i, offset in host]
-    p.add("update", gen, cost.update_s(shape.batch, update_tokens), update_deps)
+    p.add("update", gen, cost.update_s(work.update_tokens), update_deps)
     p.add("copy", gen, cost.copy_s)
     return p
 
 
-def _step(cost: CostModel, seqs: list[_Seq], shape: _Shape, disagg: bool, max_deferrals: int):
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every step of one simulation shares."""
+
+    cost: CostModel
+    engine: Engine
+    schedule: Schedule
+    workload: Workload
+    capacity: int  # R, resolved
+    carrying: bool  # B + Δ slots with Δ > 0
+
+
+def _step(run: _Run, seqs: list[_Seq]):
     """One step: events, the batch's sequences, the carried ones, and a metrics record."""
-    b, c, padded = shape.batch, shape.chunk, cost.padded_decode
+    w, engine = run.workload, run.engine
     f = np.array([s.length - s.generated for s in seqs])
     prefix = np.array([s.generated for s in seqs])
-    must = np.array([not shape.carrying or s.deferrals >= max_deferrals for s in seqs])
+    must = np.array([not run.carrying or s.deferrals >= w.max_deferrals for s in seqs])
     # Every slot's finish position is known here, so the engine's own cut rule gives the cut
     # (the first position at which B have finished, must-finish ones included) and the batch.
-    selection = select_batch(f, np.ones(f.size, bool), must, b)
+    selection = select_batch(f, np.ones(f.size, bool), must, w.batch)
     cut, batch = selection.cut, selection.batch.tolist()
-    lengths = np.array([seqs[i].length for i in batch])
-    bucket = prefix_bucket(int(prefix.max()), shape.capacity) if shape.carrying else 0
-    width = shape.prompt_len + bucket  # the padded engine's admission context
-    # The padded engine prefills its leading carried rows at W and the rest at P.
-    carried_rows = (split_rows(prefix, f.size) if cost.split_admission else f.size) if bucket else 0
-    admitted = carried_rows * width + (f.size - carried_rows) * shape.prompt_len
-    admit = admitted if padded else int(prefix.sum()) + f.size * shape.prompt_len
-    seconds, tokens, finish = _decode(cost, f, shape.prompt_len + prefix, cut, c,
-                                      shape.prompt_len + shape.capacity)  # fmt: skip
-    sync_tokens = f.size * shape.capacity if padded else sum(tokens)
-    real = int(lengths.sum()) + b * shape.prompt_len
-    update_tokens = b * (shape.prompt_len + shape.capacity) if padded else real
-    plan = _plan(cost, shape, admit, seconds, tokens, update_tokens, sync_tokens, disagg)
-    events = plan.run(dict.fromkeys(("generation", "scoring"), cost.overlap_rate))
+    bucket = prefix_bucket(int(prefix.max()), run.capacity) if run.carrying else 0
+    chunks = decode_chunks(engine, cut, w.chunk_size)
+    # What the engine records as a finish: the padded engine decoded its whole chunks.
+    decoded = cut if engine.decode_to_cut or engine.token_proportional else chunks * w.chunk_size
+    facts = StepFacts(
+        slots=f.size,
+        prompt_len=w.prompt_len,
+        capacity=run.capacity,
+        chunk=w.chunk_size,
+        width=w.prompt_len + bucket,
+        # The fixed-shape engine prefills its leading carried rows at W and the rest at P.
+        carried_rows=split_rows(prefix, f.size) if bucket else 0,
+        prefix=prefix,
+        finish=np.where(f > decoded, -1, f),
+        cut=cut,
+        batch_lengths=np.array([seqs[i].length for i in batch]),
+        chunks=chunks,
+    )
+    work = step_work(engine, facts, run.cost.n_scorers, run.cost.trained_scorers)
+    plan = _plan(run.cost, work, run.schedule.stream, w.placement == "disaggregated")
+    events = plan.run(dict.fromkeys(("generation", "scoring"), run.cost.overlap_rate))
     taken, carried = set(batch), []
     for i, s in enumerate(seqs):
         if i not in taken:  # keeps the tokens it had at the cut
-            carried.append(dataclasses.replace(s, generated=s.generated + min(int(f[i]), cut),
-                                               deferrals=s.deferrals + 1))  # fmt: skip
+            made = s.generated + min(int(f[i]), cut)
+            carried.append(dataclasses.replace(s, generated=made, deferrals=s.deferrals + 1))
     trace = {
-        "slots": f.size, "width": width, "prompt_width": shape.prompt_len,
-        "carried_rows": carried_rows,
-        "response_capacity": shape.capacity, "prefix": prefix.tolist(), "finish": finish.tolist(),
-        "lengths": lengths.tolist(), "cut": cut, "n_scorers": cost.n_scorers,
+        "slots": f.size, "width": facts.width, "prompt_width": w.prompt_len,
+        "carried_rows": facts.carried_rows, "response_capacity": run.capacity,
+        "prefix": prefix.tolist(), "finish": facts.finish.tolist(),
+        "lengths": facts.batch_lengths.tolist(), "cut": cut, "n_scorers": run.cost.n_scorers,
         "events": [[e.stage, e.group, e.start, e.end] for e in events],
+        "engine": engine.to_dict(),
     }  # fmt: skip
-    record = _record(events, shape, trace, len(seqs) - b, len(carried))
+    record = _record(events, run, trace, len(seqs) - w.batch, len(carried))
+    lengths = facts.batch_lengths
     record["stale_token_frac"] = float(prefix[batch].sum()) / max(int(lengths.sum()), 1)
     return events, [seqs[i] for i in batch], carried, record
 
 
-def _record(events: list[Event], shape: _Shape, trace: dict, overcommit: int, carried: int):
+def _record(events: list[Event], run: _Run, trace: dict, overcommit: int, carried: int):
     """A metrics-like record of one simulated step (as ``metrics.jsonl`` holds, plus trace)."""
     wall = max(e.end for e in events)
-    lengths = trace["lengths"]
+    lengths, w = trace["lengths"], run.workload
     return {
         "step_time_s": wall, "stage_time_s": stage_times(events),
         "busy_fraction": busy_fraction(events, wall),
         "response_len_mean": float(np.mean(lengths)), "response_len_max": int(max(lengths)),
-        "chunk_size": shape.chunk, "overcommit": overcommit, "carried": carried,
-        "batch_size": shape.batch, "prompt_len": shape.prompt_len, "streamed": shape.streamed,
+        "chunk_size": w.chunk_size, "overcommit": overcommit, "carried": carried,
+        "batch_size": w.batch, "prompt_len": w.prompt_len, "streamed": run.schedule.stream,
         "cut": trace["cut"], "trace": trace,
     }  # fmt: skip
 
@@ -193,9 +201,8 @@ class SimResult:
     """Simulated steps of one schedule: metrics-like records, events, finished sequences."""
 
     schedule: str
-    placement: str
-    chunk_size: int
-    delta: int
+    engine: str
+    workload: Workload
     records: list[dict]
     events: list[list[Event]]  # per step, for a Gantt chart
     finished: list[dict]  # seq_id, length, admitted, finished (step), deferrals
@@ -212,9 +219,10 @@ class SimResult:
         for step in self.events[skip:]:
             for e in step:
                 busy[e.group] = busy.get(e.group, 0.0) + (e.end - e.start) / total
+        w = self.workload
         return {
-            "schedule": self.schedule, "placement": self.placement,
-            "chunk_size": self.chunk_size, "delta": self.delta,
+            "schedule": self.schedule, "engine": self.engine, "placement": w.placement,
+            "chunk_size": w.chunk_size, "delta": w.delta,
             "step_time_mean_s": float(t.mean()), "step_time_median_s": float(np.median(t)),
             "step_time_p90_s": float(np.percentile(t, 90)), "busy_fraction": busy,
             "carried_mean": float(np.mean([r["carried"] for r in self.records[skip:]])),
@@ -223,55 +231,42 @@ class SimResult:
 
 
 def simulate(
-    cost: CostModel,
-    schedule: str,
-    batch: int,
-    lengths,
-    chunk_size: int = 128,
-    delta: int = 0,
-    placement: str = "disaggregated",
-    steps: int = 100,
-    seed: int | None = 0,
-    max_deferrals: int = 2,
-    prompt_len: int = 0,
-    capacity: int | None = None,
+    cost: CostModel, schedule: str, workload: Workload, lengths, engine: Engine = BUILT
 ) -> SimResult:
-    """Simulate ``steps`` steps; new prompts' lengths come from ``lengths`` (see LengthSource).
+    """Simulate ``workload.steps`` steps of ``schedule`` on ``engine`` priced by ``cost``;
+    new prompts' response lengths come from ``lengths`` (see LengthSource).
 
-    ``capacity`` is the response capacity R (default: the longest length); a padded engine's
-    caches, sync scoring call and update are that wide.
+    ``workload.capacity`` is the response capacity R (default: the longest length); a
+    fixed-shape engine's caches, sync scoring call and update are that wide.
     """
-    if schedule not in SCHEDULES or placement not in PLACEMENTS:
-        raise ValueError(f"schedule {schedule!r} / placement {placement!r}: expected one of "
-                         f"{sorted(SCHEDULES)} / {PLACEMENTS}")  # fmt: skip
-    if batch < 1 or chunk_size < 1 or delta < 0:
-        raise ValueError("need batch >= 1, chunk_size >= 1, delta >= 0")
-    streamed, carrying = SCHEDULES[schedule].stream, SCHEDULES[schedule].carry
-    delta = delta if carrying else 0  # Δ is an inter-step setting
-    source, buffer, next_id = LengthSource(lengths, seed), [], 0
-    capacity = int(capacity or source.lengths.max())
+    workload.check()
+    plan = Schedule.named(schedule)
+    w = workload if plan.carry else dataclasses.replace(workload, delta=0)  # Δ: inter-step
+    source, buffer, next_id = LengthSource(lengths, w.seed), [], 0
+    capacity = int(w.capacity or source.lengths.max())
     if source.lengths.max() > capacity:
         raise ValueError(f"lengths up to {source.lengths.max()} exceed the capacity {capacity}")
-    shape = _Shape(batch, chunk_size, prompt_len, capacity, streamed, carrying and delta > 0)
+    run = _Run(cost, engine, plan, w, capacity, plan.carry and w.delta > 0)
     records, events, finished = [], [], []
-    for step in range(steps):
-        seqs, buffer = buffer[: batch + delta], buffer[batch + delta :]  # carried first, FIFO
-        while len(seqs) < batch + delta:
+    slots = w.batch + w.delta
+    for step in range(w.steps):
+        seqs, buffer = buffer[:slots], buffer[slots:]  # carried first, FIFO
+        while len(seqs) < slots:
             seqs.append(_Seq(next_id, source.next(), step))
             next_id += 1
-        ev, done, carried, record = _step(cost, seqs, shape, placement == "disaggregated",
-                                          max_deferrals)  # fmt: skip
+        ev, done, carried, record = _step(run, seqs)
         buffer += carried
         records.append({"step": step, **record})
         events.append(ev)
-        finished += [{"seq_id": s.seq_id, "length": s.length, "admitted": s.admitted,
-                      "finished": step, "deferrals": s.deferrals} for s in done]  # fmt: skip
-    return SimResult(schedule, placement, chunk_size, delta, records, events, finished)
+        for s in done:
+            finished.append({"seq_id": s.seq_id, "length": s.length, "admitted": s.admitted,
+                             "finished": step, "deferrals": s.deferrals})  # fmt: skip
+    return SimResult(schedule, engine.name, w, records, events, finished)
 
 
-def compare(cost: CostModel, lengths, batch: int, **kwargs) -> dict:
-    """Simulate all four schedules (same prompts, same ``kwargs``); summaries and speedups."""
-    out = {name: simulate(cost, name, batch, lengths, **kwargs).summary() for name in SCHEDULES}
+def compare(cost: CostModel, workload: Workload, lengths, engine: Engine = BUILT) -> dict:
+    """Simulate all four schedules (same prompts, same settings); summaries and speedups."""
+    out = {n: simulate(cost, n, workload, lengths, engine).summary() for n in SCHEDULES}
     sync = out["sync"]["step_time_mean_s"]
     return {
         "schedules": out,
@@ -280,23 +275,25 @@ def compare(cost: CostModel, lengths, batch: int, **kwargs) -> dict:
 
 
 def recommend(
-    cost_model: CostModel,
+    cost: CostModel,
+    workload: Workload,
     lengths,
-    B: int,
-    candidates_C=(64, 128, 256, 512),
+    engine: Engine = BUILT,
+    candidates_c=(64, 128, 256, 512),
     candidates_delta=(0, 2, 4, 8, 16),
     schedule: str = "oppo",
-    **kwargs,
 ) -> dict:
-    """The (C, Δ) with the lowest simulated mean step time (Δ ≤ B; ties: smaller Δ, then C)."""
-    deltas = sorted(d for d in set(candidates_delta) if 0 <= d <= B) or [0]
+    """The (C, Δ) with the lowest simulated mean step time (Δ ≤ B; ties: smaller Δ, then C);
+    ``workload``'s own C and Δ are replaced by each candidate."""
+    deltas = sorted(d for d in set(candidates_delta) if 0 <= d <= workload.batch) or [0]
     grid = []
     for d in deltas:
-        for c in sorted(set(candidates_C)):
-            s = simulate(cost_model, schedule, B, lengths, c, d, **kwargs).summary()
+        for c in sorted(set(candidates_c)):
+            w = dataclasses.replace(workload, chunk_size=c, delta=d)
+            s = simulate(cost, schedule, w, lengths, engine).summary()
             grid.append({"chunk_size": c, "delta": d, "step_time_s": s["step_time_mean_s"]})
     best = min(grid, key=lambda g: g["step_time_s"])  # min keeps the first of equal ones
-    sync = simulate(cost_model, "sync", B, lengths, best["chunk_size"], 0, **kwargs)
-    sync_s = float(sync.step_times.mean())
+    w = dataclasses.replace(workload, chunk_size=best["chunk_size"], delta=0)
+    sync_s = float(simulate(cost, "sync", w, lengths, engine).step_times.mean())
     return {**best, "schedule": schedule, "sync_step_time_s": sync_s,
             "speedup_vs_sync": sync_s / best["step_time_s"], "grid": grid}  # fmt: skip

@@ -1,12 +1,13 @@
 """Fitting a CostModel to measured steps: from timelines (traces) or, roughly, from stage sums.
 
 With traces (``oppo-jax bench`` records them; the simulator too) every cost is fitted to what
-that cost explains, as the padded engine runs it:
+that cost explains, counted as the engine that recorded the traces computes it
+(``engines.recorded_engine``, ``work.step_work``):
 
-    decode   solo + ρ·shared = n·chunk + F·a + F·S·b + F·S·(P+R)·c   (n chunks, F steps that
-             ran the model, S slots, P + R the cache width)
-    scorers  solo + ρ·shared = calls·p0 + tokens·p1   (tokens: padded [S, width] per call)
-    actor    solo + ρ·shared = q0 + q1·S·W;  update likewise over B·(P+R)
+    decode   solo + ρ·shared = n·chunk + F·a + Σslots·b + Σslots·ctx·c   (n chunks, F steps
+             that ran the model; slots and context as the engine computes them)
+    scorers  solo + ρ·shared = calls·p0 + tokens·p1   (tokens as the engine computes them)
+    actor    solo + ρ·shared = q0 + q1·admitted tokens;  update likewise over its tokens
     build    its own time, after the last scorer call ended (before it, it only waits)
 
 ``solo`` is time a stage ran with the other group idle, ``shared`` time both ran; ρ (the
@@ -25,8 +26,10 @@ import math
 
 import numpy as np
 
+from oppo_jax.sim.engines import Engine, recorded_engine
 from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.trace import admitted_tokens, forward_steps, observe, scorer_names
+from oppo_jax.sim.trace import observe, scorer_names
+from oppo_jax.sim.work import StepFacts, step_work
 
 _NEEDED = ("stage_time_s", "step_time_s", "response_len_mean", "response_len_max", "chunk_size")
 _EPS = 1e-4  # s: a gap shorter than this is no gap (the stage waited for its group instead)
@@ -82,27 +85,28 @@ def _decode_and_rate(x: np.ndarray, solo: np.ndarray, shared: np.ndarray):
     return coef, rate
 
 
-def _rows(records: list[dict], streamed: bool) -> list[dict]:
-    """Per step: the regressors and the observed times calibration needs."""
+def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
+    """Per step: the regressors (the work ``engine`` did, ``sim.work``) and observed times."""
     rows = []
     for r in records:
         t, obs = r["trace"], observe(r["trace"])
-        s, cap, c = t["slots"], t["response_capacity"], r["chunk_size"]
-        admitted = admitted_tokens(t)
-        st = bool(r.get("streamed", streamed))
         n = len(obs["decode"])
-        fwd = sum(forward_steps(t["finish"], n, c))
+        facts = StepFacts.of_trace(t, r["chunk_size"], n)
         k = t.get("n_scorers") or len(scorer_names(t)) or 3
-        calls = n - 1 if st else 1  # chunk calls per scorer; the last chunk is never scored
+        work = step_work(engine, facts, k, min(k - 1, 1))
+        st = bool(r.get("streamed", streamed))
+        decode = np.sum(work.decode, axis=0) if work.decode else np.zeros(3)
+        calls = len(work.score_chunks) if st else 1  # per scorer, after its admission
+        scored = sum(work.score_chunks) if st else work.sync_score_tokens
         build = obs["first"]["build batch"]  # its own time starts when the last score ends
         rows.append({
             "obs": obs, "streamed": st, "n_scorers": k,
             "build_own": build[1] - max(build[0], obs["scoring_end"]),
             "tail": r["step_time_s"] - obs["last"]["update"][1],
-            "decode": [n, fwd, fwd * s, fwd * s * (t["prompt_width"] + cap)],
-            "scorer": [k * (1 + calls), k * (admitted + calls * s * (c if st else cap))],
-            "actor": [1.0, admitted],
-            "update": [1.0, len(t["lengths"]) * (t["prompt_width"] + cap)],
+            "decode": [n, *decode],
+            "scorer": [k * (1 + calls), work.scorer_admit_tokens + scored],
+            "actor": [1.0, work.actor_tokens],
+            "update": [1.0, work.update_tokens],
         })  # fmt: skip
     return rows
 
@@ -166,8 +170,10 @@ def _host(rows: list[dict]) -> dict:
 
 
 def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
-    """Fit a padded-engine CostModel to records that carry a ``trace`` (module docstring)."""
-    rows = _rows(records, streamed)
+    """Fit a CostModel to records that carry a ``trace`` (module docstring), as the engine
+    that recorded them computed (``engines.recorded_engine``)."""
+    engine = recorded_engine([r["trace"] for r in records])
+    rows = _rows(records, engine, streamed)
     solo, shared = (lambda k: _stage(rows, k, "solo")), (lambda k: _stage(rows, k, "shared"))
     x = np.array([r["decode"] for r in rows], float)
     dec, rate = _decode_and_rate(x, solo("decode"), shared("decode"))
@@ -175,15 +181,15 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
     pre = _fit(np.array([r["scorer"] for r in rows], float), own["scorer"])
     adm = _fit(np.array([r["actor"] for r in rows], float), own["prefill actor"])
     upd = _fit(np.array([r["update"] for r in rows], float), own["update"])
+    k = int(rows[0]["n_scorers"])
     return CostModel(
         decode_chunk_s=float(dec[0]), decode_a=float(dec[1]), decode_b=float(dec[2]),
         decode_c=float(dec[3]), prefill_p0=float(pre[0]), prefill_p1=float(pre[1]),
-        n_scorers=int(rows[0]["n_scorers"]), admit_p0=float(adm[0]), admit_p1=float(adm[1]),
-        build_s=_median(r["build_own"] for r in rows), update_u0=float(upd[0]),
-        update_u1=float(upd[1]), copy_s=_median(r["tail"] for r in rows),
-        overlap_rate=rate, padded_decode=True,
-        split_admission=all("carried_rows" in r["trace"] for r in records),
-        label=f"calibrated from {len(rows)} measured steps (timelines)", **_host(rows),
+        n_scorers=k, trained_scorers=min(k - 1, 1), admit_p0=float(adm[0]),
+        admit_p1=float(adm[1]), build_s=_median(r["build_own"] for r in rows),
+        update_u0=float(upd[0]), update_u1=float(upd[1]), copy_s=_median(r["tail"] for r in rows),
+        overlap_rate=rate, **_host(rows),
+        label=f"calibrated from {len(rows)} measured steps (timelines, {engine.name} engine)",
     )  # fmt: skip
 
 
@@ -212,11 +218,10 @@ def calibrate(
     batch: int | None = None,
     prompt_len: int = 0,
     streamed: bool = True,
-    padded_decode: bool = False,
 ) -> CostModel:
     """Fit a CostModel by least squares to per-step records (bench or ``metrics.jsonl`` lines).
 
-    Records with a ``trace`` go to ``calibrate_traces`` (a padded-engine model). Others need
+    Records with a ``trace`` go to ``calibrate_traces``. Others need
     ``stage_time_s``, ``step_time_s``, ``response_len_mean``, ``response_len_max`` and
     ``chunk_size`` (``overcommit``, ``stale_token_frac``, ``batch_size``, ``prompt_len`` and
     ``streamed`` are used when present) and get the rough stage-sum fit: decode per step,
@@ -250,7 +255,7 @@ def calibrate(
         prefill_p0=float(pre[0]), prefill_p1=float(pre[1]), n_scorers=rows[0]["n_scorers"],
         admit_p0=float(adm[0]), admit_p1=float(adm[1]), update_u0=float(upd[0]),
         update_u1=float(upd[1]), copy_s=_median([float(np.median(copy))]),
-        padded_decode=padded_decode, label=f"calibrated from {len(rows)} measured steps (sums)",
+        label=f"calibrated from {len(rows)} measured steps (sums)",
     )  # fmt: skip
 
 
@@ -264,12 +269,11 @@ def bench_records(bench_json: dict) -> dict[str, list[dict]]:
     return out
 
 
-def calibrate_from_bench(bench_json: dict, padded_decode: bool = True) -> CostModel:
+def calibrate_from_bench(bench_json: dict) -> CostModel:
     """Fit a CostModel to the per-step records of a ``bench.json`` (every schedule's)."""
     rollout = bench_json.get("workload", {}).get("config", {}).get("rollout", {})
     records = [r for rs in bench_records(bench_json).values() for r in rs if "stage_time_s" in r]
     if not records:
         raise ValueError("bench.json has step times but no per-stage times (stage_time_s): "
                          "calibrate from a run's metrics.jsonl instead (--metrics)")  # fmt: skip
-    return calibrate(records, rollout.get("batch_size"), int(rollout.get("max_prompt_len", 0)),
-                     padded_decode=padded_decode)  # fmt: skip
+    return calibrate(records, rollout.get("batch_size"), int(rollout.get("max_prompt_len", 0)))

@@ -2,8 +2,9 @@
 
 A trace is plain JSON: the step's shapes (slots S, admission width W, rows admitted at that
 width K — the rest at the prompt width — and response capacity R),
-each slot's carried-in prefix and finish position, the batch's response lengths, and the
-timeline as ``[stage, group, start, end]`` rows (seconds since the step began).
+each slot's carried-in prefix and finish position, the batch's response lengths, the
+timeline as ``[stage, group, start, end]`` rows (seconds since the step began), and the
+engine that ran it (``engine``; older traces have none, see ``engines.recorded_engine``).
 ``observe`` turns a trace into what calibration fits: per stage kind, the time it ran alone
 and the time it shared the machine with the other group (the build counts as busy only after
 the scores it waits for arrived), and the times of the stages the host's delays show in.
@@ -14,13 +15,15 @@ from __future__ import annotations
 import numpy as np
 
 from oppo_jax.pipeline.carry import leading_carried_rows, prefix_bucket
+from oppo_jax.sim.engines import BUILT
 
 GENERATION = "generation"
 
 
 def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
-    lengths of the carried sequences it admitted first (the carry buffer before the step)."""
+    lengths of the carried sequences it admitted first (the carry buffer before the step).
+    ``engine`` stamps the engine that ran it (``engines.BUILT``: what the calibration fits)."""
     finish = np.asarray(result.finish_step)
     slots, capacity = finish.size, int(np.asarray(result.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
@@ -32,6 +35,7 @@ def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool)
         "response_capacity": capacity, "prefix": prefix, "finish": finish.tolist(),
         "lengths": [int(n) for n in result.response_len], "cut": int(result.selection.cut),
         "events": [[e.stage, e.group, round(e.start, 7), round(e.end, 7)] for e in result.events],
+        "engine": BUILT.to_dict(),
     }  # fmt: skip
 
 
@@ -41,23 +45,18 @@ def split_rows(prefix, slots: int) -> int:
     return leading_carried_rows(np.asarray(prefix) > 0, slots)
 
 
-def admitted_tokens(trace: dict) -> int:
-    """Context tokens one admission prefill runs over. Traces that record ``carried_rows``
-    come from the split admission (K rows at width W, the rest at the prompt width P); older
-    ones prefilled every slot at W."""
-    s, w, p = trace["slots"], trace["width"], trace["prompt_width"]
-    k = trace.get("carried_rows", s)
-    return k * w + (s - k) * p
-
-
-def forward_steps(finish, chunks: int, chunk: int) -> list[int]:
+def forward_steps(finish, chunks: int, chunk: int, cut: int | None = None) -> list[int]:
     """Lockstep steps per decode chunk that run the model (a slot finishing at position f
-    feeds f - 1 tokens; -1: still running). Once every slot is done the forward is skipped.
+    feeds f - 1 tokens; -1: still running). Once every slot is done the forward is skipped;
+    with ``cut`` (the built engine's while_loop) no step runs at or past the cut.
 
-    Example: finish [3, 10], 2 chunks of 8 -> [8, 1] (positions 0..8 feed; 9 samples EOS).
+    Example: finish [3, 10], 2 chunks of 8 -> [8, 1] (positions 0..8 feed; 9 samples EOS);
+    finish [3, -1], cut 3, 2 chunks of 8 -> [3, 0] (the second chunk runs no step).
     """
     f = np.asarray(finish)
     last = chunks * chunk if (f < 0).any() else max(int(f.max(initial=0)) - 1, 0)
+    if cut is not None:
+        last = min(last, cut)
     return [int(np.clip(last - j * chunk, 0, chunk)) for j in range(chunks)]
 
 

@@ -6,18 +6,22 @@ machine load), or the first and second half of each seed's steps (``halves``; th
 the machine to keep its speed, which a shared one does not). The cost model is fitted to the
 ``fit`` steps of the chosen schedules only (leave one schedule out to predict it blind); then
 each schedule is simulated with the bench's settings (B, C, Δ, P, R, placement, deferral
-cap), its new prompts taking the response lengths of that schedule's ``test`` batches in
-order (lengths are correlated within a step: a policy that rambles does so for the whole
-batch, so they are replayed, not resampled), twice over, the first pass warming the carry
-buffer; the simulated median step time of the second pass is compared with the measured
-median of the ``test`` steps. Nothing of a ``test`` step's timing enters the fit.
+cap) on the engine that recorded the bench (``engines.recorded_engine``), its new prompts
+taking the response lengths of that schedule's ``test`` batches in order (lengths are
+correlated within a step: a policy that rambles does so for the whole batch, so they are
+replayed, not resampled), twice over, the first pass warming the carry buffer; the simulated
+median step time of the second pass is compared with the measured median of the ``test``
+steps. Nothing of a ``test`` step's timing enters the fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from oppo_jax.sim.events import SCHEDULES, simulate
+from oppo_jax.sim.engines import Engine, recorded_engine
+from oppo_jax.sim.events import SCHEDULES, Workload, simulate
 from oppo_jax.sim.fitting import bench_records, calibrate_traces
 
 SPLITS = ("alternate", "halves")
@@ -40,44 +44,56 @@ def split(records: list[dict], how: str = "alternate") -> tuple[list[dict], list
     return [r for a, _ in halves for r in a], [r for _, b in halves for r in b]
 
 
-def settings(bench: dict) -> dict:
-    """The bench's workload as ``simulate`` keyword arguments (all but the schedule)."""
+def settings(bench: dict) -> Workload:
+    """The bench's workload (B, C, Δ, P, R, placement, deferral cap) for ``simulate``."""
     cfg = bench["workload"]["config"]
     rollout, pipe = cfg["rollout"], cfg["pipeline"]
-    return {
-        "batch": int(rollout["batch_size"]), "chunk_size": int(pipe["chunk_size"]),
-        "delta": int(pipe["overcommit"]), "placement": pipe["placement"],
-        "max_deferrals": int(pipe["max_deferrals"]), "prompt_len": int(rollout["max_prompt_len"]),
-        "capacity": int(rollout["max_response_len"]),
-    }  # fmt: skip
+    return Workload(
+        batch=int(rollout["batch_size"]),
+        chunk_size=int(pipe["chunk_size"]),
+        delta=int(pipe["overcommit"]),
+        prompt_len=int(rollout["max_prompt_len"]),
+        capacity=int(rollout["max_response_len"]),
+        placement=pipe["placement"],
+        max_deferrals=int(pipe["max_deferrals"]),
+        seed=None,  # the test steps' lengths, in order
+    )
 
 
 def validate(bench: dict, fit_schedules=tuple(SCHEDULES), how: str = "alternate") -> dict:
     """Held-out validation (module docstring): per schedule, predicted and measured median
-    step time of the ``test`` steps and the relative error; the fitted cost model."""
+    step time of the ``test`` steps and the relative error; the fitted cost model and the
+    engine that recorded the bench (the one simulated). Any ``bench.json`` with traces."""
     by_name = {n: split(rs, how) for n, rs in bench_records(bench).items() if rs}
-    if not all("trace" in r for fit, test in by_name.values() for r in fit + test):
+    if not by_name or not all("trace" in r for f, t in by_name.values() for r in f + t):
         raise ValueError("bench.json records lack timelines ('trace'): rerun `oppo-jax bench`")
+    missing = sorted(set(fit_schedules) - set(by_name))
+    if missing:
+        raise ValueError(f"bench.json has no steps of {missing} to fit on")
+    engine = recorded_engine([r["trace"] for f, t in by_name.values() for r in f + t])
     cost = calibrate_traces([r for n in fit_schedules for r in by_name[n][0]])
-    kw = settings(bench)
+    workload = settings(bench)
     table = {}
     for name, (_, test) in by_name.items():
         lengths = [n for r in test for n in r["trace"]["lengths"]]
-        sim = simulate(cost, name, lengths=lengths, steps=2 * len(test), seed=None, **kw)
+        w = dataclasses.replace(workload, steps=2 * len(test))
+        sim = simulate(cost, name, w, lengths, engine)
         predicted = float(np.median(sim.step_times[len(test) :]))
         measured = float(np.median([r["step_time_s"] for r in test]))
         table[name] = {"predicted_s": predicted, "measured_s": measured,
                        "error": predicted / measured - 1.0, "fit": name in fit_schedules,
                        "test_steps": len(test)}  # fmt: skip
-    return {"fit_schedules": list(fit_schedules), "split": how, "cost_model": cost.to_dict(),
-            "table": table}  # fmt: skip
+    return {"fit_schedules": list(fit_schedules), "split": how, "engine": engine.to_dict(),
+            "cost_model": cost.to_dict(), "table": table}  # fmt: skip
 
 
 def format_table(result: dict) -> str:
     """The validation as text lines (speedups: sync's median over the schedule's)."""
     part = {"alternate": ("even", "odd"), "halves": ("first-half", "second-half")}
     fit, test = part[result["split"]]
+    engine = Engine(**result["engine"]).describe()
     table, lines = result["table"], [
+        f"recorded by the {engine} engine; simulated as that engine",
         f"fitted on the {fit} steps of {', '.join(result['fit_schedules'])}; predicting the "
         f"{test} steps (held out)",
         f"{'schedule':>8}  {'predicted':>10}  {'measured':>10}  {'error':>7}  speedup vs sync "

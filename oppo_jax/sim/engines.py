@@ -1,0 +1,125 @@
+"""What a step's kernels compute: the engines the simulator can model, feature by feature.
+
+Three engines, one dataclass:
+
+- ``built``: this project's engine as it runs now (``oppo_jax.pipeline.step.run_step``). The
+  decode chunk is a ``lax.while_loop`` that stops exactly at the cut, so no decode step runs past
+  it and the chunk dispatched before the host reads ``ready`` runs zero steps; everything else
+  has fixed shapes: every admitted slot costs every decode step, attention reads the whole
+  P + R cache, ``sync`` scores one [S, R] call, the update runs over [B, P + R], and carried rows
+  are re-prefilled in all four models at admission (split: K carried rows at the wide context
+  W, the rest at the prompt width P).
+- ``padded``: the engine before the while_loop: whole decode chunks plus one more (the host
+  reads the cut one chunk late; that chunk ran C steps whenever a slot was still running).
+  ``docs/benchmarks/bench.json`` was recorded with it, before the split admission too.
+- ``active``: the token-proportional reference (DESIGN.md §3, "cost follows tokens"): finished
+  slots stop costing, attention reads each slot's own context, every prefill and the update
+  cost their real tokens, and the frozen scorers keep the caches of carried rows.
+
+The five engine changes of issue #13 that are not built yet are switches of ``built``, each off
+(``FEATURES``). When one lands in the engine, flip it in ``BUILT`` below: the simulator, the
+projections and the traces ``oppo-jax bench`` records (``trace.step_trace`` stamps ``BUILT``)
+follow. Power-of-two buckets (``pow2``) are the shape rule of every bucketed feature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+# Issue #13's engine changes, in the order the issue lists them.
+FEATURES = (
+    "packed_update",  # the update over the batch's real tokens, packed into rows
+    "real_width_scoring",  # sync scoring at the real widths, not [S, R]
+    "live_prefix_decode",  # decode attention over a power-of-two bucket of the live prefix
+    "compact_slots",  # finished slots gathered away when the live ones fit in half the bucket
+    "kept_scorer_caches",  # the frozen scorers keep carried rows' caches (no re-prefill)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The shapes an engine's kernels run at, as switches (module docstring)."""
+
+    name: str
+    token_proportional: bool = False  # every stage costs its real tokens (the active engine)
+    decode_to_cut: bool = True  # decode stops at the cut; False: whole chunks plus one more
+    split_admission: bool = True  # carried rows at W, the rest at P; False: every slot at W
+    packed_update: bool = False  # update over real tokens packed in rows of a pow2 length
+    real_width_scoring: bool = False  # sync scores min(S x pow2(longest), packed real tokens)
+    live_prefix_decode: bool = False  # attention over pow2(P + longest prefix + C), not P + R
+    compact_slots: bool = False  # slots gathered into pow2(live) once live <= half the slots
+    kept_scorer_caches: bool = False  # reference and reward keep carried rows' caches
+
+    def with_features(self, names) -> Engine:
+        """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
+        names = [n for n in names if n]
+        unknown = sorted(set(names) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"unknown engine feature(s) {unknown}; expected some of {FEATURES}")
+        if not names:
+            return self
+        label = "+".join([self.name, *sorted(names, key=FEATURES.index)])
+        return dataclasses.replace(self, name=label, **dict.fromkeys(names, True))
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The ``FEATURES`` switched on."""
+        return tuple(f for f in FEATURES if getattr(self, f))
+
+    def describe(self) -> str:
+        """One line: the name and what it computes."""
+        if self.token_proportional:
+            return f"{self.name} (token-proportional reference: cost follows real tokens)"
+        decode = "decode stops at the cut" if self.decode_to_cut else "whole decode chunks + 1"
+        if not self.split_admission:
+            decode += ", every slot admitted at the carried width"
+        on = ", ".join(self.features) or "none of #13's features"
+        return f"{self.name} (fixed shapes, {decode}; on: {on})"
+
+    def to_dict(self) -> dict:
+        """Plain JSON form (a trace's ``engine`` stamp)."""
+        return dataclasses.asdict(self)
+
+
+PADDED = Engine("padded", decode_to_cut=False)
+# This engine as built. Flip a feature here when it lands in the engine (see the docstring).
+BUILT = Engine("built")
+ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
+ENGINES = {"built": BUILT, "active": ACTIVE, "padded": PADDED}
+
+
+def pow2(n: int | float, floor: int = 1) -> int:
+    """The power of two >= ``n`` (and >= ``floor``). Example: 5 -> 8, 8 -> 8, 0 -> 1."""
+    return max(floor, 1 << max(math.ceil(n) - 1, 0).bit_length())
+
+
+def packed(total: int | float, longest: int | float) -> int:
+    """Tokens computed when ``total`` real tokens are packed into rows of pow2(``longest``)
+    (a row holds at least the longest sequence). Example: 100 tokens, longest 20 -> 4 x 32."""
+    if total <= 0:
+        return 0
+    row = pow2(longest)
+    return row * math.ceil(total / row)
+
+
+def recorded_engine(traces: list[dict]) -> Engine:
+    """The engine that recorded ``traces`` (``bench.json`` records' ``trace``).
+
+    New traces carry an ``engine`` stamp. Older ones do not: one where a slot finished past
+    the cut came from the padded engine (its whole chunks decoded past the cut); if slots were
+    carried and none did, the decode stopped at the cut (built); otherwise (no carrying seen)
+    the two decode alike and the padded engine is assumed. Traces without ``carried_rows``
+    predate the split admission.
+    """
+    stamps = {json.dumps(t["engine"], sort_keys=True) for t in traces if "engine" in t}
+    if stamps and (len(stamps) > 1 or any("engine" not in t for t in traces)):
+        raise ValueError("traces from different engines: fit them apart")
+    if stamps:
+        return Engine(**json.loads(stamps.pop()))
+    past_cut = any(f > t["cut"] for t in traces for f in t["finish"])
+    carried = any(f < 0 for t in traces for f in t["finish"])
+    engine = BUILT if carried and not past_cut else PADDED
+    split = all("carried_rows" in t for t in traces)
+    return dataclasses.replace(engine, split_admission=split)

@@ -1,0 +1,134 @@
+"""Roofline projections: a CostModel from datasheet numbers, a model's shape and what it trains.
+
+Decode is memory-bound until the batch reaches the ridge: a step reads every weight once
+(bytes / HBM bandwidth) and each slot reads its KV cache; past the ridge it is compute-bound.
+Prefills and the update run at ``mfu`` of peak: 2·params FLOPs per token forward, 3× that
+forward + backward, per PPO epoch and per trained model (the critic has the actor's size, as
+in every config here); each optimizer step also moves parameters, gradients and two Adam
+moments through HBM. Not modelled: attention FLOPs of prefill and update (a few percent at
+contexts of ~1k tokens, more at 8k+), memory limits, host delays (0) and contention (ρ = 1).
+Every cost model from here is labelled PROJECTION.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oppo_jax.sim.model import CostModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Per-chip peak numbers (public datasheet values, rounded)."""
+
+    name: str
+    hbm_bandwidth_bytes_s: float
+    peak_flops: float  # dense bf16
+    link_bytes_s: float  # chip-to-chip, one direction (parameter copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a decoder: parameters and KV-cache bytes per token."""
+
+    name: str
+    params: float
+    kv_bytes_per_token: float  # 2 (K, V) × layers × kv_heads × head_dim × 2 bytes (bf16)
+    bytes_per_param: float = 2.0  # bf16
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """What a run trains, as a step's cost sees it (a config's ``ppo`` and models)."""
+
+    ppo_epochs: int = 4  # passes over each batch (TRL's default)
+    num_minibatches: int = 1  # optimizer updates per epoch
+    trained: tuple[str, ...] = ("actor", "critic")  # models the update trains (LoRA: later)
+    reward_model: bool = True  # a reward model scores; False: a rule-based reward
+
+    @property
+    def n_scorers(self) -> int:
+        """Prefill-only consumers of the actor's tokens: reference, critic, reward model."""
+        return 1 + ("critic" in self.trained) + self.reward_model
+
+    def describe(self) -> str:
+        return (
+            f"{self.ppo_epochs} PPO epoch(s) × {self.num_minibatches} minibatch(es), "
+            f"trained: {' + '.join(self.trained)}, {self.n_scorers} scorers"
+        )
+
+
+HARDWARE = {
+    # H100 GPU of a GH200 96 GB: HBM3 4.0 TB/s, ~989 TFLOP/s dense bf16, NVLink 4 450 GB/s/dir.
+    "gh200": Hardware("GH200 (H100, 96 GB HBM3)", 4.0e12, 989e12, 450e9),
+    # TPU v5p chip: HBM2e 2.765 TB/s, 459 TFLOP/s bf16, ICI 4800 Gb/s = 600 GB/s.
+    "tpu-v5p": Hardware("TPU v5p (one chip)", 2.765e12, 459e12, 600e9),
+}
+MODELS = {
+    # 36 layers, 2 KV heads, head_dim 128.
+    "qwen2.5-3b": ModelShape("Qwen2.5-3B", 3.09e9, 2.0 * 36 * 2 * 128 * 2),
+    # 28 layers, 4 KV heads, head_dim 128.
+    "qwen2.5-7b": ModelShape("Qwen2.5-7B", 7.62e9, 2.0 * 28 * 4 * 128 * 2),
+}
+# An AdamW step reads parameters, gradients and both moments and writes parameters and
+# moments: 7 arrays of the parameters' size.
+OPTIMIZER_ARRAYS = 7
+
+
+def roofline_cost_model(
+    model: ModelShape,
+    hardware: Hardware,
+    train: TrainSettings,
+    batch: int,
+    mfu: float = 0.5,
+    chips: int = 1,
+) -> CostModel:
+    """The roofline CostModel of ``model`` on ``chips`` × ``hardware`` (sharded perfectly)
+    training as ``train`` says; ``batch`` is the decode batch (slots) the slope is fitted at."""
+    bandwidth, peak = hardware.hbm_bandwidth_bytes_s * chips, hardware.peak_flops * chips
+    weights = model.weight_bytes / bandwidth  # every decode step reads all weights once
+    compute = batch * 2.0 * model.params / peak
+    # Linear in S through the roofline at S = 0 and S = batch: exact at both ends, and above
+    # max(memory, compute) in between (so a projection never flatters large batches).
+    slope = max(0.0, compute - weights) / batch
+    per_token = 2.0 * model.params / (peak * mfu)
+    trained = len(train.trained)
+    optimizer_steps = train.ppo_epochs * train.num_minibatches * trained
+    return CostModel(
+        decode_a=weights,
+        decode_b=slope,
+        decode_c=model.kv_bytes_per_token / bandwidth,  # each slot reads its KV cache
+        prefill_p0=weights,  # a prefill call reads the weights at least once
+        prefill_p1=per_token,
+        n_scorers=train.n_scorers,
+        trained_scorers=int("critic" in train.trained),
+        admit_p0=weights,
+        admit_p1=per_token,
+        update_u0=optimizer_steps * OPTIMIZER_ARRAYS * weights,
+        update_u1=3.0 * per_token * train.ppo_epochs * trained,  # forward + 2× backward
+        copy_s=model.weight_bytes / hardware.link_bytes_s,
+        label=f"PROJECTION (roofline, mfu {mfu:g}): {model.name} on {chips}× {hardware.name}",
+    )
+
+
+def parse_spec(spec: str) -> tuple[ModelShape, Hardware]:
+    """``"MODEL:HARDWARE"`` (e.g. ``qwen2.5-7b:gh200``) as its shape and hardware."""
+    model_name, _, hw_name = spec.lower().partition(":")
+    if model_name not in MODELS or hw_name not in HARDWARE:
+        raise ValueError(
+            f"--project {spec!r}: expected MODEL:HARDWARE with MODEL in {sorted(MODELS)} "
+            f"and HARDWARE in {sorted(HARDWARE)}"
+        )
+    return MODELS[model_name], HARDWARE[hw_name]
+
+
+def project_cost_model(
+    spec: str, batch: int, train: TrainSettings = TrainSettings(), mfu: float = 0.5, chips: int = 1
+) -> CostModel:
+    """The roofline CostModel of ``"MODEL:HARDWARE"``, a PROJECTION."""
+    model, hardware = parse_spec(spec)
+    return roofline_cost_model(model, hardware, train, batch, mfu, chips)

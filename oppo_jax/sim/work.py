@@ -1,0 +1,174 @@
+"""What one step computes, stage by stage, under an engine: the counts a cost model prices.
+
+``step_work(engine, facts, n_scorers, trained_scorers)`` turns a step's facts (slots, widths,
+carried prefixes, finish positions, the cut: a measured trace or a simulated step) into
+
+    actor admission       tokens prefilled
+    scorers' admission    tokens over all scorers (one call each)
+    decode, per chunk     (lockstep steps that run the model, Σ slots computed,
+                           Σ slots × context positions read)
+    scoring, per chunk    tokens over all scorers (streamed: one call each per chunk)
+    sync scoring          tokens over all scorers (one call each after the rollout)
+    update                tokens
+
+Simulation prices this work (``CostModel``); calibration fits the prices to measured stage
+times against the same counts, so both read an engine (``engines``) one way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from oppo_jax.sim.engines import Engine, packed, pow2
+from oppo_jax.sim.trace import forward_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFacts:
+    """One step as its work depends on it (all lengths in tokens)."""
+
+    slots: int  # S
+    prompt_len: int  # P, the prompt width
+    capacity: int  # R, response capacity
+    chunk: int  # C
+    width: int  # W, admission context of carried rows (P + prefix bucket; P without)
+    carried_rows: int  # K, leading rows admitted at W; the rest at P
+    prefix: np.ndarray  # [S] response tokens each slot carried in
+    finish: np.ndarray  # [S] decode position a slot finished at; -1: still running at the end
+    cut: int  # decode position at which the rollout was cut
+    batch_lengths: np.ndarray  # [B] response lengths of the batch the update takes
+    chunks: int  # decode chunks dispatched
+
+    @classmethod
+    def of_trace(cls, trace: dict, chunk: int, chunks: int) -> StepFacts:
+        """The facts a trace records (``trace.step_trace``) of a step decoded in ``chunks``
+        chunks of ``chunk`` tokens."""
+        s, p = trace["slots"], trace["prompt_width"]
+        return cls(
+            slots=s,
+            prompt_len=p,
+            capacity=trace["response_capacity"],
+            chunk=chunk,
+            width=trace["width"],
+            carried_rows=trace.get("carried_rows", s if trace["width"] > p else 0),
+            prefix=np.asarray(trace["prefix"]),
+            finish=np.asarray(trace["finish"]),
+            cut=int(trace["cut"]),
+            batch_lengths=np.asarray(trace["lengths"]),
+            chunks=chunks,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A step's work per stage (module docstring)."""
+
+    actor_tokens: float
+    scorer_admit_tokens: float
+    decode: list[tuple[float, float, float]]  # per chunk: steps, slot-steps, context reads
+    score_chunks: list[float]  # per scored chunk (all scorers); the last chunk is never scored
+    sync_score_tokens: float  # all scorers, the one call each when not streaming
+    update_tokens: float
+
+
+def decode_chunks(engine: Engine, cut: int, chunk: int) -> int:
+    """Chunks dispatched: the active engine stops after the chunk holding the cut; the fixed-
+    shape engine dispatches one more before the host reads that the rollout may stop."""
+    scored = max(1, math.ceil(cut / chunk))
+    return scored if engine.token_proportional else scored + 1
+
+
+def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers: int) -> Work:
+    """The work of one step (module docstring); ``trained_scorers`` of the ``n_scorers`` are
+    trained (the critic) and always re-prefill carried rows."""
+    f = facts
+    ends = np.where(f.finish < 0, f.cut + 1, f.finish)  # running at position t iff t < end
+    new_tokens = np.minimum(ends, f.cut)  # response tokens each slot made up to the cut
+    real_new = float(new_tokens.sum())
+    if engine.token_proportional:
+        decode, per_chunk = _active_decode(f, ends)
+        actor = float(f.prefix.sum()) + f.slots * f.prompt_len
+        new_rows = int((f.prefix == 0).sum()) * f.prompt_len
+        sync = real_new
+        update = f.batch_lengths.size * f.prompt_len + float(f.batch_lengths.sum())
+    else:
+        decode, buckets = _fixed_decode(engine, f, ends)
+        per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
+        if engine.real_width_scoring and per_chunk:  # the last chunk at the cut's width
+            last = f.cut - (len(per_chunk) - 1) * f.chunk
+            per_chunk[-1] = buckets[len(per_chunk) - 1] * min(f.chunk, pow2(last))
+        k = f.carried_rows if engine.split_admission else f.slots
+        actor = k * f.width + (f.slots - k) * f.prompt_len
+        new_rows = (f.slots - f.carried_rows) * f.prompt_len
+        sync = f.slots * f.capacity
+        if engine.real_width_scoring:
+            longest = float(new_tokens.max(initial=0))
+            sync = min(f.slots * pow2(longest), packed(real_new, longest))
+        update = f.batch_lengths.size * (f.prompt_len + f.capacity)
+        if engine.packed_update:
+            real = f.batch_lengths.size * f.prompt_len + float(f.batch_lengths.sum())
+            update = packed(real, f.prompt_len + float(f.batch_lengths.max(initial=0)))
+    frozen = n_scorers - trained_scorers
+    kept = new_rows if engine.kept_scorer_caches else actor
+    return Work(
+        actor_tokens=float(actor),
+        scorer_admit_tokens=float(trained_scorers * actor + frozen * kept),
+        decode=decode,
+        score_chunks=[float(n_scorers * t) for t in per_chunk],
+        sync_score_tokens=float(n_scorers * sync),
+        update_tokens=float(update),
+    )
+
+
+def _running(ends: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Slots still running at each decode position ``t`` (end > t)."""
+    return ends.size - np.searchsorted(np.sort(ends), t, side="right")
+
+
+def _active_decode(f: StepFacts, ends: np.ndarray):
+    """Per chunk (steps, Σ running slots, Σ their contexts) and the real tokens per chunk,
+    up to the cut: finished slots cost nothing, each running slot reads its own context.
+    O(cut + S log S): with the slots sorted by end, the running ones are a suffix."""
+    order = np.argsort(ends, kind="stable")
+    es, base = ends[order], (f.prompt_len + f.prefix)[order]
+    t = np.arange(f.cut)
+    done = np.searchsorted(es, t, side="right")
+    running = ends.size - done
+    ctx = np.concatenate([np.cumsum(base[::-1])[::-1], [0]])[done] + t * running
+    starts = np.arange(0, f.cut, f.chunk)
+    if not f.cut:
+        return [], []
+    steps = np.diff(np.append(starts, f.cut))
+    slot_steps = np.add.reduceat(running, starts)
+    reads = np.add.reduceat(ctx, starts)
+    rows = zip(steps, slot_steps, reads, strict=True)
+    decode = [(float(a), float(b), float(c)) for a, b, c in rows]
+    return decode, [float(x) for x in slot_steps]
+
+
+def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
+    """Per chunk (forward steps, Σ slots computed, Σ slots × context read) of a fixed-shape
+    engine, and each chunk's slot bucket (the streaming scorers run at it too)."""
+    cut = f.cut if engine.decode_to_cut else None
+    fwd = forward_steps(f.finish, f.chunks, f.chunk, cut)
+    full = f.prompt_len + f.capacity
+    bucket, decode, buckets = f.slots, [], []
+    for j, steps in enumerate(fwd):
+        ctx, gather = full, 0.0
+        if engine.compact_slots and j >= 1:
+            # The host sees a chunk's counts one chunk late: chunk j is sized by the slots
+            # running when chunk j - 1 began; gathering them copies their caches once.
+            live = int(_running(ends, np.array([(j - 1) * f.chunk]))[0])
+            if live <= bucket // 2:
+                bucket = pow2(live)
+                gather = 2.0 * bucket * full
+        if engine.live_prefix_decode:
+            live_rows = ends > j * f.chunk
+            longest = float(f.prefix[live_rows].max(initial=0)) + j * f.chunk
+            ctx = min(full, pow2(f.prompt_len + longest + f.chunk))
+        decode.append((float(steps), float(steps * bucket), float(steps * bucket * ctx + gather)))
+        buckets.append(bucket)
+    return decode, buckets

@@ -17,12 +17,12 @@ Z99 = 2.3263478740408408  # 99th percentile of the standard normal
 class LogNormal:
     """Log-normal response lengths, rounded and clipped to [1, cap] tokens."""
 
-    median: float  # tokens
+    median: int | float  # tokens
     sigma: float = 0.94  # σ of the log; 0.94 puts p99 at 8.9 × the median
     cap: int = 1024  # R, the response capacity: longer responses end here
 
     @classmethod
-    def from_p99(cls, median: float, p99: float, cap: int) -> LogNormal:
+    def from_p99(cls, median: int | float, p99: int | float, cap: int) -> LogNormal:
         """The distribution with this median and 99th percentile (as ``rollout.length_p99``)."""
         return cls(median, math.log(p99 / median) / Z99, cap)
 

@@ -93,7 +93,7 @@ class Projection:
         ]
         return [f"  {text:<76} [{self.source(key)}]" for key, text in rows]
 
-    def with_regime(self, epochs: int, median: float) -> Projection:
+    def with_regime(self, epochs: int, median: int | float) -> Projection:
         """This projection at ``epochs`` PPO epochs and log-normal lengths of ``median``."""
         cap = int(CAP_RATIO * median)
         return dataclasses.replace(

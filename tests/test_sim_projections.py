@@ -1,0 +1,146 @@
+"""Projections with stated settings (oppo_jax.sim.project): settings from a run config, --set
+and flags, each printed with its source; the regime map's shape and sanity; oppo-jax sim stays
+JAX-free; and the simulator's functions take bundles, never more than 8 parameters."""
+
+import importlib
+import inspect
+import json
+import pkgutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import oppo_jax.sim
+from oppo_jax.errors import ConfigError
+from oppo_jax.sim import ACTIVE, BUILT, Projection, TrainSettings, Workload, regime_map
+from oppo_jax.sim.cli import main
+from oppo_jax.sim.lengths import LONGTAIL, LogNormal
+from oppo_jax.sim.project import build_projection, format_regime_map
+
+CONFIG = "qwen2.5-7b_gh200x1"
+
+
+def test_settings_come_from_the_config():
+    p = build_projection("qwen2.5-7b:gh200", CONFIG)
+    w = p.workload
+    assert (w.batch, w.prompt_len, w.capacity, w.chunk_size, w.delta) == (112, 512, 1024, 256, 8)
+    assert (w.placement, w.max_deferrals, p.chips) == ("colocated", 2, 1)
+    assert p.train == TrainSettings(4, 1, ("actor", "critic"), True)
+    assert p.lengths == LONGTAIL  # the config leaves lengths to the policy: the stated default
+    src = dict(p.sources)
+    assert src["ppo"] == src["batch"] == src["schedule"] == f"config {CONFIG}"
+    assert p.source("lengths") == p.source("steps") == "default"
+    # The colocated roles share the chip: no parameter copy; the 4 epochs × 2 models update.
+    cost = p.cost_model()
+    assert cost.copy_s == 0.0 and cost.n_scorers == 3
+    assert cost.update_u1 == pytest.approx(8 * 3 * 2 * 7.62e9 / (989e12 * 0.5))
+    tpu = build_projection("qwen2.5-3b:tpu-v5p", "qwen2.5-3b_tpu-v5p-8")
+    assert tpu.chips == 4 and tpu.workload.batch == 96  # the mesh: fsdp 2 × tensor 2
+
+
+def test_set_and_flags_override_the_config_and_say_so():
+    sets = ["ppo.ppo_epochs=1", "pipeline.placement=disaggregated", "mesh.scoring_devices=1"]
+    p = build_projection("qwen2.5-7b:gh200", CONFIG, sets, {"batch": 64, "prompt_len": None})
+    assert (p.train.ppo_epochs, p.workload.placement, p.workload.batch) == (1, "disaggregated", 64)
+    assert (p.source("ppo"), p.source("schedule"), p.source("batch")) == ("--set", "--set", "flag")
+    assert p.workload.prompt_len == 512 and p.source("prompt") == f"config {CONFIG}"
+    with pytest.raises(ValueError, match="model.preset is qwen2.5-7b"):
+        build_projection("qwen2.5-3b:gh200", CONFIG)
+    with pytest.raises(ConfigError, match="ppo_epochs"):
+        build_projection("qwen2.5-7b:gh200", CONFIG, ["ppo.ppo_epochs=four"])
+
+
+def test_without_a_config_the_defaults_are_stated():
+    p = build_projection("qwen2.5-7b:gh200", given={"capacity": 512})
+    assert p.workload.capacity == p.lengths.cap == 512  # R caps the lengths
+    assert (p.workload.batch, p.workload.prompt_len, p.train.ppo_epochs) == (112, 0, 4)
+    lines = "\n".join(p.lines())
+    assert "B = 112 sequences per PPO batch" in lines and "[default]" in lines
+    assert "R = 512 tokens" in lines and "[flag]" in lines
+
+
+def test_cli_prints_the_settings_with_every_projection(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    argv = ["--project", "qwen2.5-7b:gh200", "--config", CONFIG, "--set", "ppo.ppo_epochs=2",
+            "--steps", "4", "--candidates-c", "256", "--candidates-delta", "8",
+            "--no-regime-map", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for text in ("B = 112", "P = 512 prompt tokens", "R = 1024", "2 PPO epoch(s)",
+                 "trained: actor + critic; 3 scorers", "C = 256, Δ = 8, colocated",
+                 f"[config {CONFIG}]", "[--set]", "engine: built", "engine: active"):  # fmt: skip
+        assert text in printed, text
+    data = json.loads(out.read_text())
+    assert data["settings"]["train"]["ppo_epochs"] == 2
+    assert set(data["engines"]) == {"built", "active"}
+    # A what-if: one feature switched on, the engine named after it.
+    assert main(["--project", "qwen2.5-7b:gh200", "--steps", "3", "--no-regime-map",
+                 "--engine", "built", "--with", "packed_update", "--candidates-c", "256",
+                 "--candidates-delta", "16"]) == 0  # fmt: skip
+    assert "engine: built+packed_update" in capsys.readouterr().out
+    assert main(["--bench", "x.json", "--config", CONFIG]) == 2
+    assert main(["--project", "qwen2.5-7b:gh200", "--with", "warp_drive"]) == 2
+
+
+def _small(epochs=4) -> Projection:
+    w = Workload(16, 64, 4, 32, 1024, "disaggregated", steps=12, seed=0)
+    return Projection("qwen2.5-7b:gh200", w, TrainSettings(epochs), LONGTAIL)
+
+
+def test_regime_map_shape_and_sanity():
+    result = regime_map(_small())
+    assert result["epochs"] == [1, 2, 4] and result["medians"] == [128, 512, 2048]
+    assert set(result["cells"]) == {"built", "active"}
+    for engine, rows in result["cells"].items():
+        speed = np.array([[c["speedup"] for c in row] for row in rows])
+        sync = np.array([[c["sync_s"] for c in row] for row in rows])
+        assert speed.shape == sync.shape == (3, 3)
+        # More epochs: a longer update that nothing overlaps, so a smaller OPPO gain.
+        assert (np.diff(speed, axis=0) < 0).all(), (engine, speed)
+        # Longer responses and more epochs both cost sync more.
+        assert (np.diff(sync, axis=0) > 0).all() and (np.diff(sync, axis=1) > 0).all()
+        assert (speed > 0.5).all() and (speed < 3.0).all()
+    built, active = (np.array([[c["sync_s"] for c in r] for r in result["cells"][e]])
+                     for e in ("built", "active"))  # fmt: skip
+    assert (built > active).all()  # the fixed-shape engine computes more than it needs
+    lines = format_regime_map(result)
+    assert lines[0].startswith("PROJECTION regime map") and "engine built" in lines
+    assert len(lines) == 2 + 2 * 4
+
+
+def test_regime_cell_uses_its_median_and_capacity():
+    p = _small().with_regime(2, 512)
+    assert (p.train.ppo_epochs, p.workload.capacity) == (2, 8 * 512)
+    assert p.lengths == LogNormal(512.0, 0.94, 4096)
+    assert np.median(p.lengths.sample()) == pytest.approx(512, rel=0.05)
+
+
+def test_sim_with_a_config_stays_jax_free():
+    code = (
+        "import sys; from oppo_jax.sim.cli import main; "
+        f"rc = main(['--project', 'qwen2.5-7b:gh200', '--config', '{CONFIG}', '--steps', '2', "
+        "'--no-regime-map', '--candidates-c', '256', '--candidates-delta', '8']); "
+        "assert rc == 0 and 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def test_no_simulator_function_takes_more_than_8_parameters():
+    names = [m.name for m in pkgutil.iter_modules(oppo_jax.sim.__path__)]
+    assert {"events", "roofline", "project", "work"} <= set(names)
+    for name in names:
+        module = importlib.import_module(f"oppo_jax.sim.{name}")
+        for _, obj in inspect.getmembers(module):
+            funcs = [obj] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                funcs = [f for _, f in inspect.getmembers(obj, inspect.isfunction)]
+            for f in funcs:
+                if f.__module__ != module.__name__ or f.__name__.startswith("__"):
+                    continue  # not defined here, or a dataclass's generated __init__
+                params = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
+                assert len(params) <= 8, (module.__name__, f.__qualname__, params)
+    assert len(inspect.signature(oppo_jax.sim.simulate).parameters) == 5
+    assert len(inspect.signature(oppo_jax.sim.roofline_cost_model).parameters) == 6
+    assert BUILT.name == "built" and ACTIVE.token_proportional

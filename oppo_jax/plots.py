@@ -20,15 +20,18 @@ def plot_bench(result: dict, events: dict, out: Path) -> None:
     """Write reward_vs_time.png, step_time.png and gantt_<schedule>.png into ``out``."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    target = result["workload"]["target_gold"]  # None without a gold score (random models)
     for name, s in result["schedules"].items():
         wall = np.cumsum(s["step_time_s"][0])
         axes[0].plot(wall, s["reward"][0], label=name)
-        axes[1].plot(wall, s["gold"][0], label=name)
+        if target is not None:
+            axes[1].plot(wall, s["gold"][0], label=name)
     for ax, what in zip(axes, ("reward-model score", "gold score"), strict=True):
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel(f"mean {what}")
-        ax.legend()
-    axes[1].axhline(result["workload"]["target_gold"], color="grey", ls=":", lw=1)
+        ax.legend() if ax.lines else ax.set_title("no gold score")
+    if target is not None:
+        axes[1].axhline(target, color="grey", ls=":", lw=1)
     fig.tight_layout()
     fig.savefig(out / "reward_vs_time.png", dpi=110)
     plt.close(fig)

@@ -13,10 +13,13 @@ import numpy as np
 
 from oppo_jax.config import Config, devices_needed
 from oppo_jax.data.prompts import PromptIterator, load_prompt_file, tokenize_prompts
+from oppo_jax.data.random_prompts import RANDOM_EOS_ID, RANDOM_PAD_ID, random_prompts
 from oppo_jax.errors import InputError
-from oppo_jax.models.api import load_hf_model
+from oppo_jax.models.api import HFModel, load_hf_model
 from oppo_jax.models.hf_io import load_params
+from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.models.tokenizer import same_vocabulary
+from oppo_jax.models.transformer import init_params
 from oppo_jax.pipeline.host_state import sampling_key
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -31,6 +34,8 @@ from oppo_jax.sharding import make_device_groups
 from oppo_jax.specs import rollout_spec, update_spec
 
 NUM_DEMO_PROMPTS = 4096  # size of the built-in demo's prompt set
+DEMO_CONTEXT = 128  # context of the default demo models, tokens; longer runs get their own
+RANDOM_MODELS = "random"  # model.actor_path / reward_path of seeded random-weight models
 
 
 def cache_dir() -> Path:
@@ -45,8 +50,8 @@ class RunContext:
     cfg: Config
     engine: StepEngine  # what every step dispatches to: kernels, placement, frozen scorers
     prompts: list[np.ndarray]
-    tokenizer: object
-    actor_dir: Path
+    tokenizer: object  # None for random models
+    actor_dir: Path | None  # None for random models
     gold_fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None  # (responses, lengths) -> [B]
     prompts_truncated: int = 0  # user prompts cut to rollout.max_prompt_len (warned at load)
 
@@ -66,27 +71,78 @@ class RunContext:
 
 
 def _demo_assets(cfg: Config, progress: bool):
+    """The demo task's actor and reward model, in ``<cache>/demo``, built for the run's
+    response length (the SFT corpus is capped at it).
+
+    A run whose prompt + response exceed the default models' context of 128 tokens (e.g. the
+    long-tail bench, R = 512, whose lengths come from ``rollout.length_sampler``) gets models
+    trained on the default corpus (capped at 64 tokens: the task's responses rarely reach
+    it) with a context of the next power of two, in ``<cache>/demo-ctx<N>``, so that neither
+    set of models evicts the other from the cache and the long run costs one default build.
+    """
     from oppo_jax.data.demo_task import DemoTaskSpec, gold_scores, sample_prompts
     from oppo_jax.demo.assets import ensure_demo_assets
 
-    spec = DemoTaskSpec(max_response_len=cfg.rollout.max_response_len)
+    r = cfg.rollout.max_response_len
+    spec = DemoTaskSpec(max_response_len=r)
+    context = cfg.rollout.max_prompt_len + r
+    where, sizes = cache_dir() / "demo", None
+    if context > DEMO_CONTEXT:
+        spec, width = DemoTaskSpec(), 1 << (context - 1).bit_length()
+        where, sizes = cache_dir() / f"demo-ctx{width}", {"max_position_embeddings": width}
     actor_dir, reward_dir = ensure_demo_assets(
-        cache_dir() / "demo", spec, cfg.train.sft_steps, cfg.train.rm_steps, progress=progress
-    )
+        where, spec, cfg.train.sft_steps, cfg.train.rm_steps, progress=progress,
+        model_sizes=sizes,
+    )  # fmt: skip
     prompts = sample_prompts(spec, NUM_DEMO_PROMPTS, np.random.default_rng(12345))
     return actor_dir, reward_dir, prompts, lambda resp, lens: gold_scores(resp, lens, spec)
 
 
-def _resolve_models(cfg: Config, progress: bool):
-    """(actor_dir, reward_dir, demo prompts or None, gold function or None)."""
+def _random_models(cfg: Config) -> tuple[HFModel, HFModel]:
+    """Seeded random-weight actor and reward model of ``model.preset`` (no files): for
+    benchmarks at any size. They read eos id 1 and pad id 0 and have no tokenizer."""
     m = cfg.model
-    if "demo" in (m.actor_path, m.reward_path):
-        if (m.actor_path, m.reward_path) != ("demo", "demo"):
-            raise InputError(
-                "model.actor_path and model.reward_path must both be 'demo' or neither"
-            )
-        return _demo_assets(cfg, progress)
-    return Path(m.actor_path), Path(m.reward_path), None, None
+    try:
+        arch = preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype)
+    except ValueError as e:
+        raise InputError(f"model.preset={m.preset!r}: {e}") from None
+    arch = arch.replace(pad_token_id=RANDOM_PAD_ID)
+    actor_key, reward_key = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), 7))
+    reward_arch = arch.replace(head="score", num_labels=1)
+    init = jax.jit(init_params, static_argnums=0)
+    return (
+        HFModel(arch, init(arch, actor_key), Path(RANDOM_MODELS)),
+        HFModel(reward_arch, init(reward_arch, reward_key), Path(RANDOM_MODELS)),
+    )
+
+
+def _critic_from_actor(actor: HFModel, critic_cfg: ModelConfig, key: jax.Array):
+    """A random model's critic started from the actor: its backbone, a fresh score head."""
+    fresh = jax.jit(init_params, static_argnums=0)(critic_cfg, key)
+    return {name: fresh[name] if name == "score" else actor.params[name] for name in fresh}
+
+
+def _load_models(cfg: Config, progress: bool):
+    """(actor, reward model, actor_dir or None, demo prompts or None, gold function or None)."""
+    m = cfg.model
+    if (m.actor_path == "demo") != (m.reward_path == "demo") or (
+        (m.actor_path == RANDOM_MODELS) != (m.reward_path == RANDOM_MODELS)
+    ):
+        raise InputError(
+            f"model.actor_path={m.actor_path!r} and model.reward_path={m.reward_path!r}: "
+            "must both be 'demo', both 'random', or neither"
+        )
+    if m.actor_path == RANDOM_MODELS:
+        return *_random_models(cfg), None, None, None
+    prompts = gold_fn = None
+    actor_dir, reward_dir = Path(m.actor_path), Path(m.reward_path)
+    if m.actor_path == "demo":
+        actor_dir, reward_dir, prompts, gold_fn = _demo_assets(cfg, progress)
+    dtypes = {"dtype": m.dtype, "param_dtype": m.param_dtype}
+    actor = load_hf_model(actor_dir, trust_remote_code=m.trust_remote_code, **dtypes)
+    reward = load_hf_model(reward_dir, trust_remote_code=m.trust_remote_code, **dtypes)
+    _check_models(actor, reward, actor_dir, reward_dir)
+    return actor, reward, actor_dir, prompts, gold_fn
 
 
 def _user_prompts(cfg: Config, tokenizer) -> tuple[list[np.ndarray], int]:
@@ -98,13 +154,25 @@ def _user_prompts(cfg: Config, tokenizer) -> tuple[list[np.ndarray], int]:
     )  # fmt: skip
 
 
-def _check_context(cfg: Config, actor_dir: Path, context: int) -> None:
+def _random_prompt_set(cfg: Config, actor: HFModel) -> list[np.ndarray]:
+    """``data.prompts: random``: seeded token ids within the actor's vocabulary (its
+    tokenizer's, when it has one), special ids left out."""
+    vocab, special = actor.config.vocab_size, [RANDOM_EOS_ID, RANDOM_PAD_ID]
+    if actor.tokenizer is not None:
+        vocab = min(vocab, len(actor.tokenizer))
+        special = list(getattr(actor.tokenizer, "all_special_ids", []))
+    lo, hi = cfg.data.random_prompt_len
+    return random_prompts(vocab, (lo, hi), exclude=special)
+
+
+def _check_context(cfg: Config, actor_dir: Path | None, context: int) -> None:
     """Prompt plus response must fit the positions the actor was trained for."""
     r = cfg.rollout
     if r.max_prompt_len + r.max_response_len > context:
         raise InputError(
             f"rollout.max_prompt_len={r.max_prompt_len} + rollout.max_response_len="
-            f"{r.max_response_len} exceeds the context of {actor_dir} "
+            f"{r.max_response_len} exceeds the context of "
+            f"{actor_dir or f'model.preset={cfg.model.preset}'} "
             f"(max_position_embeddings={context})"
         )
 
@@ -139,24 +207,25 @@ def _batch_resharded(update: Callable, mesh) -> Callable:
 def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainState]:
     """Load (or build) the models, the prompts and the kernels of ``cfg``; returns the run's
     context and its initial train state."""
-    actor_dir, reward_dir, prompts, gold_fn = _resolve_models(cfg, progress)
-    dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
-    remote = cfg.model.trust_remote_code
-    actor = load_hf_model(actor_dir, trust_remote_code=remote, **dtypes)
-    reward = load_hf_model(reward_dir, trust_remote_code=remote, **dtypes)
-    _check_models(actor, reward, actor_dir, reward_dir)
+    actor, reward, actor_dir, prompts, gold_fn = _load_models(cfg, progress)
     critic_cfg = actor.config.replace(head="score", num_labels=1)
     if cfg.model.critic_init == "reward":
         critic_cfg, critic_params = reward.config, jax.tree.map(jnp.copy, reward.params)
+    elif actor_dir is None:
+        critic_params = _critic_from_actor(actor, critic_cfg, jax.random.key(cfg.seed))
     else:
         critic_params = load_params(actor_dir, critic_cfg, fresh_head_key=jax.random.key(cfg.seed))
     _check_context(cfg, actor_dir, actor.config.max_position_embeddings)
     truncated = 0
-    if prompts is None:
+    if cfg.data.prompts == "random":
+        prompts = _random_prompt_set(cfg, actor)
+    elif prompts is None:
         prompts, truncated = _user_prompts(cfg, actor.tokenizer)
     tok = actor.tokenizer
-    eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    eos_ids, pad_id = (RANDOM_EOS_ID,), RANDOM_PAD_ID  # random models: no tokenizer
+    if tok is not None:
+        eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     placement = _placement(cfg)
     mesh = placement.groups.training
     spec = update_spec(cfg, actor.config, critic_cfg)

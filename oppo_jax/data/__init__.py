@@ -23,12 +23,15 @@ from oppo_jax.data.demo_task import (
     word_sentiments,
 )
 from oppo_jax.data.prompts import PromptIterator, load_prompt_file, tokenize_prompts
+from oppo_jax.data.random_prompts import RANDOM_EOS_ID, RANDOM_PAD_ID, random_prompts
 
 __all__ = [
     "BOS_ID",
     "EOS_ID",
     "NUM_SPECIAL",
     "PAD_ID",
+    "RANDOM_EOS_ID",
+    "RANDOM_PAD_ID",
     "SEP_ID",
     "SPECIAL_TOKENS",
     "DemoTaskSpec",
@@ -42,6 +45,7 @@ __all__ = [
     "load_tokenizer",
     "long_marker_words",
     "pad_batch",
+    "random_prompts",
     "sample_preference_pairs",
     "sample_prompts",
     "sample_sft_corpus",

@@ -35,8 +35,10 @@ def demo_model_config(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
+    max_position_embeddings: int = 128,
 ) -> ModelConfig:
-    """A tiny Qwen2-layout decoder over the demo vocabulary (``head="score"`` for the RM)."""
+    """A tiny Qwen2-layout decoder over the demo vocabulary (``head="score"`` for the RM);
+    ``max_position_embeddings`` is the context a run may use (prompt + response), tokens."""
     return ModelConfig(
         vocab_size=spec.vocab_size,
         hidden_size=hidden_size,
@@ -46,7 +48,7 @@ def demo_model_config(
         num_kv_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         qkv_bias=True,
-        max_position_embeddings=128,
+        max_position_embeddings=max_position_embeddings,
         head=head,
         num_labels=1,
         pad_token_id=PAD_ID,

@@ -86,8 +86,18 @@ class ModelConfig:
         return self.vocab_size if self.head == "lm" else self.num_labels
 
 
-# Architectures of real checkpoints, for abstract shape checks (no weights needed).
+# Built-in architectures: two small ones for random-weight runs on any machine (``tiny`` for
+# tests, ``small`` about 25M parameters), and those of real checkpoints, for random-weight
+# benchmarks and abstract shape checks (no weights needed).
 PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, qkv_bias=True, max_position_embeddings=4096,
+    ),
+    "small": ModelConfig(
+        vocab_size=8192, hidden_size=384, intermediate_size=1024, num_layers=12, num_heads=6,
+        num_kv_heads=2, head_dim=64, qkv_bias=True, max_position_embeddings=4096,
+    ),
     "qwen2.5-0.5b": ModelConfig(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
         num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, tie_word_embeddings=True,

@@ -1,4 +1,4 @@
-"""The ``oppo-jax`` command: train, bench, export, sim, sft, rm."""
+"""The ``oppo-jax`` command: train, bench, export, sim, memory, sft, rm."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     export.add_argument("--critic", action="store_true", help="also write the critic")
     sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
+    sub.add_parser(
+        "memory", add_help=False, help="bytes per device of a config's state and kernels"
+    )
     for name, what in (("sft", "the demo actor (supervised)"), ("rm", "the demo reward model")):
         p = sub.add_parser(name, help=f"build {what} into the cache (or --out)")
         _config_args(p)
@@ -163,8 +166,31 @@ def main(argv: list[str] | None = None) -> int:
         from oppo_jax.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["memory"]:  # its own parser; sets the CPU device count before JAX starts
+        from oppo_jax.memory import main as memory_main
+
+        return _reporting_errors(lambda: memory_main(argv[1:]))
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return _reporting_errors(lambda: _command(args))
+
+
+def _command(args) -> int:
+    if args.command == "train":
+        return _train(args)
+    if args.command == "bench":
+        return _bench(args)
+    if args.command == "export":
+        from oppo_jax.export import export_run
+
+        print(f"wrote {export_run(args.run, args.out, args.step, args.critic)}")
+        return 0
+    return _demo_build(args, args.command)
+
+
+def _reporting_errors(command) -> int:
+    """Run ``command``; user errors, non-finite stops and preemption become one line on
+    stderr and their exit codes (2, 3, 75) instead of a traceback."""
     from oppo_jax.errors import (
         EXIT_BAD_INPUT,
         EXIT_NONFINITE,
@@ -175,16 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
 
     try:
-        if args.command == "train":
-            return _train(args)
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "export":
-            from oppo_jax.export import export_run
-
-            print(f"wrote {export_run(args.run, args.out, args.step, args.critic)}")
-            return 0
-        return _demo_build(args, args.command)
+        return command()
     except InputError as e:  # ConfigError, PromptError, CheckpointError (model directories)
         print(f"oppo-jax: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

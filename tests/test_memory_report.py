@@ -95,3 +95,11 @@ def test_command_reports_the_7b_update_per_device(capsys, remat):
 def test_command_names_the_missing_preset():
     with pytest.raises(ConfigError, match="model.preset"):
         main(["demo_cpu", "--kernels", "update"])
+
+
+def test_memory_is_an_oppo_jax_subcommand(capsys):
+    """``oppo-jax memory`` reaches the report; bad input exits 2 with one line."""
+    from oppo_jax.cli import main
+
+    assert main(["memory", "demo_cpu"]) == 2
+    assert "model.preset" in capsys.readouterr().err

@@ -77,6 +77,8 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 64),
         # Chunk 0 attends over pow2(4 + 30 + 8) = 64, chunk 1 (slot 0 done) over pow2(20).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 32), (0, 0, 0)]),
+        # Streamed chunks over their real tokens (43 and 13) in rows of C = 8.
+        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):

@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
         "--with",
         dest="features",
         default="",
-        help=f"features switched on (what-if), comma-separated: {', '.join(FEATURES)}",
+        help=f"features switched on (what-if), comma-separated: {', '.join(FEATURES)}; or all",
     )
     p.add_argument("--batch", type=int, default=None, help="B, sequences per PPO batch")
     p.add_argument("--lengths", default=None, help="file, 'bench', 'demo' or 'longtail'")
@@ -114,7 +114,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _engine(args, default: Engine) -> Engine:
     base = ENGINES[args.engine] if args.engine else default
-    return base.with_features(x.strip() for x in args.features.split(","))
+    names = [x.strip() for x in args.features.split(",")]
+    return base.with_features(FEATURES if "all" in names else names)
 
 
 def _print_table(cost: CostModel, engine: Engine, table: dict, rec: dict, tag: str) -> None:

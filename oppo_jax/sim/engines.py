@@ -17,9 +17,11 @@ Three engines, one dataclass:
   cost their real tokens, and the frozen scorers keep the caches of carried rows.
 
 The five engine changes of issue #13 that are not built yet are switches of ``built``, each off
-(``FEATURES``). When one lands in the engine, flip it in ``BUILT`` below: the simulator, the
-projections and the traces ``oppo-jax bench`` records (``trace.step_trace`` stamps ``BUILT``)
-follow. Power-of-two buckets (``pow2``) are the shape rule of every bucketed feature.
+(``FEATURES``), and a sixth the projections show OPPO needs beside them
+(``packed_chunk_scoring``: streamed chunks scored over their real tokens). When one lands in
+the engine, flip it in ``BUILT`` below: the simulator, the projections and the traces
+``oppo-jax bench`` records (``trace.step_trace`` stamps ``BUILT``) follow. Power-of-two
+buckets (``pow2``) are the shape rule of every bucketed feature.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ FEATURES = (
     "live_prefix_decode",  # decode attention over a power-of-two bucket of the live prefix
     "compact_slots",  # finished slots gathered away when the live ones fit in half the bucket
     "kept_scorer_caches",  # the frozen scorers keep carried rows' caches (no re-prefill)
+    # Not in #13's list; what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
+    "packed_chunk_scoring",  # each streamed chunk scored over its real tokens, not [S, C]
 )
 
 
@@ -51,6 +55,7 @@ class Engine:
     live_prefix_decode: bool = False  # attention over pow2(P + longest prefix + C), not P + R
     compact_slots: bool = False  # slots gathered into pow2(live) once live <= half the slots
     kept_scorer_caches: bool = False  # reference and reward keep carried rows' caches
+    packed_chunk_scoring: bool = False  # a streamed chunk's live tokens packed in rows of C
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""

@@ -43,7 +43,8 @@ _SETTING = {
 _CONFIG_KEYS = {
     "rollout.batch_size": "batch", "rollout.max_prompt_len": "prompt",
     "rollout.max_response_len": "capacity", "rollout.length": "lengths", "ppo.ppo_epochs": "ppo",
-    "ppo.num_minibatches": "ppo", "pipeline.": "schedule", "mesh.": "model",
+    "ppo.num_minibatches": "ppo", "pipeline.": "schedule", "mesh.data": "model",
+    "mesh.fsdp": "model", "mesh.tensor": "model",
 }  # fmt: skip
 
 

@@ -100,6 +100,9 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         if engine.real_width_scoring and per_chunk:  # the last chunk at the cut's width
             last = f.cut - (len(per_chunk) - 1) * f.chunk
             per_chunk[-1] = buckets[len(per_chunk) - 1] * min(f.chunk, pow2(last))
+        if engine.packed_chunk_scoring:  # each chunk's real tokens in rows of C
+            real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
+            per_chunk = [min(p, packed(r, f.chunk)) for p, r in zip(per_chunk, real, strict=True)]
         k = f.carried_rows if engine.split_admission else f.slots
         actor = k * f.width + (f.slots - k) * f.prompt_len
         new_rows = (f.slots - f.carried_rows) * f.prompt_len
@@ -126,6 +129,14 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
 def _running(ends: np.ndarray, t: np.ndarray) -> np.ndarray:
     """Slots still running at each decode position ``t`` (end > t)."""
     return ends.size - np.searchsorted(np.sort(ends), t, side="right")
+
+
+def _chunk_tokens(ends: np.ndarray, cut: int, chunk: int) -> list[float]:
+    """Real tokens each chunk makes up to the cut (the running slots at each position)."""
+    t = np.arange(cut)
+    if not cut:
+        return []
+    return [float(x) for x in np.add.reduceat(_running(ends, t), np.arange(0, cut, chunk))]
 
 
 def _active_decode(f: StepFacts, ends: np.ndarray):

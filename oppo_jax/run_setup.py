@@ -30,7 +30,7 @@ from oppo_jax.ppo.update import (
     make_sharded_init,
     make_sharded_update,
 )
-from oppo_jax.sharding import make_device_groups
+from oppo_jax.sharding import init_sharded_params, make_device_groups, placed_on
 from oppo_jax.specs import rollout_spec, update_spec
 
 NUM_DEMO_PROMPTS = 4096  # size of the built-in demo's prompt set
@@ -98,9 +98,10 @@ def _demo_assets(cfg: Config, progress: bool):
     return actor_dir, reward_dir, prompts, lambda resp, lens: gold_scores(resp, lens, spec)
 
 
-def _random_models(cfg: Config) -> tuple[HFModel, HFModel]:
-    """Seeded random-weight actor and reward model of ``model.preset`` (no files): for
-    benchmarks at any size. They read eos id 1 and pad id 0 and have no tokenizer."""
+def _random_models(cfg: Config, mesh) -> tuple[HFModel, HFModel]:
+    """Seeded random-weight actor and reward model of ``model.preset`` (no files), born
+    sharded over ``mesh``: for benchmarks at any size. They read eos id 1 and pad id 0 and
+    have no tokenizer."""
     m = cfg.model
     try:
         arch = preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype)
@@ -109,10 +110,11 @@ def _random_models(cfg: Config) -> tuple[HFModel, HFModel]:
     arch = arch.replace(pad_token_id=RANDOM_PAD_ID)
     actor_key, reward_key = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), 7))
     reward_arch = arch.replace(head="score", num_labels=1)
-    init = jax.jit(init_params, static_argnums=0)
     return (
-        HFModel(arch, init(arch, actor_key), Path(RANDOM_MODELS)),
-        HFModel(reward_arch, init(reward_arch, reward_key), Path(RANDOM_MODELS)),
+        HFModel(arch, init_sharded_params(arch, actor_key, mesh), Path(RANDOM_MODELS)),
+        HFModel(
+            reward_arch, init_sharded_params(reward_arch, reward_key, mesh), Path(RANDOM_MODELS)
+        ),
     )
 
 
@@ -122,8 +124,9 @@ def _critic_from_actor(actor: HFModel, critic_cfg: ModelConfig, key: jax.Array):
     return {name: fresh[name] if name == "score" else actor.params[name] for name in fresh}
 
 
-def _load_models(cfg: Config, progress: bool):
-    """(actor, reward model, actor_dir or None, demo prompts or None, gold function or None)."""
+def _load_models(cfg: Config, mesh, progress: bool):
+    """(actor, reward model, actor_dir or None, demo prompts or None, gold function or None);
+    every parameter is placed on its sharding over ``mesh`` as it is read or initialised."""
     m = cfg.model
     if (m.actor_path == "demo") != (m.reward_path == "demo") or (
         (m.actor_path == RANDOM_MODELS) != (m.reward_path == RANDOM_MODELS)
@@ -133,14 +136,14 @@ def _load_models(cfg: Config, progress: bool):
             "must both be 'demo', both 'random', or neither"
         )
     if m.actor_path == RANDOM_MODELS:
-        return *_random_models(cfg), None, None, None
+        return *_random_models(cfg, mesh), None, None, None
     prompts = gold_fn = None
     actor_dir, reward_dir = Path(m.actor_path), Path(m.reward_path)
     if m.actor_path == "demo":
         actor_dir, reward_dir, prompts, gold_fn = _demo_assets(cfg, progress)
-    dtypes = {"dtype": m.dtype, "param_dtype": m.param_dtype}
-    actor = load_hf_model(actor_dir, trust_remote_code=m.trust_remote_code, **dtypes)
-    reward = load_hf_model(reward_dir, trust_remote_code=m.trust_remote_code, **dtypes)
+    options = {"dtype": m.dtype, "param_dtype": m.param_dtype, "placement": placed_on(mesh)}
+    actor = load_hf_model(actor_dir, trust_remote_code=m.trust_remote_code, **options)
+    reward = load_hf_model(reward_dir, trust_remote_code=m.trust_remote_code, **options)
     _check_models(actor, reward, actor_dir, reward_dir)
     return actor, reward, actor_dir, prompts, gold_fn
 
@@ -207,14 +210,18 @@ def _batch_resharded(update: Callable, mesh) -> Callable:
 def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainState]:
     """Load (or build) the models, the prompts and the kernels of ``cfg``; returns the run's
     context and its initial train state."""
-    actor, reward, actor_dir, prompts, gold_fn = _load_models(cfg, progress)
+    placement = _placement(cfg)
+    mesh = placement.groups.training
+    actor, reward, actor_dir, prompts, gold_fn = _load_models(cfg, mesh, progress)
     critic_cfg = actor.config.replace(head="score", num_labels=1)
     if cfg.model.critic_init == "reward":
         critic_cfg, critic_params = reward.config, jax.tree.map(jnp.copy, reward.params)
     elif actor_dir is None:
         critic_params = _critic_from_actor(actor, critic_cfg, jax.random.key(cfg.seed))
     else:
-        critic_params = load_params(actor_dir, critic_cfg, fresh_head_key=jax.random.key(cfg.seed))
+        critic_params = load_params(
+            actor_dir, critic_cfg, jax.random.key(cfg.seed), placed_on(mesh)(critic_cfg)
+        )
     _check_context(cfg, actor_dir, actor.config.max_position_embeddings)
     truncated = 0
     if cfg.data.prompts == "random":
@@ -226,8 +233,6 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
     if tok is not None:
         eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    placement = _placement(cfg)
-    mesh = placement.groups.training
     spec = update_spec(cfg, actor.config, critic_cfg)
     update = _batch_resharded(make_sharded_update(spec, mesh)[0], mesh)
     rollout = rollout_spec(cfg, eos_ids, pad_id, placement)

@@ -261,3 +261,22 @@ def test_decode_activations_are_split_along_the_slots():
         jaxtyping.config.update("jaxtyping_disable", False)
     rows = set(re.findall(r"f32\[(\d+),1,88\]", hlo))
     assert rows == {"2"}, rows
+
+
+def test_run_models_are_born_on_the_training_mesh():
+    """prepare_run's models are read (or initialised) straight into their shardings over the
+    training mesh, never first whole on one device."""
+    from oppo_jax.config import load_config
+    from oppo_jax.run_setup import _load_models
+
+    cfg = load_config(None, [
+        "model.actor_path=random", "model.reward_path=random", "model.preset=tiny",
+        "data.prompts=random",
+    ])  # fmt: skip
+    mesh = _placement("colocated", 1, 2, 2).groups.training
+    actor, reward, *_ = _load_models(cfg, mesh, progress=False)
+    for model in (actor, reward):
+        want = jax.tree.leaves(param_shardings(model.config, mesh))
+        got = [x.sharding for x in jax.tree.leaves(model.params)]
+        assert got == want
+        assert not all(s.is_fully_replicated for s in got)

@@ -5,6 +5,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -179,3 +180,39 @@ def test_remat_changes_memory_not_results():
     # ValueError from the config's own check; TypeError when runtime type checking is on.
     with pytest.raises((ValueError, TypeError), match="some"):
         base.replace(remat="some")
+
+
+def test_rollout_kernels_hold_no_vocabulary_sized_activation():
+    """The actor's admission prefill (with carried prefixes) and the reference scorer's chunk
+    never hold logits for a whole row: the only vocabulary-wide arrays are the head itself and
+    the actor's next-token logits, one row per slot (what sampling needs)."""
+    from oppo_jax.pipeline.kernels import make_actor_admit, make_scorer_chunk
+    from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
+    from oppo_jax.rollout.decode import ChunkTokens
+    from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
+
+    # A vocabulary larger than one block of the head (VOCAB_BLOCK = 4096 columns).
+    vocab, slots, prompt, response, chunk = 5000, 3, 6, 20, 5
+    cfg = CFG.replace(vocab_size=vocab, hidden_size=48, head_dim=12)
+    params = init_params(cfg, jax.random.key(0))
+    context = jnp.full((slots, prompt + 16), 7, jnp.int32)  # room for carried prefixes
+    admission = Admission.fresh(context, jnp.full((slots,), prompt), response)
+    admission = admission.replace(prefix_len=jnp.array([9, 4, 0]), carried_rows=None)
+    rollout = RolloutSpec(SamplingConfig(temperature=0.7), prompt, response, (1,))
+    admit = make_actor_admit(cfg, rollout, 0.7)
+    spec = ScorerSpec(cfg, "logprob", response, temperature=0.7)
+    state = scorer_admit(spec, params, admission, prompt)
+    fed = ChunkTokens(jnp.ones((slots, chunk), jnp.int32), state.num_fed, jnp.full((slots,), chunk),
+                      jnp.bool_(True))  # fmt: skip
+    jaxtyping.config.update("jaxtyping_disable", True)  # lowering rebuilds typed structs
+    try:
+        hlos = [
+            admit.lower(params, admission, jax.random.key(0)).compile().as_text(),
+            make_scorer_chunk(spec).lower(params, state, fed).compile().as_text(),
+        ]
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+    for hlo in hlos:
+        shapes = set(re.findall(r"[a-z]+\d*\[([\d,]+)\]", hlo))
+        with_vocab = {s for s in shapes if str(vocab) in s.split(",")}
+        assert with_vocab <= {f"48,{vocab}", f"{vocab},48", f"{slots},{vocab}"}, with_vocab

@@ -36,8 +36,10 @@ class Preempted(Exception):  # noqa: N818 (a stop request, not a failure)
     """The run stopped on a signal after saving a checkpoint at ``step``."""
 
     def __init__(self, step: int, signal_name: str, checkpoint_dir: str):
+        # Steps count from 0: ``step`` steps are done and the run continues at step ``step``.
+        done = "no step was done" if step == 0 else f"steps 0-{step - 1} are done"
         super().__init__(
-            f"{signal_name} received: stopped after step {step - 1} and saved a checkpoint at "
-            f"step {step} in {checkpoint_dir}; rerun with --resume to continue"
+            f"{signal_name} received: {done} and saved in {checkpoint_dir}/{step}; "
+            f"rerun with --resume to continue at step {step}"
         )
         self.step, self.signal_name = step, signal_name

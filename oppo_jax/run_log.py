@@ -1,12 +1,18 @@
-"""Where a run's step metrics go: metrics.jsonl, TensorBoard events and the progress bar."""
+"""A run's directory: the checks that keep it to one run, and where its step metrics go
+(metrics.jsonl, TensorBoard events and the progress bar)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
+import yaml
 from tqdm.auto import tqdm
+
+from oppo_jax.config import Config, to_dict
+from oppo_jax.errors import InputError
 
 # Shown in the progress bar, in this order.
 _BAR_KEYS = ("reward", "gold", "kl", "response_len_mean", "step_time_s")
@@ -83,3 +89,94 @@ class RunLog:
 def read_metrics(path: Path) -> list[dict]:
     """All records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# What a run writes into its directory; --overwrite clears only directories holding no more.
+RUN_ENTRIES = frozenset({
+    "config.yaml", "metrics.jsonl", "metrics.tmp", "trace.json", "checkpoints", "tensorboard",
+    "processes", "plots",
+})  # fmt: skip
+# Keys a resumed run may change: none alters the steps already taken.
+RESUMABLE_KEYS = frozenset({
+    "train.steps", "train.checkpoint_every", "train.max_to_keep", "train.log_every",
+    "train.max_nonfinite_in_a_row",
+})  # fmt: skip
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """Dotted keys of a nested dict: {"a": {"b": 1}} -> {"a.b": 1}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(stored_yaml: str, cfg: Config) -> list[str]:
+    """Dotted keys whose value in ``stored_yaml`` (a run's config.yaml) differs from ``cfg``,
+    leaving out the ``RESUMABLE_KEYS``."""
+    stored, current = _flat(yaml.safe_load(stored_yaml) or {}), _flat(to_dict(cfg))
+    keys = sorted((stored.keys() | current.keys()) - RESUMABLE_KEYS)
+    return [k for k in keys if stored.get(k, "<missing>") != current.get(k, "<missing>")]
+
+
+def check_run_dir(out: str | Path, cfg: Config, resume: bool, overwrite: bool) -> None:
+    """Refuse a run directory that would mix two runs; reads only, so nothing changes.
+
+    A non-empty ``out`` needs ``resume`` (its config.yaml must match ``cfg`` but for
+    ``RESUMABLE_KEYS``, and it must hold a checkpoint) or ``overwrite`` (it must hold only
+    run files); ``resume`` needs a non-empty ``out``. Raises ``InputError`` naming ``out``.
+    """
+    out = Path(out)
+    if resume and overwrite:
+        raise InputError(
+            "--resume and --overwrite exclude each other: continue a run or replace it"
+        )
+    if out.exists() and not out.is_dir():
+        raise InputError(f"run directory {out} is a file")
+    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if resume:
+        _check_resumable(out, entries, cfg)
+    elif overwrite:
+        foreign = [e for e in entries if e not in RUN_ENTRIES]
+        if foreign:
+            raise InputError(
+                f"--overwrite: {out} holds files no run writes ({', '.join(foreign[:5])}); "
+                "not clearing it, choose another --out"
+            )
+    elif entries:
+        raise InputError(
+            f"run directory {out} is not empty (holds {', '.join(entries[:5])}); pass --resume "
+            "to continue that run, --overwrite to replace it, or choose another --out"
+        )
+
+
+def _check_resumable(out: Path, entries: list[str], cfg: Config) -> None:
+    if not entries:
+        raise InputError(f"--resume: run directory {out} is missing or empty; nothing to resume")
+    stored = out / "config.yaml"
+    if not stored.is_file():
+        raise InputError(f"--resume: {out} holds no config.yaml, so it is not a run directory")
+    differ = config_differences(stored.read_text(), cfg)
+    if differ:
+        raise InputError(
+            f"--resume: the config differs from {stored} in {', '.join(differ)}; resume with "
+            "the same config, or start a new run with another --out"
+        )
+    ckpts = out / "checkpoints"
+    if not (ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())):
+        raise InputError(
+            f"--resume: {out} holds no checkpoint to continue from; --overwrite starts it again"
+        )
+
+
+def clear_run_dir(out: str | Path) -> None:
+    """Delete what a run wrote into ``out`` (after ``check_run_dir`` with ``overwrite``)."""
+    out = Path(out)
+    if not out.exists():
+        return
+    for entry in out.iterdir():
+        if entry.name in RUN_ENTRIES:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

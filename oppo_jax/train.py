@@ -96,6 +96,7 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     if resume and ckpt.latest_step() is not None:
         train_state, extra = ckpt.restore(None, abstract_like(train_state))
         host.restore(extra["host"], ctx.prompt_iterator(extra["host"]["prompts"]))
+        print(f"Resuming at step {host.step} from {ckpt.directory / str(host.step)}", flush=True)
     log = RunLog(out, cfg.train.steps, host.step, progress)
     trace = TraceWriter(out / "trace.json")
     try:

@@ -48,6 +48,8 @@ def test_set_and_flags_override_the_config_and_say_so():
     assert p.workload.prompt_len == 512 and p.source("prompt") == f"config {CONFIG}"
     with pytest.raises(ValueError, match="model.preset is qwen2.5-7b"):
         build_projection("qwen2.5-3b:gh200", CONFIG)
+    with pytest.raises(ValueError, match="--trained"):
+        build_projection("qwen2.5-7b:gh200", given={"trained": ("critic",)})
     with pytest.raises(ConfigError, match="ppo_epochs"):
         build_projection("qwen2.5-7b:gh200", CONFIG, ["ppo.ppo_epochs=four"])
 

@@ -199,42 +199,45 @@ def _settings_json(proj) -> dict:
     }
 
 
-def _measured(args, bench: dict | None) -> dict:
-    """--bench or --metrics: a fitted cost model and the run's own settings."""
+def _fitted(args, bench: dict | None) -> tuple[CostModel, Engine, dict]:
+    """(cost model, engine, run config) fitted to --bench (as the engine that recorded it) or
+    to --metrics (stage sums; the engine as built)."""
     if bench is not None:
-        cfg = bench.get("workload", {}).get("config", {})
-        cost = calibrate_from_bench(bench)
         recs = [r for rs in bench_records(bench).values() for r in rs if "trace" in r]
         engine = _engine(args, recorded_engine([r["trace"] for r in recs]) if recs else BUILT)
-    else:
-        path = Path(args.metrics)
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        records = records[args.skip_steps :]  # the first steps compile
-        cfg = _run_config(path)
-        rollout, pipeline = cfg.get("rollout", {}), cfg.get("pipeline", {})
-        streamed = pipeline.get("mode", "oppo") in ("intra", "oppo")
-        batch, prompt = rollout.get("batch_size", args.batch), int(rollout.get("max_prompt_len", 0))
-        cost, engine = calibrate(records, batch, prompt, streamed), _engine(args, BUILT)
+        return calibrate_from_bench(bench), engine, bench.get("workload", {}).get("config", {})
+    path = Path(args.metrics)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = records[args.skip_steps :]  # the first steps compile
+    cfg = _run_config(path)
+    rollout, pipeline = cfg.get("rollout", {}), cfg.get("pipeline", {})
+    streamed = pipeline.get("mode", "oppo") in ("intra", "oppo")
+    batch, prompt = rollout.get("batch_size", args.batch), int(rollout.get("max_prompt_len", 0))
+    return calibrate(records, batch, prompt, streamed), _engine(args, BUILT), cfg
+
+
+def _measured(args, bench: dict | None) -> dict:
+    """--bench or --metrics: a fitted cost model and the run's own settings."""
+    cost, engine, cfg = _fitted(args, bench)
     rollout, pipeline = cfg.get("rollout", {}), cfg.get("pipeline", {})
     batch = args.batch or rollout.get("batch_size")
     if not batch:
         raise ValueError("--batch is needed (no run config gives it)")
     spec = args.lengths or ("bench" if bench else "demo")
-    lengths = read_lengths(
-        spec, args.seed or 0, bench_records(bench).get("sync") if bench else None
-    )
+    sync_records = bench_records(bench).get("sync") if bench else None
+    lengths = read_lengths(spec, args.seed or 0, sync_records)
+
+    def given(flag, key: str, default):
+        return type(default)(pipeline.get(key, rollout.get(key, default)) if flag is None else flag)
+
     workload = Workload(
         batch=int(batch),
-        chunk_size=args.chunk or int(pipeline.get("chunk_size", 128)),
-        delta=int(pipeline.get("overcommit", 0) if args.delta is None else args.delta),
-        prompt_len=int(
-            rollout.get("max_prompt_len", 0) if args.prompt_len is None else args.prompt_len
-        ),
+        chunk_size=given(args.chunk, "chunk_size", 128),
+        delta=given(args.delta, "overcommit", 0),
+        prompt_len=given(args.prompt_len, "max_prompt_len", 0),
         capacity=args.capacity or rollout.get("max_response_len"),
-        placement=args.placement or pipeline.get("placement", "disaggregated"),
-        max_deferrals=int(
-            pipeline.get("max_deferrals", 2) if args.max_deferrals is None else args.max_deferrals
-        ),
+        placement=given(args.placement, "placement", "disaggregated"),
+        max_deferrals=given(args.max_deferrals, "max_deferrals", 2),
         steps=args.steps or 200,
         seed=args.seed or 0,
     )

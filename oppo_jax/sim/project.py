@@ -190,6 +190,10 @@ def build_projection(spec: str, config=None, overrides=(), given: dict | None = 
     )
     workload.check()
     train = TrainSettings(values["epochs"], values["minibatches"], tuple(values["trained"]))
+    if "actor" not in train.trained or not set(train.trained) <= {"actor", "critic"}:
+        raise ValueError(f"--trained {','.join(train.trained)}: expected actor or actor,critic")
+    if train.ppo_epochs < 1 or train.num_minibatches < 1:
+        raise ValueError("need at least 1 PPO epoch and 1 minibatch")
     chips, mfu = values["chips"], values["mfu"]
     return Projection(spec, workload, train, lengths, chips, mfu, tuple(sources.items()))
 

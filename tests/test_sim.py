@@ -344,11 +344,13 @@ def test_simulator_predicts_each_recorded_cpu_bench_within_15_percent(bench, eng
         assert not row["fit"] and abs(row["error"]) <= 0.15, (name, row)
 
 
-def test_the_docs_bench_was_recorded_by_the_padded_engine():
+def test_the_unstamped_docs_bench_reads_as_the_padded_engine():
     # Unstamped, with slots that finished past the cut (whole chunks) and no carried_rows
     # (before the split admission): the padded engine, unsplit.
     bench = json.loads(BENCH.read_text())
     traces = [r["trace"] for rs in bench_records(bench).values() for r in rs]
+    if any("engine" in t for t in traces):
+        pytest.skip("docs/benchmarks/bench.json was re-recorded with an engine stamp")
     engine = recorded_engine(traces)
     assert engine == dataclasses.replace(PADDED, split_admission=False)
 

@@ -56,6 +56,7 @@ def test_mask_and_split_helpers():
     assert short_width == (32 if lengths[short].max() <= 32 else 74)
 
 
+@pytest.mark.slow  # trains the demo actor and reward model
 def test_sft_actor_learns_and_loads_like_a_real_checkpoint(trained):
     root, sft, _ = trained
     assert sft["final_loss"] < sft["initial_loss"] - 0.1  # from about ln(52) = 3.95
@@ -89,6 +90,7 @@ def test_sft_actor_learns_and_loads_like_a_real_checkpoint(trained):
     assert abs(np.mean(nll) - sft["final_loss"]) < 0.1
 
 
+@pytest.mark.slow  # trains the demo actor and reward model
 def test_reward_model_ranks_held_out_pairs(trained):
     root, _, rm = trained
     config = json.loads((root / "reward" / "config.json").read_text())
@@ -106,6 +108,7 @@ def test_reward_model_ranks_held_out_pairs(trained):
     assert rm["gold_corr"] > 0.5
 
 
+@pytest.mark.slow  # trains the demo actor and reward model
 def test_length_stats_describe_the_sampled_responses(trained):
     root, _, _ = trained
     tokens, lengths = assets.sample_responses(root / "actor", SPEC, n_prompts=64, seed=3)

@@ -104,6 +104,7 @@ def _max_abs_diff(a: np.lib.npyio.NpzFile, b: np.lib.npyio.NpzFile, prefix: str)
     return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in keys)
 
 
+@pytest.mark.slow  # two JAX processes joined through a coordinator
 def test_two_processes_update_equals_one_process(tmp_path):
     worker = [sys.executable, "-m", "tests.multihost_worker"]
     mesh = ["1", "2", "2"]  # data, fsdp, tensor
@@ -148,6 +149,7 @@ def small_demo_assets(demo_cache):
     return demo_cache
 
 
+@pytest.mark.slow  # two JAX processes joined through a coordinator
 def test_two_processes_train_equals_one_process(small_demo_assets, tmp_path):
     overrides = small_demo_args(*OPPO_WITH_CARRYING, "pipeline.adaptive_overcommit=false",
                                 "train.steps=2", "mesh.fsdp=2")  # fmt: skip

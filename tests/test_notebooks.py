@@ -16,6 +16,8 @@ import nbclient
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # executes three notebooks in Jupyter kernels
+
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = (
     "01_quickstart.ipynb",

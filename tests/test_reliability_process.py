@@ -13,6 +13,8 @@ import pytest
 from oppo_jax.errors import EXIT_PREEMPTED
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_args
 
+pytestmark = pytest.mark.slow  # fresh `oppo-jax train` processes, 10 steps each
+
 STEPS = 10
 TIMEOUT_S = 600
 

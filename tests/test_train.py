@@ -36,6 +36,7 @@ def test_run_directory_and_metrics(demo_cache, tmp_path):
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # five demo runs per schedule
 @pytest.mark.parametrize("schedule", [(), OPPO_WITH_CARRYING], ids=["sync", "oppo-carrying"])
 def test_same_seed_same_metrics_and_resume_matches(demo_cache, tmp_path, schedule):
     train(_cfg(*schedule), tmp_path / "a", progress=False)

@@ -10,6 +10,8 @@ import pytest
 
 from tests.run_fixtures import DEMO_TEST_STEPS
 
+pytestmark = pytest.mark.slow  # a TRL PPO run next to ours, in a subprocess
+
 pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[peers]'")
 
 ROOT = Path(__file__).resolve().parents[1]

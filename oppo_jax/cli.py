@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(argv[1:])
     if argv[:1] == ["memory"]:  # its own parser; sets the CPU device count before JAX starts
-        from oppo_jax.memory import main as memory_main
+        from oppo_jax.memory_cli import main as memory_main
 
         return _reporting_errors(lambda: memory_main(argv[1:]))
     args = _parser().parse_args(argv)

@@ -16,11 +16,9 @@ parameters, optimizer state, the four KV caches and the PPO batch.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Sequence
 
@@ -28,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 
-from oppo_jax.config import ConfigError, OptimConfig, PPOConfig
+from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.ppo.batch import PPOBatch
@@ -297,47 +295,66 @@ def _model(model: ModelConfig | str, head: str) -> ModelConfig:
     return preset(model, head=head) if isinstance(model, str) else model
 
 
+@dataclasses.dataclass(frozen=True)
+class ReportModels:
+    """The architectures of a run (ModelConfigs or preset names)."""
+
+    actor: ModelConfig | str  # the actor's (and the reference's)
+    critic: ModelConfig | str | None = None  # default: the actor's with a score head
+    reward: ModelConfig | str | None = None  # default: the critic's
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings:
+    """Where and how a run runs: meshes and the update's and rollout's settings."""
+
+    mesh: tuple[int, int, int] = (1, 1, 1)  # (data, fsdp, tensor) of generation and training
+    scoring_mesh: tuple[int, int, int] | None = None  # disaggregated scorers; None: colocated
+    ppo: PPOConfig | None = None  # defaults when None
+    optim: OptimConfig | None = None
+    sampling: SamplingConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """Which kernels to compile, and how."""
+
+    kernels: Sequence[str] = KERNELS  # which of ``KERNELS``
+    # lower at this depth and one more and extrapolate linearly to the models' depth (faster);
+    # None: full depth. State bytes are exact either way.
+    layers: int | None = None
+    remat: str | None = None  # the update's per-layer remat (none | full | dots); None: as is
+
+
 def memory_report(
-    actor: ModelConfig | str,
+    models: ReportModels,
     shapes: RunShapes,
-    *,
-    critic: ModelConfig | str | None = None,
-    reward: ModelConfig | str | None = None,
-    mesh: tuple[int, int, int] = (1, 1, 1),
-    scoring_mesh: tuple[int, int, int] | None = None,
-    ppo: PPOConfig | None = None,
-    optim: OptimConfig | None = None,
-    sampling: SamplingConfig | None = None,
-    kernels: Sequence[str] = KERNELS,
-    layers: int | None = None,
-    remat: str | None = None,
+    settings: ReportSettings = ReportSettings(),  # noqa: B008 (frozen, so a safe default)
+    lowering: Lowering = Lowering(),  # noqa: B008
 ) -> dict:
     """Bytes per device of a PPO run's resident state and of its compiled kernels.
 
     Args:
-        actor: the actor's (and the reference's) architecture, or a preset name.
+        models: actor, critic and reward architectures (see ``ReportModels``).
         shapes: the run's B, P, R, slots, chunk size and carried admission rows.
-        critic: the critic's architecture (default: the actor's with a score head);
-            ``reward``: the reward model's (default: the critic's).
-        mesh: (data, fsdp, tensor) of generation and training; ``scoring_mesh``: that of
-            disaggregated scorers (None: colocated, the same mesh).
-        ppo, optim, sampling: the update's and the rollout's settings (defaults when None).
-        kernels: which of ``KERNELS`` to lower and compile.
-        layers: lower the kernels at this depth and one more and extrapolate linearly to the
-            models' depth (faster); None lowers them at full depth. State bytes are exact.
-        remat: the update's per-layer rematerialisation (none | full | dots), as
-            ``model.remat``; None keeps the models' own. The rollout never differentiates.
+        settings: meshes and the update's and rollout's settings (``ReportSettings``).
+        lowering: which kernels to compile, at which depth, with which remat (``Lowering``).
 
     Returns:
         A JSON-ready dict: ``bytes`` (parameters, AdamW moments, KV caches, batch),
         ``resident`` (their sum) and ``kernels``: per kernel its memory analysis, ``peak``
         and ``with_resident``.
     """
-    actor = _model(actor, "lm")
-    critic = actor.replace(head="score") if critic is None else _model(critic, "score")
-    reward = critic if reward is None else _model(reward, "score")
+    actor = _model(models.actor, "lm")
+    critic = (
+        actor.replace(head="score") if models.critic is None else _model(models.critic, "score")
+    )
+    reward = critic if models.reward is None else _model(models.reward, "score")
+    remat, layers = lowering.remat, lowering.layers
     trained = [m if remat is None else m.replace(remat=remat) for m in (actor, critic)]
-    ppo, optim, sampling = ppo or PPOConfig(), optim or OptimConfig(), sampling or SamplingConfig()
+    ppo, optim = settings.ppo or PPOConfig(), settings.optim or OptimConfig()
+    sampling = settings.sampling or SamplingConfig()
+    mesh, scoring_mesh = settings.mesh, settings.scoring_mesh
     txs = (
         make_optimizer(optim, optim.actor_lr, 1000),
         make_optimizer(optim, optim.critic_lr, 1000),
@@ -363,7 +380,7 @@ def memory_report(
         "resident": resident,
         "kernels": {},
     }  # fmt: skip
-    for name in kernels:
+    for name in lowering.kernels:
         if cut:
             shallow = run.at_depth(layers).kernel(name)
             mem = shallow.extrapolate(run.at_depth(layers + 1).kernel(name), depth - layers)
@@ -378,98 +395,3 @@ def memory_report(
 def _describe(cfg: ModelConfig) -> dict:
     return {"params": cfg.num_params(), "layers": cfg.num_layers, "head": cfg.head,
             "param_dtype": cfg.param_dtype, "dtype": cfg.dtype, "remat": cfg.remat}  # fmt: skip
-
-
-def config_memory_report(cfg, kernels: Sequence[str] = KERNELS, layers: int | None = None,
-                         remat: str | None = None) -> dict:  # fmt: skip
-    """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
-    ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
-    carry), the largest chunk size it may use, and the widest carried-row admission bucket."""
-    # Higher layers, imported here only: the report itself needs no pipeline.
-    from oppo_jax.pipeline.carry import carried_bucket
-    from oppo_jax.pipeline.schedule import Schedule
-    from oppo_jax.specs import preset_models
-
-    if cfg.model.preset is None:
-        raise ConfigError("model.preset is not set: the memory report needs an architecture "
-                          "(e.g. --set model.preset=qwen2.5-7b)")  # fmt: skip
-    actor, critic = preset_models(cfg)
-    r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
-    delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
-    delta = delta if Schedule.named(p.mode).carry else 0
-    chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
-    slots = r.batch_size + delta
-    shapes = RunShapes(r.batch_size, r.max_prompt_len, r.max_response_len, slots, chunk,
-                       carried_rows=carried_bucket(delta, slots) if delta else 0)  # fmt: skip
-    scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
-    report = memory_report(
-        actor, shapes, critic=critic, mesh=(m.data, m.fsdp, m.tensor), scoring_mesh=scoring,
-        ppo=cfg.ppo, optim=cfg.optim, kernels=kernels, layers=layers,
-        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy),
-        remat=remat or cfg.model.remat,
-    )  # fmt: skip
-    return {"preset": cfg.model.preset, **report}
-
-
-def format_table(report: dict) -> str:
-    """Markdown tables of a ``memory_report`` per device: resident bytes, then the kernels."""
-    unit, scale = ("GiB", 2**30) if report["resident"] >= 2**30 else ("MiB", 2**20)
-    fmt = lambda n: f"{n / scale:.2f}"  # noqa: E731
-    b = report["bytes"]
-    rows = [
-        ("actor parameters (trained)", b["actor_params"]),
-        ("critic parameters (trained)", b["critic_params"]),
-        ("AdamW moments (actor + critic)", b["optimizer"]),
-        ("reference parameters (frozen)", b["reference_params"]),
-        ("reward parameters (frozen)", b["reward_params"]),
-        *((f"KV cache: {role}", n) for role, n in b["kv_caches"].items()),
-        ("PPO batch", b["ppo_batch"]),
-        ("resident", report["resident"]),
-    ]
-    lines = [
-        f"{unit} per device, mesh {report['mesh']} (scorers {report['scoring_mesh']}); "
-        f"{report['note']}.",
-        "",
-        f"| state | {unit} |",
-        "|---|---|",
-        *(f"| {name} | {fmt(n)} |" for name, n in rows),
-        "",
-        "| kernel | arguments | outputs | aliased | temporaries | peak | with resident |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, k in report["kernels"].items():
-        cells = (k[f] for f in ("argument", "output", "alias", "temp", "peak", "with_resident"))
-        lines.append(f"| {name} | " + " | ".join(map(fmt, cells)) + " |")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``oppo-jax memory CONFIG [--set K=V ...] [--json]``: print the report of one config.
-
-    Call it before JAX has started (it then fakes the CPU devices the config's mesh needs).
-    """
-    from oppo_jax.config import devices_needed, load_config
-
-    parser = argparse.ArgumentParser(prog="oppo-jax memory", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="config name or YAML file (needs model.preset)")
-    parser.add_argument(
-        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-        help="override config keys (give CONFIG first)",
-    )  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--layers", type=int, help="lower at this depth and extrapolate")
-    parser.add_argument("--remat", choices=("none", "full", "dots"), help="override model remat")
-    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    try:  # only possible before JAX has started its backends; _meshes says so otherwise
-        jax.config.update("jax_num_cpu_devices", devices_needed(cfg))
-    except RuntimeError:
-        pass
-    report = config_memory_report(cfg, args.kernels, args.layers, args.remat)
-    print(json.dumps(report, indent=1) if args.json else format_table(report))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

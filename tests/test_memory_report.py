@@ -6,7 +6,15 @@ import json
 import pytest
 
 from oppo_jax.config import ConfigError, PPOConfig
-from oppo_jax.memory import KERNELS, RunShapes, format_table, main, memory_report
+from oppo_jax.memory import (
+    KERNELS,
+    Lowering,
+    ReportModels,
+    ReportSettings,
+    RunShapes,
+    memory_report,
+)
+from oppo_jax.memory_cli import format_table, main
 from oppo_jax.models.model_config import ModelConfig
 
 # No biases and an untied head: only the RMSNorm scales, (2L + 1) x D values, are replicated.
@@ -22,7 +30,7 @@ FSDP = 4
 @functools.cache
 def _report():
     ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, grad_accum_steps=2)
-    return memory_report(MODEL, SHAPES, mesh=(1, FSDP, 1), ppo=ppo)
+    return memory_report(ReportModels(MODEL), SHAPES, ReportSettings((1, FSDP, 1), ppo=ppo))
 
 
 def _param_bytes(cfg: ModelConfig) -> int:
@@ -72,7 +80,8 @@ def test_kernels_are_compiled_with_positive_temporaries():
 def test_extrapolation_from_one_and_two_layers_is_exact_at_two():
     full = _report()["kernels"]["update"]
     ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, grad_accum_steps=2)
-    cut = memory_report(MODEL, SHAPES, mesh=(1, FSDP, 1), ppo=ppo, kernels=["update"], layers=1)
+    settings = ReportSettings((1, FSDP, 1), ppo=ppo)
+    cut = memory_report(ReportModels(MODEL), SHAPES, settings, Lowering(("update",), layers=1))
     assert cut["kernels"]["update"] == full
     assert "extrapolated linearly to 2" in cut["note"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from oppo_jax.config import schema
+import oppo_jax.config.schema as schema
 from oppo_jax.config.schema import STABLE_KEYS, Config
 from oppo_jax.config.validate import type_name
 

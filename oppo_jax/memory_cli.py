@@ -1,0 +1,119 @@
+"""``oppo-jax memory CONFIG``: the per-device memory report of a run config, as tables or JSON.
+
+The report itself (state bytes from shapes and shardings, kernel bytes from XLA's memory
+analysis) is ``oppo_jax.memory``; this module maps a config onto it and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+import jax
+
+from oppo_jax.config import ConfigError
+from oppo_jax.memory import (
+    KERNELS,
+    Lowering,
+    ReportModels,
+    ReportSettings,
+    RunShapes,
+    memory_report,
+)
+from oppo_jax.rollout.sampling import SamplingConfig
+
+
+def config_memory_report(cfg, kernels: Sequence[str] = KERNELS, layers: int | None = None,
+                         remat: str | None = None) -> dict:  # fmt: skip
+    """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
+    ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
+    carry), the largest chunk size it may use, and the widest carried-row admission bucket."""
+    # Higher layers, imported here only: the report itself needs no pipeline.
+    from oppo_jax.pipeline.carry import carried_bucket
+    from oppo_jax.pipeline.schedule import Schedule
+    from oppo_jax.specs import preset_models
+
+    if cfg.model.preset is None:
+        raise ConfigError("model.preset is not set: the memory report needs an architecture "
+                          "(e.g. --set model.preset=qwen2.5-7b)")  # fmt: skip
+    actor, critic = preset_models(cfg)
+    r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
+    delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
+    delta = delta if Schedule.named(p.mode).carry else 0
+    chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
+    slots = r.batch_size + delta
+    shapes = RunShapes(r.batch_size, r.max_prompt_len, r.max_response_len, slots, chunk,
+                       carried_rows=carried_bucket(delta, slots) if delta else 0)  # fmt: skip
+    scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
+    settings = ReportSettings(
+        (m.data, m.fsdp, m.tensor), scoring, cfg.ppo, cfg.optim,
+        SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy),
+    )  # fmt: skip
+    lowering = Lowering(tuple(kernels), layers, remat or cfg.model.remat)
+    report = memory_report(ReportModels(actor, critic), shapes, settings, lowering)
+    return {"preset": cfg.model.preset, **report}
+
+
+def format_table(report: dict) -> str:
+    """Markdown tables of a ``memory_report`` per device: resident bytes, then the kernels."""
+    unit, scale = ("GiB", 2**30) if report["resident"] >= 2**30 else ("MiB", 2**20)
+    fmt = lambda n: f"{n / scale:.2f}"  # noqa: E731
+    b = report["bytes"]
+    rows = [
+        ("actor parameters (trained)", b["actor_params"]),
+        ("critic parameters (trained)", b["critic_params"]),
+        ("AdamW moments (actor + critic)", b["optimizer"]),
+        ("reference parameters (frozen)", b["reference_params"]),
+        ("reward parameters (frozen)", b["reward_params"]),
+        *((f"KV cache: {role}", n) for role, n in b["kv_caches"].items()),
+        ("PPO batch", b["ppo_batch"]),
+        ("resident", report["resident"]),
+    ]
+    lines = [
+        f"{unit} per device, mesh {report['mesh']} (scorers {report['scoring_mesh']}); "
+        f"{report['note']}.",
+        "",
+        f"| state | {unit} |",
+        "|---|---|",
+        *(f"| {name} | {fmt(n)} |" for name, n in rows),
+        "",
+        "| kernel | arguments | outputs | aliased | temporaries | peak | with resident |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, k in report["kernels"].items():
+        cells = (k[f] for f in ("argument", "output", "alias", "temp", "peak", "with_resident"))
+        lines.append(f"| {name} | " + " | ".join(map(fmt, cells)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``oppo-jax memory CONFIG [--set K=V ...] [--json]``: print the report of one config.
+
+    Call it before JAX has started (it then fakes the CPU devices the config's mesh needs).
+    """
+    from oppo_jax.config import devices_needed, load_config
+
+    parser = argparse.ArgumentParser(prog="oppo-jax memory", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="config name or YAML file (needs model.preset)")
+    parser.add_argument(
+        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        help="override config keys (give CONFIG first)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--layers", type=int, help="lower at this depth and extrapolate")
+    parser.add_argument("--remat", choices=("none", "full", "dots"), help="override model remat")
+    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    try:  # only possible before JAX has started its backends; _meshes says so otherwise
+        jax.config.update("jax_num_cpu_devices", devices_needed(cfg))
+    except RuntimeError:
+        pass
+    report = config_memory_report(cfg, args.kernels, args.layers, args.remat)
+    print(json.dumps(report, indent=1) if args.json else format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -31,8 +33,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run PPO-RLHF (with no CONFIG: the embedded CPU demo)")
     _config_args(train)
-    train.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument(
+        "--out",
+        default=None,
+        help="run directory, new or empty unless --resume or --overwrite "
+        "(default: runs/<config>-YYYYmmdd-HHMMSS)",
+    )
+    again = train.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its latest checkpoint (same config but train.*)",
+    )
+    again.add_argument(
+        "--overwrite", action="store_true", help="delete the run in --out first, then start anew"
+    )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     bench = sub.add_parser("bench", help="sync, intra, inter and oppo side by side, one process")
     _config_args(bench)
@@ -103,13 +118,33 @@ def _start_runtime(cfg) -> None:
     multihost_initialize(force=cfg.mesh.multihost)
 
 
+def _default_out(args, cfg) -> str:
+    """runs/<config name>-YYYYmmdd-HHMMSS: a new directory for every run."""
+    from oppo_jax.errors import InputError
+
+    if args.resume:
+        raise InputError("--resume needs --out, the run directory to continue")
+    if cfg.mesh.multihost or int(os.environ.get("JAX_NUM_PROCESSES", "").strip() or 1) > 1:
+        raise InputError("a multi-process run needs --out (every process must name the same one)")
+    name = "demo" if args.config is None else Path(args.config).stem
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def _train(args) -> int:
     from oppo_jax.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # validated before anything compiles
+    from oppo_jax.run_log import check_run_dir, clear_run_dir
+
+    args.out = args.out or _default_out(args, cfg)
+    check_run_dir(args.out, cfg, args.resume, args.overwrite)  # before any process writes
     _start_runtime(cfg)
+    import jax
+
     from oppo_jax.train import train
 
+    if args.overwrite and jax.process_index() == 0:  # one process clears the shared directory
+        clear_run_dir(args.out)
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
     print(f"\nRun directory: {args.out}")
     for key, value in summary.items():

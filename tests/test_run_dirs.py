@@ -1,0 +1,152 @@
+"""A run directory holds one run: `oppo-jax train` refuses to mix two, --resume continues the
+same one, --overwrite replaces it, and a refusal changes no file."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oppo_jax.cli import main
+from oppo_jax.errors import EXIT_BAD_INPUT, Preempted
+from oppo_jax.run_log import read_metrics
+from tests.run_fixtures import TIMING_KEYS
+
+# Random tiny models and prompts: no files, one step in seconds.
+TINY = [
+    "model.actor_path=random", "model.reward_path=random", "model.preset=tiny",
+    "data.prompts=random", "data.random_prompt_len=[2,8]", "rollout.max_prompt_len=8",
+    "rollout.max_response_len=8", "rollout.batch_size=4", "ppo.ppo_epochs=1",
+    "pipeline.mode=sync", "pipeline.overcommit_max=4", "train.checkpoint_every=1", "train.steps=1",
+]  # fmt: skip
+
+
+def _train(out: Path | None, *flags: str, sets: tuple[str, ...] = ()) -> int:
+    argv = ["train", "--quiet", *flags, "--set", *TINY, *sets]
+    return main(argv if out is None else [*argv[:1], "--out", str(out), *argv[1:]])
+
+
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root`` with its bytes and modification time."""
+    files = (p for p in sorted(root.rglob("*")) if p.is_file())
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+
+
+def _values(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(out)]
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory) -> Path:
+    """A finished one-step run with a checkpoint at step 1."""
+    out = tmp_path_factory.mktemp("runs") / "one"
+    assert _train(out) == 0
+    return out
+
+
+@pytest.fixture
+def run(one_step_run, tmp_path) -> Path:
+    """A private copy of ``one_step_run``."""
+    return Path(shutil.copytree(one_step_run, tmp_path / "run"))
+
+
+def _refused(capsys, out: Path, *flags: str, sets=(), says: str) -> None:
+    before = _snapshot(out) if out.exists() else None
+    assert _train(out, *flags, sets=sets) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and re.search(says, err), err
+    assert (_snapshot(out) if out.exists() else None) == before  # nothing changed
+
+
+def test_default_out_is_a_new_timestamped_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _train(None) == 0
+    (made,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"demo-\d{8}-\d{6}", made.name)
+    assert [r["step"] for r in read_metrics(made / "metrics.jsonl")] == [0]
+
+
+def test_a_non_empty_out_is_refused_without_resume_or_overwrite(run, capsys):
+    _refused(capsys, run, says="not empty.*--resume.*--overwrite")
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_resume_of_a_missing_or_empty_directory_is_an_error(tmp_path, capsys, empty):
+    out = tmp_path / "nothing"
+    if empty:
+        out.mkdir()
+    _refused(capsys, out, "--resume", says="missing or empty; nothing to resume")
+    assert out.exists() == empty
+
+
+def test_resume_with_another_config_names_the_keys_that_differ(run, capsys):
+    sets = ("seed=3", "ppo.cliprange=0.1")
+    _refused(capsys, run, "--resume", sets=sets, says=r"differs .* in ppo\.cliprange, seed;")
+
+
+def test_resume_continues_the_same_run_and_says_where(run, one_step_run, capsys):
+    assert _train(run, "--resume", sets=("train.steps=2",)) == 0
+    out = capsys.readouterr().out
+    assert f"Resuming at step 1 from {run.resolve() / 'checkpoints' / '1'}" in out
+    records = _values(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0] == _values(one_step_run / "metrics.jsonl")[0]
+
+
+def test_overwrite_replaces_the_run(run, one_step_run):
+    (run / "checkpoints" / "7").mkdir()  # a stale checkpoint the new run must not meet
+    assert _train(run, "--overwrite", sets=("seed=5",)) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1"]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0]
+    assert _values(run / "metrics.jsonl") != _values(one_step_run / "metrics.jsonl")  # seed 5
+
+
+def test_overwrite_leaves_a_directory_that_holds_other_files(run, capsys):
+    (run / "notes.txt").write_text("mine")
+    _refused(capsys, run, "--overwrite", says=r"files no run writes \(notes\.txt\)")
+
+
+def test_preempted_says_which_steps_are_done():
+    assert "steps 0-0 are done and saved in ck/1; rerun with --resume to continue at step 1" in str(
+        Preempted(1, "SIGTERM", "ck")
+    )
+
+
+_REFERENCE: dict[int, list[dict]] = {}
+
+
+def _reference(seed: int, tmp: Path) -> list[dict]:
+    """Metrics of an uninterrupted 3-step run of ``seed`` (computed once per seed)."""
+    if seed not in _REFERENCE:
+        out = tmp / f"ref{seed}"
+        assert _train(out, sets=(f"seed={seed}", "train.steps=3")) == 0
+        _REFERENCE[seed] = _values(out / "metrics.jsonl")
+    return _REFERENCE[seed]
+
+
+_CALLS = st.lists(
+    st.tuples(st.sampled_from(["", "--resume", "--overwrite"]), st.sampled_from([0, 1]),
+              st.integers(1, 3)),
+    min_size=1, max_size=3,
+)  # fmt: skip
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(calls=_CALLS)
+def test_no_sequence_of_calls_mixes_two_runs(tmp_path_factory, calls):
+    tmp = tmp_path_factory.mktemp("seq")
+    out = tmp / "run"
+    for flag, seed, steps in calls:
+        _train(out, *([flag] if flag else []), sets=(f"seed={seed}", f"train.steps={steps}"))
+        if not (out / "metrics.jsonl").exists():
+            continue
+        stored_seed = int(re.search(r"^seed: (\d+)$", (out / "config.yaml").read_text(), re.M)[1])
+        records = _values(out / "metrics.jsonl")
+        # Every record comes from the one run the directory's config describes.
+        assert records == _reference(stored_seed, tmp_path_factory.mktemp("ref"))[: len(records)]

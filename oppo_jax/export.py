@@ -10,8 +10,9 @@ from oppo_jax.models.hf_export import export_hf
 from oppo_jax.run_setup import prepare_run
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               critic: bool = False) -> Path:  # fmt: skip
+def export_run(
+    run_dir: str | Path, out_dir: str | Path, step: int | None = None, critic: bool = False
+) -> Path:
     """Write the actor of ``run_dir``'s latest (or ``step``'s) checkpoint to ``out_dir``.
 
     The tokenizer files of the run's actor checkpoint are copied beside the weights, so the
@@ -29,6 +30,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
         state, _ = ckpt.restore(step, abstract_like(initial))
     out = export_hf(state.actor_params, ctx.kernels.spec.actor, out_dir, ctx.actor_dir)
     if critic:
-        export_hf(state.critic_params, ctx.kernels.spec.critic, Path(out_dir) / "critic",
-                  ctx.actor_dir)  # fmt: skip
+        export_hf(
+            state.critic_params, ctx.kernels.spec.critic, Path(out_dir) / "critic", ctx.actor_dir
+        )
     return out

@@ -83,8 +83,12 @@ class KernelMemory:
     @classmethod
     def of(cls, compiled) -> KernelMemory:
         m = compiled.memory_analysis()
-        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-                   m.temp_size_in_bytes)  # fmt: skip
+        return cls(
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+        )
 
     @property
     def peak(self) -> int:
@@ -94,10 +98,12 @@ class KernelMemory:
     def extrapolate(self, one_more: KernelMemory, extra_layers: int) -> KernelMemory:
         """Linear in depth, from ``self`` and ``one_more`` (the same kernel one layer deeper)."""
         names = [f.name for f in dataclasses.fields(self)]
-        return KernelMemory(**{
-            n: getattr(self, n) + extra_layers * (getattr(one_more, n) - getattr(self, n))
-            for n in names
-        })  # fmt: skip
+        return KernelMemory(
+            **{
+                n: getattr(self, n) + extra_layers * (getattr(one_more, n) - getattr(self, n))
+                for n in names
+            }
+        )
 
 
 def _abstract(tree, shardings):
@@ -108,8 +114,10 @@ def _abstract(tree, shardings):
         shardings = jax.tree.leaves(
             shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
         )
-    out = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-           for x, s in zip(leaves, shardings, strict=True)]  # fmt: skip
+    out = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(leaves, shardings, strict=True)
+    ]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -146,8 +154,12 @@ def _shaped(cls, *fields, **static):
 def abstract_ppo_batch(rows: int, prompt: int, response: int, mesh) -> PPOBatch:
     """A PPOBatch of ShapeDtypeStructs for ``rows`` sequences, sharded as the update takes it."""
     shapes = {f.name: ((rows, response), jnp.float32) for f in dataclasses.fields(PPOBatch)}
-    shapes.update(tokens=((rows, prompt + response), jnp.int32), prompt_len=((rows,), jnp.int32),
-                  mask=((rows, response), jnp.bool_), scores=((rows,), jnp.float32))  # fmt: skip
+    shapes.update(
+        tokens=((rows, prompt + response), jnp.int32),
+        prompt_len=((rows,), jnp.int32),
+        mask=((rows, response), jnp.bool_),
+        scores=((rows,), jnp.float32),
+    )
     sh = batch_shardings(mesh)
     return PPOBatch(**{n: _sds(*s, getattr(sh, n)) for n, s in shapes.items()})
 
@@ -179,17 +191,27 @@ class _Run:
         spec = dataclasses.replace(
             self.spec, actor=cut(self.spec.actor), critic=cut(self.spec.critic)
         )
-        return dataclasses.replace(self, spec=spec, policy=cut(self.policy),
-                                   reward=cut(self.reward))  # fmt: skip
+        return dataclasses.replace(
+            self, spec=spec, policy=cut(self.policy), reward=cut(self.reward)
+        )
 
     def admission(self, mesh) -> Admission:
         """Abstract admission of every slot, the first ``carried_rows`` at width P + R."""
         s, r, n = self.shapes, self.shapes.response_len, self.slots
         i32, flag = ((n,), jnp.int32), ((n,), jnp.bool_)
         admission = _shaped(
-            Admission, ((n, s.prompt_len + r), jnp.int32), i32, i32, flag, ((n, r), jnp.float32),
-            i32, i32, flag, flag, carried_rows=min(s.carried_rows, n),
-        )  # fmt: skip
+            Admission,
+            ((n, s.prompt_len + r), jnp.int32),
+            i32,
+            i32,
+            flag,
+            ((n, r), jnp.float32),
+            i32,
+            i32,
+            flag,
+            flag,
+            carried_rows=min(s.carried_rows, n),
+        )
         return _on_slots(admission, mesh)
 
     def update(self):
@@ -203,8 +225,9 @@ class _Run:
     def admit(self):
         """(the actor's admission prefill, its abstract arguments)."""
         s, actor = self.shapes, self.policy
-        rollout = RolloutSpec(self.sampling, s.prompt_len, s.response_len, (1,), 0, self.mesh,
-                              self.scoring_mesh)  # fmt: skip
+        rollout = RolloutSpec(
+            self.sampling, s.prompt_len, s.response_len, (1,), 0, self.mesh, self.scoring_mesh
+        )
 
         def admit(params, admission, key):
             return admit_decode(actor, params, admission, key, rollout, self.sampling.temperature)
@@ -218,15 +241,15 @@ class _Run:
         state = _on_slots(jax.eval_shape(admit, *args), self.mesh)
         flag = ((self.slots,), jnp.bool_)
         rule = _on_slots(_shaped(CutRule, flag, flag, ((), jnp.int32)), self.mesh)
-        fn = functools.partial(decode_chunk_emit, self.policy, self.sampling,
-                               self.shapes.chunk_size, mesh=self.mesh)  # fmt: skip
+        fn = functools.partial(
+            decode_chunk_emit, self.policy, self.sampling, self.shapes.chunk_size, mesh=self.mesh
+        )
         return jax.jit(fn, donate_argnums=(1,)), (args[0], state, rule)
 
     def score_chunk(self):
         """(one reference-scorer chunk, donating its state, and its abstract arguments)."""
         s, mesh, n = self.shapes, self.scoring_mesh, self.slots
-        spec = ScorerSpec(self.policy, "logprob", s.response_len, self.sampling.temperature,
-                          mesh)  # fmt: skip
+        spec = ScorerSpec(self.policy, "logprob", s.response_len, self.sampling.temperature, mesh)
         params = _params(self.policy, mesh)
         admit = functools.partial(scorer_admit, spec, prompt_width=s.prompt_len)
         state = _on_slots(jax.eval_shape(admit, params, self.admission(mesh)), mesh)
@@ -256,8 +279,9 @@ class _Run:
             return per_device_bytes(abstract, slot_shardings(abstract, on))
 
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, mesh)
-        opt = per_device_bytes((state.actor_opt, state.critic_opt),
-                               (state_sh.actor_opt, state_sh.critic_opt))  # fmt: skip
+        opt = per_device_bytes(
+            (state.actor_opt, state.critic_opt), (state_sh.actor_opt, state_sh.critic_opt)
+        )
         return {
             "actor_params": params(spec.actor, mesh),
             "critic_params": params(spec.critic, mesh),
@@ -269,7 +293,7 @@ class _Run:
                 "critic": cache(spec.critic, scoring),
                 "reference": cache(self.policy, scoring),
                 "reward": cache(self.reward, scoring),
-            },  # fmt: skip
+            },
             "ppo_batch": per_device_bytes(batch, [x.sharding for x in jax.tree.leaves(batch)]),
         }
 
@@ -367,19 +391,22 @@ def memory_report(
     cut = layers is not None and layers < depth
     note = CPU_NOTE + (
         f"; kernels lowered at {layers} and {layers + 1} layers, extrapolated linearly to {depth}"
-        if cut else ""
-    )  # fmt: skip
+        if cut
+        else ""
+    )
     report = {
         "mesh": "x".join(map(str, mesh)),
         "scoring_mesh": "x".join(map(str, scoring_mesh or mesh)),
-        "models": {n: _describe(m) for n, m in zip(("actor", "critic", "reward"),
-                                                   (*trained, reward), strict=True)},
+        "models": {
+            n: _describe(m)
+            for n, m in zip(("actor", "critic", "reward"), (*trained, reward), strict=True)
+        },
         "shapes": dataclasses.asdict(shapes) | {"slots_padded": run.slots},
         "note": note,
         "bytes": state,
         "resident": resident,
         "kernels": {},
-    }  # fmt: skip
+    }
     for name in lowering.kernels:
         if cut:
             shallow = run.at_depth(layers).kernel(name)
@@ -387,11 +414,18 @@ def memory_report(
         else:
             mem = run.kernel(name)
         report["kernels"][name] = dataclasses.asdict(mem) | {
-            "peak": mem.peak, "with_resident": resident + mem.temp + mem.output - mem.alias,
-        }  # fmt: skip
+            "peak": mem.peak,
+            "with_resident": resident + mem.temp + mem.output - mem.alias,
+        }
     return report
 
 
 def _describe(cfg: ModelConfig) -> dict:
-    return {"params": cfg.num_params(), "layers": cfg.num_layers, "head": cfg.head,
-            "param_dtype": cfg.param_dtype, "dtype": cfg.dtype, "remat": cfg.remat}  # fmt: skip
+    return {
+        "params": cfg.num_params(),
+        "layers": cfg.num_layers,
+        "head": cfg.head,
+        "param_dtype": cfg.param_dtype,
+        "dtype": cfg.dtype,
+        "remat": cfg.remat,
+    }

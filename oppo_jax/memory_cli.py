@@ -24,8 +24,9 @@ from oppo_jax.memory import (
 from oppo_jax.rollout.sampling import SamplingConfig
 
 
-def config_memory_report(cfg, kernels: Sequence[str] = KERNELS, layers: int | None = None,
-                         remat: str | None = None) -> dict:  # fmt: skip
+def config_memory_report(
+    cfg, kernels: Sequence[str] = KERNELS, layers: int | None = None, remat: str | None = None
+) -> dict:
     """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
     ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
     carry), the largest chunk size it may use, and the widest carried-row admission bucket."""
@@ -35,21 +36,32 @@ def config_memory_report(cfg, kernels: Sequence[str] = KERNELS, layers: int | No
     from oppo_jax.specs import preset_models
 
     if cfg.model.preset is None:
-        raise ConfigError("model.preset is not set: the memory report needs an architecture "
-                          "(e.g. --set model.preset=qwen2.5-7b)")  # fmt: skip
+        raise ConfigError(
+            "model.preset is not set: the memory report needs an architecture "
+            "(e.g. --set model.preset=qwen2.5-7b)"
+        )
     actor, critic = preset_models(cfg)
     r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
     delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
     delta = delta if Schedule.named(p.mode).carry else 0
     chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
     slots = r.batch_size + delta
-    shapes = RunShapes(r.batch_size, r.max_prompt_len, r.max_response_len, slots, chunk,
-                       carried_rows=carried_bucket(delta, slots) if delta else 0)  # fmt: skip
+    shapes = RunShapes(
+        r.batch_size,
+        r.max_prompt_len,
+        r.max_response_len,
+        slots,
+        chunk,
+        carried_rows=carried_bucket(delta, slots) if delta else 0,
+    )
     scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
     settings = ReportSettings(
-        (m.data, m.fsdp, m.tensor), scoring, cfg.ppo, cfg.optim,
+        (m.data, m.fsdp, m.tensor),
+        scoring,
+        cfg.ppo,
+        cfg.optim,
         SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy),
-    )  # fmt: skip
+    )
     lowering = Lowering(tuple(kernels), layers, remat or cfg.model.remat)
     report = memory_report(ReportModels(actor, critic), shapes, settings, lowering)
     return {"preset": cfg.model.preset, **report}
@@ -97,9 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oppo-jax memory", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="config name or YAML file (needs model.preset)")
     parser.add_argument(
-        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
         help="override config keys (give CONFIG first)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--layers", type=int, help="lower at this depth and extrapolate")
     parser.add_argument("--remat", choices=("none", "full", "dots"), help="override model remat")

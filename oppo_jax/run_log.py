@@ -92,15 +92,28 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 # What a run writes into its directory; --overwrite clears only directories holding no more.
-RUN_ENTRIES = frozenset({
-    "config.yaml", "metrics.jsonl", "metrics.tmp", "trace.json", "checkpoints", "tensorboard",
-    "processes", "plots",
-})  # fmt: skip
+RUN_ENTRIES = frozenset(
+    {
+        "config.yaml",
+        "metrics.jsonl",
+        "metrics.tmp",
+        "trace.json",
+        "checkpoints",
+        "tensorboard",
+        "processes",
+        "plots",
+    }
+)
 # Keys a resumed run may change: none alters the steps already taken.
-RESUMABLE_KEYS = frozenset({
-    "train.steps", "train.checkpoint_every", "train.max_to_keep", "train.log_every",
-    "train.max_nonfinite_in_a_row",
-})  # fmt: skip
+RESUMABLE_KEYS = frozenset(
+    {
+        "train.steps",
+        "train.checkpoint_every",
+        "train.max_to_keep",
+        "train.log_every",
+        "train.max_nonfinite_in_a_row",
+    }
+)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

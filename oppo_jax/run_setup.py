@@ -91,9 +91,13 @@ def _demo_assets(cfg: Config, progress: bool):
         spec, width = DemoTaskSpec(), 1 << (context - 1).bit_length()
         where, sizes = cache_dir() / f"demo-ctx{width}", {"max_position_embeddings": width}
     actor_dir, reward_dir = ensure_demo_assets(
-        where, spec, cfg.train.sft_steps, cfg.train.rm_steps, progress=progress,
+        where,
+        spec,
+        cfg.train.sft_steps,
+        cfg.train.rm_steps,
+        progress=progress,
         model_sizes=sizes,
-    )  # fmt: skip
+    )
     prompts = sample_prompts(spec, NUM_DEMO_PROMPTS, np.random.default_rng(12345))
     return actor_dir, reward_dir, prompts, lambda resp, lens: gold_scores(resp, lens, spec)
 
@@ -152,9 +156,12 @@ def _user_prompts(cfg: Config, tokenizer) -> tuple[list[np.ndarray], int]:
     """(tokenized prompts of ``data.prompts``, how many were truncated)."""
     texts = load_prompt_file(cfg.data.prompts, cfg.data.prompt_field)
     return tokenize_prompts(
-        texts, tokenizer, cfg.rollout.max_prompt_len, on_too_long=cfg.rollout.prompt_too_long,
+        texts,
+        tokenizer,
+        cfg.rollout.max_prompt_len,
+        on_too_long=cfg.rollout.prompt_too_long,
         source=cfg.data.prompts,
-    )  # fmt: skip
+    )
 
 
 def _random_prompt_set(cfg: Config, actor: HFModel) -> list[np.ndarray]:
@@ -189,9 +196,13 @@ def _placement(cfg: Config) -> Placement:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_needed(cfg)}"
         )
     groups = make_device_groups(
-        cfg.pipeline.placement, m.data, m.fsdp, m.tensor, m.scoring_devices,
+        cfg.pipeline.placement,
+        m.data,
+        m.fsdp,
+        m.tensor,
+        m.scoring_devices,
         jax.devices()[: devices_needed(cfg)],
-    )  # fmt: skip
+    )
     return Placement(groups)
 
 

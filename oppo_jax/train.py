@@ -20,9 +20,18 @@ from oppo_jax.run_setup import RunContext, prepare_run
 
 # Update metrics copied into metrics.jsonl under the same name.
 _UPDATE_KEYS = (
-    "policy_loss", "value_loss", "clipfrac", "vf_clipfrac", "approx_kl", "entropy",
-    "actor_grad_norm", "critic_grad_norm", "nonfinite_batch", "nonfinite_update", "skipped_steps",
-)  # fmt: skip
+    "policy_loss",
+    "value_loss",
+    "clipfrac",
+    "vf_clipfrac",
+    "approx_kl",
+    "entropy",
+    "actor_grad_norm",
+    "critic_grad_norm",
+    "nonfinite_batch",
+    "nonfinite_update",
+    "skipped_steps",
+)
 
 
 def _staleness(result: StepResult, carried: int, delta: int) -> dict:

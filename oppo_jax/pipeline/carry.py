@@ -244,11 +244,16 @@ def carry_out(
         keep = generated if done else min(int(slots.prefix_len[i]) + selection.cut, generated)
         n0 = int(slots.prefix_len[i])
         entry = slots.entries[i]
-        out.append(Carried(
-            prompt_id=entry.prompt_id, prompt=entry.prompt,
-            response=[int(t) for t in rollout.tokens[i, :keep]],
-            behaviour_logp=entry.behaviour_logp + [float(x) for x in rollout.logprobs[i, n0:keep]],
-            version=entry.version + [step] * (keep - n0),
-            deferrals=entry.deferrals + 1, finished=bool(done),
-        ))  # fmt: skip
+        out.append(
+            Carried(
+                prompt_id=entry.prompt_id,
+                prompt=entry.prompt,
+                response=[int(t) for t in rollout.tokens[i, :keep]],
+                behaviour_logp=entry.behaviour_logp
+                + [float(x) for x in rollout.logprobs[i, n0:keep]],
+                version=entry.version + [step] * (keep - n0),
+                deferrals=entry.deferrals + 1,
+                finished=bool(done),
+            )
+        )
     return out

@@ -92,11 +92,15 @@ class HostState:
 
     def to_json(self) -> dict:
         return {
-            "step": self.step, "kl_coef": float(self.kl_ctl.value),
-            "prompts": self.prompts.state(), "chunks": self.chunks.state(),
-            "deltas": self.deltas.state(), "buffer": self.buffer.state(),
-            "nonfinite_in_a_row": self.nonfinite_in_a_row, "nonfinite_total": self.nonfinite_total,
-        }  # fmt: skip
+            "step": self.step,
+            "kl_coef": float(self.kl_ctl.value),
+            "prompts": self.prompts.state(),
+            "chunks": self.chunks.state(),
+            "deltas": self.deltas.state(),
+            "buffer": self.buffer.state(),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_total": self.nonfinite_total,
+        }
 
     def restore(self, data: dict, prompts: PromptIterator) -> None:
         """Take the state saved by ``to_json``; ``prompts`` is the stream at its position."""

@@ -120,8 +120,9 @@ def run_step(
         room_for_prefix=plan.reserved > plan.batch_size,
         max_deferrals=engine.max_deferrals,
     )
-    slots = admit(buffer, prompts, rule, rollout.prompt_width, rollout.max_response_len,
-                  rollout.pad_id)  # fmt: skip
+    slots = admit(
+        buffer, prompts, rule, rollout.prompt_width, rollout.max_response_len, rollout.pad_id
+    )
     admission = device_admission(slots)
     # 2. Prefill the actor under the current parameters (a carried prefix gets this step's
     #    old log-probs from the same pass).
@@ -135,8 +136,15 @@ def run_step(
     on_scoring = place.to_scoring(admission)
     if schedule.stream:
         scorers.admit(on_scoring)
-        decoding = _decode(k, timeline, actor, decoding, cut_rule, plan.chunk_size,
-                           lambda chunk: scorers.feed(place.to_scoring(chunk)))  # fmt: skip
+        decoding = _decode(
+            k,
+            timeline,
+            actor,
+            decoding,
+            cut_rule,
+            plan.chunk_size,
+            lambda chunk: scorers.feed(place.to_scoring(chunk)),
+        )
     else:
         decoding = _decode(k, timeline, actor, decoding, cut_rule, plan.chunk_size)
         scorers.admit(on_scoring)  # then the responses past any carried prefix, as one chunk
@@ -241,19 +249,27 @@ class _Scorers:
 
     def admit(self, admission: Admission) -> None:
         """Prefill every scorer with the prompts and carried prefixes."""
-        self.states = ScorerStates(**{
-            role: self._dispatch("prefill", role, self.kernels.scorer_admit(role), admission)
-            for role in self.roles
-        })  # fmt: skip
+        self.states = ScorerStates(
+            **{
+                role: self._dispatch("prefill", role, self.kernels.scorer_admit(role), admission)
+                for role in self.roles
+            }
+        )
 
     def feed(self, chunk: ChunkTokens) -> None:
         """Prefill every scorer with the chunk's new tokens."""
-        self.states = ScorerStates(**{
-            role: self._dispatch(
-                "score", role, self.kernels.scorer_chunk(role), getattr(self.states, role), chunk
-            )
-            for role in self.roles
-        })  # fmt: skip
+        self.states = ScorerStates(
+            **{
+                role: self._dispatch(
+                    "score",
+                    role,
+                    self.kernels.scorer_chunk(role),
+                    getattr(self.states, role),
+                    chunk,
+                )
+                for role in self.roles
+            }
+        )
 
     def outputs(self) -> ScorerOutputs:
         return self.states.outputs()

@@ -85,11 +85,18 @@ class TraceWriter:
     def add_step(self, step: int, events: list[Event], wall: float) -> None:
         for e in events:
             pid = self._groups.setdefault(e.group, len(self._groups))
-            self._events.append({
-                "name": e.stage, "cat": f"step {step}", "ph": "X", "pid": pid, "tid": 0,
-                "ts": (self._offset + e.start) * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
-                "args": {"step": step},
-            })  # fmt: skip
+            self._events.append(
+                {
+                    "name": e.stage,
+                    "cat": f"step {step}",
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": 0,
+                    "ts": (self._offset + e.start) * 1e6,
+                    "dur": max(e.end - e.start, 0.0) * 1e6,
+                    "args": {"step": step},
+                }
+            )
         self._offset += wall
 
     def write(self) -> None:

@@ -114,9 +114,10 @@ def make_optimizer(optim: OptimConfig, lr: float, total_updates: int):
     schedule = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
     return optax.chain(
         optax.clip_by_global_norm(optim.max_grad_norm),
-        optax.adamw(schedule, optim.adam_b1, optim.adam_b2, optim.adam_eps,
-                    weight_decay=optim.weight_decay),
-    )  # fmt: skip
+        optax.adamw(
+            schedule, optim.adam_b1, optim.adam_b2, optim.adam_eps, weight_decay=optim.weight_decay
+        ),
+    )
 
 
 def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainState:
@@ -138,9 +139,15 @@ def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
     )
     is_clip = ppo.importance_clip if ppo.importance_correction else None
     pg, aux = policy_loss(
-        logp, mb.old_logp, mb.advantages, mb.mask, ppo.cliprange, ppo.loss_agg,
-        behaviour_logp=mb.behaviour_logp if is_clip else None, is_clip=is_clip,
-    )  # fmt: skip
+        logp,
+        mb.old_logp,
+        mb.advantages,
+        mb.mask,
+        ppo.cliprange,
+        ppo.loss_agg,
+        behaviour_logp=mb.behaviour_logp if is_clip else None,
+        is_clip=is_clip,
+    )
     mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg)
     loss = pg - ppo.entropy_coef * mean_entropy
     if not ppo.kl_in_reward:

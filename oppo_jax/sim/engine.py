@@ -86,8 +86,11 @@ def _run(stages: list[Stage], rates: dict[str, float]) -> list[Event]:
         done_at = min(now + left[i] / speed[g] for g, i in running.items())
         step_end = min(done_at, wake)
         for g, i in running.items():
-            left[i] = 0.0 if now + left[i] / speed[g] <= step_end else left[i] - (
-                step_end - now) * speed[g]  # fmt: skip
+            left[i] = (
+                0.0
+                if now + left[i] / speed[g] <= step_end
+                else left[i] - (step_end - now) * speed[g]
+            )
             if left[i] == 0.0:
                 end[i] = step_end
                 head[g] += 1

@@ -169,13 +169,19 @@ def _step(run: _Run, seqs: list[_Seq]):
             made = s.generated + min(int(f[i]), cut)
             carried.append(dataclasses.replace(s, generated=made, deferrals=s.deferrals + 1))
     trace = {
-        "slots": f.size, "width": facts.width, "prompt_width": w.prompt_len,
-        "carried_rows": facts.carried_rows, "response_capacity": run.capacity,
-        "prefix": prefix.tolist(), "finish": facts.finish.tolist(),
-        "lengths": facts.batch_lengths.tolist(), "cut": cut, "n_scorers": run.cost.n_scorers,
+        "slots": f.size,
+        "width": facts.width,
+        "prompt_width": w.prompt_len,
+        "carried_rows": facts.carried_rows,
+        "response_capacity": run.capacity,
+        "prefix": prefix.tolist(),
+        "finish": facts.finish.tolist(),
+        "lengths": facts.batch_lengths.tolist(),
+        "cut": cut,
+        "n_scorers": run.cost.n_scorers,
         "events": [[e.stage, e.group, e.start, e.end] for e in events],
         "engine": engine.to_dict(),
-    }  # fmt: skip
+    }
     record = _record(events, run, trace, len(seqs) - w.batch, len(carried))
     lengths = facts.batch_lengths
     record["stale_token_frac"] = float(prefix[batch].sum()) / max(int(lengths.sum()), 1)
@@ -187,13 +193,20 @@ def _record(events: list[Event], run: _Run, trace: dict, overcommit: int, carrie
     wall = max(e.end for e in events)
     lengths, w = trace["lengths"], run.workload
     return {
-        "step_time_s": wall, "stage_time_s": stage_times(events),
+        "step_time_s": wall,
+        "stage_time_s": stage_times(events),
         "busy_fraction": busy_fraction(events, wall),
-        "response_len_mean": float(np.mean(lengths)), "response_len_max": int(max(lengths)),
-        "chunk_size": w.chunk_size, "overcommit": overcommit, "carried": carried,
-        "batch_size": w.batch, "prompt_len": w.prompt_len, "streamed": run.schedule.stream,
-        "cut": trace["cut"], "trace": trace,
-    }  # fmt: skip
+        "response_len_mean": float(np.mean(lengths)),
+        "response_len_max": int(max(lengths)),
+        "chunk_size": w.chunk_size,
+        "overcommit": overcommit,
+        "carried": carried,
+        "batch_size": w.batch,
+        "prompt_len": w.prompt_len,
+        "streamed": run.schedule.stream,
+        "cut": trace["cut"],
+        "trace": trace,
+    }
 
 
 @dataclasses.dataclass
@@ -221,13 +234,18 @@ class SimResult:
                 busy[e.group] = busy.get(e.group, 0.0) + (e.end - e.start) / total
         w = self.workload
         return {
-            "schedule": self.schedule, "engine": self.engine, "placement": w.placement,
-            "chunk_size": w.chunk_size, "delta": w.delta,
-            "step_time_mean_s": float(t.mean()), "step_time_median_s": float(np.median(t)),
-            "step_time_p90_s": float(np.percentile(t, 90)), "busy_fraction": busy,
+            "schedule": self.schedule,
+            "engine": self.engine,
+            "placement": w.placement,
+            "chunk_size": w.chunk_size,
+            "delta": w.delta,
+            "step_time_mean_s": float(t.mean()),
+            "step_time_median_s": float(np.median(t)),
+            "step_time_p90_s": float(np.percentile(t, 90)),
+            "busy_fraction": busy,
             "carried_mean": float(np.mean([r["carried"] for r in self.records[skip:]])),
             "deferrals_max": max((f["deferrals"] for f in self.finished), default=0),
-        }  # fmt: skip
+        }
 
 
 def simulate(
@@ -259,8 +277,15 @@ def simulate(
         records.append({"step": step, **record})
         events.append(ev)
         for s in done:
-            finished.append({"seq_id": s.seq_id, "length": s.length, "admitted": s.admitted,
-                             "finished": step, "deferrals": s.deferrals})  # fmt: skip
+            finished.append(
+                {
+                    "seq_id": s.seq_id,
+                    "length": s.length,
+                    "admitted": s.admitted,
+                    "finished": step,
+                    "deferrals": s.deferrals,
+                }
+            )
     return SimResult(schedule, engine.name, w, records, events, finished)
 
 
@@ -295,5 +320,10 @@ def recommend(
     best = min(grid, key=lambda g: g["step_time_s"])  # min keeps the first of equal ones
     w = dataclasses.replace(workload, chunk_size=best["chunk_size"], delta=0)
     sync_s = float(simulate(cost, "sync", w, lengths, engine).step_times.mean())
-    return {**best, "schedule": schedule, "sync_step_time_s": sync_s,
-            "speedup_vs_sync": sync_s / best["step_time_s"], "grid": grid}  # fmt: skip
+    return {
+        **best,
+        "schedule": schedule,
+        "sync_step_time_s": sync_s,
+        "speedup_vs_sync": sync_s / best["step_time_s"],
+        "grid": grid,
+    }

@@ -99,15 +99,19 @@ def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
         calls = len(work.score_chunks) if st else 1  # per scorer, after its admission
         scored = sum(work.score_chunks) if st else work.sync_score_tokens
         build = obs["first"]["build batch"]  # its own time starts when the last score ends
-        rows.append({
-            "obs": obs, "streamed": st, "n_scorers": k,
-            "build_own": build[1] - max(build[0], obs["scoring_end"]),
-            "tail": r["step_time_s"] - obs["last"]["update"][1],
-            "decode": [n, *decode],
-            "scorer": [k * (1 + calls), work.scorer_admit_tokens + scored],
-            "actor": [1.0, work.actor_tokens],
-            "update": [1.0, work.update_tokens],
-        })  # fmt: skip
+        rows.append(
+            {
+                "obs": obs,
+                "streamed": st,
+                "n_scorers": k,
+                "build_own": build[1] - max(build[0], obs["scoring_end"]),
+                "tail": r["step_time_s"] - obs["last"]["update"][1],
+                "decode": [n, *decode],
+                "scorer": [k * (1 + calls), work.scorer_admit_tokens + scored],
+                "actor": [1.0, work.actor_tokens],
+                "update": [1.0, work.update_tokens],
+            }
+        )
     return rows
 
 
@@ -183,14 +187,24 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
     upd = _fit(np.array([r["update"] for r in rows], float), own["update"])
     k = int(rows[0]["n_scorers"])
     return CostModel(
-        decode_chunk_s=float(dec[0]), decode_a=float(dec[1]), decode_b=float(dec[2]),
-        decode_c=float(dec[3]), prefill_p0=float(pre[0]), prefill_p1=float(pre[1]),
-        n_scorers=k, trained_scorers=min(k - 1, 1), admit_p0=float(adm[0]),
-        admit_p1=float(adm[1]), build_s=_median(r["build_own"] for r in rows),
-        update_u0=float(upd[0]), update_u1=float(upd[1]), copy_s=_median(r["tail"] for r in rows),
-        overlap_rate=rate, **_host(rows),
+        decode_chunk_s=float(dec[0]),
+        decode_a=float(dec[1]),
+        decode_b=float(dec[2]),
+        decode_c=float(dec[3]),
+        prefill_p0=float(pre[0]),
+        prefill_p1=float(pre[1]),
+        n_scorers=k,
+        trained_scorers=min(k - 1, 1),
+        admit_p0=float(adm[0]),
+        admit_p1=float(adm[1]),
+        build_s=_median(r["build_own"] for r in rows),
+        update_u0=float(upd[0]),
+        update_u1=float(upd[1]),
+        copy_s=_median(r["tail"] for r in rows),
+        overlap_rate=rate,
+        **_host(rows),
         label=f"calibrated from {len(rows)} measured steps (timelines, {engine.name} engine)",
-    )  # fmt: skip
+    )
 
 
 def _approx_counts(r: dict, batch: int | None, prompt_len: int, streamed: bool) -> dict:
@@ -208,9 +222,13 @@ def _approx_counts(r: dict, batch: int | None, prompt_len: int, streamed: bool) 
     admit = slots * p + float(r.get("stale_token_frac", 0.0)) * b * mean
     k = len({s.split(" ", 1)[1] for s in r["stage_time_s"] if " " in s} - {"actor", "batch"})
     calls = 1 + (chunks if r.get("streamed", streamed) else 1)
-    return {"decode": [cut, b * mean, b * (p * mean + mean * (mean - 1) / 2)],
-            "scorer": [(k or 3) * calls, (k or 3) * (admit + b * mean)], "admit": admit,
-            "tokens": b * (p + mean), "n_scorers": k or 3}  # fmt: skip
+    return {
+        "decode": [cut, b * mean, b * (p * mean + mean * (mean - 1) / 2)],
+        "scorer": [(k or 3) * calls, (k or 3) * (admit + b * mean)],
+        "admit": admit,
+        "tokens": b * (p + mean),
+        "n_scorers": k or 3,
+    }
 
 
 def calibrate(
@@ -244,19 +262,28 @@ def calibrate(
         return np.array([r[key] if isinstance(r[key], list) else [1.0, r[key]] for r in rows])
 
     dec = _fit(cols("decode"), stage(lambda k: k == "decode"))
-    pre = _fit(cols("scorer"), stage(lambda k: k.startswith(("score", "prefill "))
-                                     and k != "prefill actor"))  # fmt: skip
+    pre = _fit(
+        cols("scorer"),
+        stage(lambda k: k.startswith(("score", "prefill ")) and k != "prefill actor"),
+    )
     adm = _fit(cols("admit"), stage(lambda k: k == "prefill actor"))
     upd = _fit(cols("tokens"), stage(lambda k: k in ("update", "build batch")))
     unexplained = np.array([r["step_time_s"] for r in measurements]) - stage(lambda k: True)
     copy = stage(lambda k: k == "copy") if any("copy" in s for s in st) else unexplained
     return CostModel(
-        decode_a=float(dec[0]), decode_b=float(dec[1]), decode_c=float(dec[2]),
-        prefill_p0=float(pre[0]), prefill_p1=float(pre[1]), n_scorers=rows[0]["n_scorers"],
-        admit_p0=float(adm[0]), admit_p1=float(adm[1]), update_u0=float(upd[0]),
-        update_u1=float(upd[1]), copy_s=_median([float(np.median(copy))]),
+        decode_a=float(dec[0]),
+        decode_b=float(dec[1]),
+        decode_c=float(dec[2]),
+        prefill_p0=float(pre[0]),
+        prefill_p1=float(pre[1]),
+        n_scorers=rows[0]["n_scorers"],
+        admit_p0=float(adm[0]),
+        admit_p1=float(adm[1]),
+        update_u0=float(upd[0]),
+        update_u1=float(upd[1]),
+        copy_s=_median([float(np.median(copy))]),
         label=f"calibrated from {len(rows)} measured steps (sums)",
-    )  # fmt: skip
+    )
 
 
 def bench_records(bench_json: dict) -> dict[str, list[dict]]:
@@ -274,6 +301,8 @@ def calibrate_from_bench(bench_json: dict) -> CostModel:
     rollout = bench_json.get("workload", {}).get("config", {}).get("rollout", {})
     records = [r for rs in bench_records(bench_json).values() for r in rs if "stage_time_s" in r]
     if not records:
-        raise ValueError("bench.json has step times but no per-stage times (stage_time_s): "
-                         "calibrate from a run's metrics.jsonl instead (--metrics)")  # fmt: skip
+        raise ValueError(
+            "bench.json has step times but no per-stage times (stage_time_s): "
+            "calibrate from a run's metrics.jsonl instead (--metrics)"
+        )
     return calibrate(records, rollout.get("batch_size"), int(rollout.get("max_prompt_len", 0)))

@@ -28,24 +28,53 @@ CAP_RATIO = 8  # R = 8 × the median in the regime map
 
 # Settings of a projection without a config (each printed as "default").
 DEFAULTS = {
-    "batch": 112, "prompt_len": 0, "capacity": None, "epochs": 4, "minibatches": 1,
-    "trained": ("actor", "critic"), "chunk": 256, "delta": 16, "placement": "disaggregated",
-    "max_deferrals": 2, "chips": 1, "mfu": 0.5, "steps": 200, "seed": 0, "lengths": LONGTAIL,
-}  # fmt: skip
+    "batch": 112,
+    "prompt_len": 0,
+    "capacity": None,
+    "epochs": 4,
+    "minibatches": 1,
+    "trained": ("actor", "critic"),
+    "chunk": 256,
+    "delta": 16,
+    "placement": "disaggregated",
+    "max_deferrals": 2,
+    "chips": 1,
+    "mfu": 0.5,
+    "steps": 200,
+    "seed": 0,
+    "lengths": LONGTAIL,
+}
 # Which printed setting each value belongs to.
 _SETTING = {
-    "batch": "batch", "prompt_len": "prompt", "capacity": "capacity", "epochs": "ppo",
-    "minibatches": "ppo", "trained": "trained", "chunk": "schedule", "delta": "schedule",
-    "placement": "schedule", "max_deferrals": "schedule", "chips": "model", "mfu": "model",
-    "steps": "steps", "seed": "steps", "lengths": "lengths",
-}  # fmt: skip
+    "batch": "batch",
+    "prompt_len": "prompt",
+    "capacity": "capacity",
+    "epochs": "ppo",
+    "minibatches": "ppo",
+    "trained": "trained",
+    "chunk": "schedule",
+    "delta": "schedule",
+    "placement": "schedule",
+    "max_deferrals": "schedule",
+    "chips": "model",
+    "mfu": "model",
+    "steps": "steps",
+    "seed": "steps",
+    "lengths": "lengths",
+}
 # Config keys (of --set) and the printed setting they change.
 _CONFIG_KEYS = {
-    "rollout.batch_size": "batch", "rollout.max_prompt_len": "prompt",
-    "rollout.max_response_len": "capacity", "rollout.length": "lengths", "ppo.ppo_epochs": "ppo",
-    "ppo.num_minibatches": "ppo", "pipeline.": "schedule", "mesh.data": "model",
-    "mesh.fsdp": "model", "mesh.tensor": "model",
-}  # fmt: skip
+    "rollout.batch_size": "batch",
+    "rollout.max_prompt_len": "prompt",
+    "rollout.max_response_len": "capacity",
+    "rollout.length": "lengths",
+    "ppo.ppo_epochs": "ppo",
+    "ppo.num_minibatches": "ppo",
+    "pipeline.": "schedule",
+    "mesh.data": "model",
+    "mesh.fsdp": "model",
+    "mesh.tensor": "model",
+}
 
 
 @dataclasses.dataclass(frozen=True)

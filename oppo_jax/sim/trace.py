@@ -30,13 +30,18 @@ def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool)
     prefix += [0] * (slots - len(prefix))
     bucket = prefix_bucket(max(prefix), capacity) if carrying else 0
     return {
-        "slots": slots, "width": prompt_width + bucket, "prompt_width": prompt_width,
+        "slots": slots,
+        "width": prompt_width + bucket,
+        "prompt_width": prompt_width,
         "carried_rows": split_rows(prefix, slots) if bucket else 0,
-        "response_capacity": capacity, "prefix": prefix, "finish": finish.tolist(),
-        "lengths": [int(n) for n in result.response_len], "cut": int(result.selection.cut),
+        "response_capacity": capacity,
+        "prefix": prefix,
+        "finish": finish.tolist(),
+        "lengths": [int(n) for n in result.response_len],
+        "cut": int(result.selection.cut),
         "events": [[e.stage, e.group, round(e.start, 7), round(e.end, 7)] for e in result.events],
         "engine": BUILT.to_dict(),
-    }  # fmt: skip
+    }
 
 
 def split_rows(prefix, slots: int) -> int:

@@ -80,11 +80,20 @@ def validate(bench: dict, fit_schedules=tuple(SCHEDULES), how: str = "alternate"
         sim = simulate(cost, name, w, lengths, engine)
         predicted = float(np.median(sim.step_times[len(test) :]))
         measured = float(np.median([r["step_time_s"] for r in test]))
-        table[name] = {"predicted_s": predicted, "measured_s": measured,
-                       "error": predicted / measured - 1.0, "fit": name in fit_schedules,
-                       "test_steps": len(test)}  # fmt: skip
-    return {"fit_schedules": list(fit_schedules), "split": how, "engine": engine.to_dict(),
-            "cost_model": cost.to_dict(), "table": table}  # fmt: skip
+        table[name] = {
+            "predicted_s": predicted,
+            "measured_s": measured,
+            "error": predicted / measured - 1.0,
+            "fit": name in fit_schedules,
+            "test_steps": len(test),
+        }
+    return {
+        "fit_schedules": list(fit_schedules),
+        "split": how,
+        "engine": engine.to_dict(),
+        "cost_model": cost.to_dict(),
+        "table": table,
+    }
 
 
 def format_table(result: dict) -> str:
@@ -92,19 +101,24 @@ def format_table(result: dict) -> str:
     part = {"alternate": ("even", "odd"), "halves": ("first-half", "second-half")}
     fit, test = part[result["split"]]
     engine = Engine(**result["engine"]).describe()
-    table, lines = result["table"], [
-        f"recorded by the {engine} engine; simulated as that engine",
-        f"fitted on the {fit} steps of {', '.join(result['fit_schedules'])}; predicting the "
-        f"{test} steps (held out)",
-        f"{'schedule':>8}  {'predicted':>10}  {'measured':>10}  {'error':>7}  speedup vs sync "
-        "predicted / measured",
-    ]  # fmt: skip
+    table, lines = (
+        result["table"],
+        [
+            f"recorded by the {engine} engine; simulated as that engine",
+            f"fitted on the {fit} steps of {', '.join(result['fit_schedules'])}; predicting the "
+            f"{test} steps (held out)",
+            f"{'schedule':>8}  {'predicted':>10}  {'measured':>10}  {'error':>7}  speedup vs sync "
+            "predicted / measured",
+        ],
+    )
     sync = table.get("sync")
     for name, row in table.items():
         speed = ""
         if sync and name != "sync":
-            speed = (f"{sync['predicted_s'] / row['predicted_s']:.2f}× / "
-                     f"{sync['measured_s'] / row['measured_s']:.2f}×")  # fmt: skip
+            speed = (
+                f"{sync['predicted_s'] / row['predicted_s']:.2f}× / "
+                f"{sync['measured_s'] / row['measured_s']:.2f}×"
+            )
         times = f"{row['predicted_s'] * 1e3:>8.1f}ms  {row['measured_s'] * 1e3:>8.1f}ms"
         lines.append(f"{name:>8}  {times}  {row['error']:>+7.1%}  {speed}")
     return "\n".join(lines)

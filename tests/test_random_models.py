@@ -82,6 +82,7 @@ def test_random_models_build_without_files(monkeypatch, tmp_path):
     assert not np.array_equal(a, b)  # seeded: another seed, other weights
 
 
+@pytest.mark.slow  # two CLI runs of a 25M-parameter model
 def test_small_random_model_trains_and_benches_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPPO_JAX_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "run"

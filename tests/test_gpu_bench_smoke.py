@@ -1,0 +1,46 @@
+"""benchmarks/gpu_bench.sh: its --smoke run on the CPU goes through the GPU config's code path
+(random Qwen2-layout models, random prompts, long-tail lengths, all four schedules), and
+without a GPU the real run refuses with a clear message."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a fresh process that compiles and runs all four schedules
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.sh"
+
+
+def _run(*args, env_extra=None):
+    env = {**os.environ, "PYTHON": sys.executable, **(env_extra or {})}
+    env.pop("XLA_FLAGS", None)  # the run fakes the devices its config needs
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=1200
+    )
+
+
+def test_smoke_run_writes_bench_json_and_a_summary_line(tmp_path):
+    out = tmp_path / "smoke"
+    done = _run("--smoke", "--out", str(out), env_extra={"OPPO_JAX_CACHE": str(tmp_path / "c")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result["schedules"]) == {"sync", "intra", "inter", "oppo"}
+    cfg = result["workload"]["config"]
+    assert cfg["model"]["actor_path"] == "random" and cfg["model"]["preset"] == "tiny"
+    assert cfg["rollout"]["length_sampler"] == "lognormal"
+    lengths = [r["response_len_max"] for r in result["schedules"]["sync"]["records"]]
+    assert max(lengths) <= 64
+    line = (out / "summary.txt").read_text().strip()
+    assert line.startswith("gpu_bench: ") and "oppo measured/ideal" in line
+    assert line in done.stdout
+    assert not (tmp_path / "c").exists()  # nothing built, nothing downloaded
+
+
+def test_without_a_gpu_the_real_run_says_so():
+    done = _run("--out", "unused", env_extra={"JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 3
+    assert "jax sees no GPU" in done.stderr

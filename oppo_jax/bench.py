@@ -14,7 +14,6 @@ import dataclasses
 import json
 import platform
 import statistics
-import types
 from pathlib import Path
 
 import jax
@@ -73,16 +72,6 @@ def _lanes(cfg: Config, ctx: RunContext, state, seeds: int) -> list[_Lane]:
             lane_state = jax.tree.map(jnp.copy, state)  # each lane's update donates its own
             lanes.append(_Lane(schedule, seed, seed_ctx, host, lane_state))
     return lanes
-
-
-def _trace(result, carried: list[int], prompt_width: int, carrying: bool) -> dict:
-    """``step_trace`` of a StepResult (which keeps the slots' finish positions and tokens in
-    ``result.rollout`` since the step refactor; the simulator's reader takes them flat)."""
-    flat = types.SimpleNamespace(
-        finish_step=result.rollout.finish_step, tokens=result.rollout.tokens,
-        response_len=result.response_len, selection=result.selection, events=result.events,
-    )  # fmt: skip
-    return step_trace(flat, carried, prompt_width, carrying)
 
 
 def compile_admissions(lane: _Lane) -> int:
@@ -233,7 +222,7 @@ def run_bench(
             record["compiles"] = compiles.count - before[0]
             record["compile_s"] = compiles.seconds - before[1]
             if step >= warmup:  # the first steps compile
-                record["trace"] = _trace(result, carried, cfg.rollout.max_prompt_len, carrying)
+                record["trace"] = step_trace(result, carried, cfg.rollout.max_prompt_len, carrying)
                 lane.records.append(record)
                 lane.events = result.events
             bar.update(1)

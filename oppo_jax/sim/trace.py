@@ -24,8 +24,8 @@ def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool)
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).
     ``engine`` stamps the engine that ran it (``engines.BUILT``: what the calibration fits)."""
-    finish = np.asarray(result.finish_step)
-    slots, capacity = finish.size, int(np.asarray(result.tokens).shape[1])
+    finish = np.asarray(result.rollout.finish_step)
+    slots, capacity = finish.size, int(np.asarray(result.rollout.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
     prefix += [0] * (slots - len(prefix))
     bucket = prefix_bucket(max(prefix), capacity) if carrying else 0

@@ -1,8 +1,6 @@
 """Test set-up: eight fake CPU devices (so meshes can be built) and float32 matmuls."""
 
 import os
-import shutil
-import tempfile
 
 # Must happen before jax is imported anywhere in the test process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -15,18 +13,11 @@ import pytest  # noqa: E402
 # Parity tests compare against float32 references; keep XLA from using lower-precision matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# Many tests compile the same kernels (each run builds its own jit objects): share the
-# compiled executables through JAX's persistent cache. JAX reads the directory once, at the
-# first compile (which can come before any fixture), so it is made here and removed when the
-# session ends: nothing is left in the system temp directory.
-_CACHE = tempfile.mkdtemp(prefix="oppo_jax_test_xla_cache_")
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def pytest_unconfigure(config):
-    shutil.rmtree(_CACHE, ignore_errors=True)
+# No persistent compilation cache: with it, reading the PPO update's executable back from the
+# cache (a fresh jit object compiling a program an earlier test compiled) crashed the process
+# inside XLA:CPU's executable deserialization (abort / segfault in
+# compilation_cache.get_executable_and_time) in two full-suite runs. Every test compiles what
+# it runs, in memory only, and nothing is written to the system temp directory.
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Test set-up: eight fake CPU devices (so meshes can be built) and float32 matmuls."""
 
+import gc
 import os
 
 # Must happen before jax is imported anywhere in the test process.
@@ -28,3 +29,13 @@ def demo_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPPO_JAX_CACHE", str(cache))
         yield cache
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module. One process runs the whole suite;
+    without this its compiled executables pile up, and late in the suite XLA:CPU crashed while
+    compiling the PPO update (abort, then segfault, in three clean-clone runs)."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -152,8 +152,9 @@ def _source_problems(cfg: Config) -> list[str]:
         problems.append(
             f"data.prompts={d.prompts!r}: must be 'random' with random models (no tokenizer)"
         )
-    lo_hi = d.random_prompt_len
-    if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1] <= r.max_prompt_len:
+    lo_hi = d.random_prompt_len  # only read for random prompts
+    bad = len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1] <= r.max_prompt_len
+    if d.prompts == "random" and bad:
         problems.append(
             f"data.random_prompt_len={lo_hi!r}: must be [shortest, longest] with "
             f"1 <= shortest <= longest <= rollout.max_prompt_len={r.max_prompt_len}"

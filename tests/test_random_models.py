@@ -51,7 +51,9 @@ def test_random_prompts_are_seeded_in_range_and_avoid_special_ids():
           "data.prompts=random"], "model.actor_path"),
         (["model.actor_path=random", "model.reward_path=random", "model.preset=tiny"],
          "data.prompts"),
-        (["data.random_prompt_len=[4,40]"], "data.random_prompt_len"),
+        (["model.actor_path=random", "model.reward_path=random", "model.preset=tiny",
+          "data.prompts=random", "rollout.max_prompt_len=16", "data.random_prompt_len=[4,40]"],
+         "data.random_prompt_len"),
         (["rollout.length_sampler=lognormal", "rollout.length_median=100",
           "rollout.length_p99=50"], "rollout.length_median"),
         (["rollout.length_sampler=uniform"], "rollout.length_sampler"),
@@ -60,6 +62,12 @@ def test_random_prompts_are_seeded_in_range_and_avoid_special_ids():
 def test_bad_sources_are_config_errors_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_random_prompt_len_is_ignored_unless_prompts_are_random():
+    # Prompts read from a file never look at the range, so a narrow prompt width is fine.
+    cfg = load_config(None, ["rollout.max_prompt_len=4", "data.random_prompt_len=[4,40]"])
+    assert cfg.rollout.max_prompt_len == 4
 
 
 def test_random_models_build_without_files(monkeypatch, tmp_path):

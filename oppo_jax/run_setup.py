@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.config import Config, devices_needed
-from oppo_jax.data.prompts import PromptIterator, load_prompt_file, tokenize_prompts
+from oppo_jax.data.prompt_set import PromptFormat, PromptSet, load_prompt_set
+from oppo_jax.data.prompts import PromptIterator
 from oppo_jax.data.random_prompts import RANDOM_EOS_ID, RANDOM_PAD_ID, random_prompts
 from oppo_jax.errors import InputError
 from oppo_jax.models.api import HFModel, load_hf_model
@@ -49,7 +50,7 @@ class RunContext:
 
     cfg: Config
     engine: StepEngine  # what every step dispatches to: kernels, placement, frozen scorers
-    prompts: list[np.ndarray]
+    prompts: list[np.ndarray] | PromptSet  # a PromptSet (with its records) for user data
     tokenizer: object  # None for random models
     actor_dir: Path | None  # None for random models
     gold_fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None  # (responses, lengths) -> [B]
@@ -152,15 +153,22 @@ def _load_models(cfg: Config, mesh, progress: bool):
     return actor, reward, actor_dir, prompts, gold_fn
 
 
-def _user_prompts(cfg: Config, tokenizer) -> tuple[list[np.ndarray], int]:
-    """(tokenized prompts of ``data.prompts``, how many were truncated)."""
-    texts = load_prompt_file(cfg.data.prompts, cfg.data.prompt_field)
-    return tokenize_prompts(
-        texts,
+def prompt_format(cfg: Config) -> PromptFormat:
+    """How records of ``data.prompts`` (and ``eval.prompts``) become prompt text."""
+    d = cfg.data
+    return PromptFormat(d.prompt_field, d.messages_field, d.chat_template)
+
+
+def _user_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, int]:
+    """(tokenized prompts of ``data.prompts``, streamed from their source; how many were
+    truncated)."""
+    return load_prompt_set(
+        cfg.data.prompts,
         tokenizer,
         cfg.rollout.max_prompt_len,
-        on_too_long=cfg.rollout.prompt_too_long,
-        source=cfg.data.prompts,
+        cfg.rollout.prompt_too_long,
+        prompt_format(cfg),
+        cfg.data.split,
     )
 
 

@@ -142,11 +142,39 @@ class TrainConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    # prompt file (JSONL or parquet) | demo (the built-in task) | random (seeded token ids)
+    # JSONL/parquet file | `datasets` save_to_disk dir | Hub-cache dataset name | demo | random
     prompts: str = "demo"
     prompt_field: str = "prompt"  # field of each record that holds the prompt text
+    split: str | None = None  # split of a saved DatasetDict or Hub dataset (None: its only one)
+    messages_field: str | None = None  # field holding chat messages (needs data.chat_template)
+    # render prompts with the actor tokenizer's chat template, adding the generation prompt
+    chat_template: bool = False
     # data.prompts=random: [shortest, longest] prompt, tokens (uniform, inclusive)
     random_prompt_len: list[int] = field(default_factory=lambda: [4, 16])
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """The score of a response: model_weight x reward model + sum of weights x functions."""
+
+    model_weight: float = 1.0  # weight of the reward model's score; 0 = no reward model loaded
+    # Python reward functions, "package.module:function" (prompt, response, record) -> float
+    functions: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # one per function; empty = all 1.0
+    nonfinite: str = "error"  # a function's NaN/Inf: error (names it) | skip (the step's guard)
+    workers: int = 4  # host threads that run the functions while the actor decodes
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: decode without training, at step 0, every N steps and at the end."""
+
+    prompts: str | None = None  # held-out source (as data.prompts); None: data.prompts + eval.split
+    split: str | None = None  # split of the held-out prompts (e.g. test); None with eval.prompts
+    every: int = 0  # steps between evaluations besides step 0 and the end; 0 = those two only
+    num_prompts: int = 64  # held-out prompts per evaluation (the first ones of the source)
+    greedy: bool = True  # decode greedily; False: sample at rollout.temperature
+    samples_per_prompt: int = 1  # responses per prompt (> 1 needs eval.greedy=false)
 
 
 @dataclass(frozen=True)
@@ -162,3 +190,5 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # scheduling
     train: TrainConfig = field(default_factory=TrainConfig)  # run length and checkpoints
     data: DataConfig = field(default_factory=DataConfig)  # prompts
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward model and functions
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation

@@ -13,6 +13,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
+from oppo_jax.config.validate_user import user_data_problems
 from oppo_jax.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -236,6 +237,7 @@ def validate(cfg: Config) -> None:
     _raise(_type_problems(cfg))
     _raise(_value_problems(cfg))
     _raise(_relation_problems(cfg))  # may divide by axis sizes, so only once those are positive
+    _raise(user_data_problems(cfg))  # data formats, reward functions, evaluation
 
 
 def validate_mesh(cfg: Config, num_devices: int) -> None:

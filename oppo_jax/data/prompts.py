@@ -148,11 +148,13 @@ class PromptIterator:
     """
 
     def __init__(self, prompts: Sequence[np.ndarray], seed: int, epoch: int = 0, position: int = 0):
-        if not prompts:
+        # A PromptSet (flat tokens) is used as it is: copying it into a list would hold one
+        # array object per prompt.
+        self._prompts = prompts if hasattr(prompts, "__getitem__") else list(prompts)
+        if not len(self._prompts):
             raise ValueError("PromptIterator needs at least one prompt")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
-        self._prompts = list(prompts)
         self._seed = seed
         self._epoch, self._position = epoch, position
         self._order_epoch, self._order = -1, np.zeros(0, dtype=np.int64)

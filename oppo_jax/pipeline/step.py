@@ -20,6 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.pipeline.accounting import (
+    WorkLedger,
+    add_rollout,
+    add_update,
+    admission_computed,
+    admission_real,
+    token_count,
+)
 from oppo_jax.pipeline.carry import (
     AdmitRule,
     Carried,
@@ -77,6 +85,7 @@ class StepResult:
     events: list[Event]  # the step's timeline
     wall_s: float  # the step's wall time
     batch: Any = None  # the PPOBatch the update consumed (device arrays, for inspection)
+    work: WorkLedger | None = None  # tokens computed / real per stage (pipeline.accounting)
 
     @property
     def responses(self) -> np.ndarray:
@@ -129,9 +138,17 @@ def run_step(
     actor = train_state.actor_params
     decoding, marker = k.admit(actor, admission, engine.sample_key)
     timeline.track("prefill actor", GENERATION, marker)
+    work = WorkLedger()
+    shape = slots.context.shape
+    work.add("admission", admission_computed(shape, admission.carried_rows, rollout.prompt_width))
     # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
     #    actor decodes the next. Not streaming: they score whole responses afterwards.
-    scorers = _Scorers(engine, train_state.critic_params, timeline)
+    scorers = _Scorers(engine, train_state.critic_params, timeline, work)
+    frozen = len([r for r in scorers.roles if r != "critic"])  # reference, reward model
+    trained = 1 + len(scorers.roles) - frozen  # the actor, and the critic
+    lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
+    work.add("admission", 0, admission_real(*lens, trained=trained, frozen=frozen))
+    decode_slots: list[int] = []  # slots of each decode chunk dispatched (accounting)
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
     if schedule.stream:
@@ -144,13 +161,16 @@ def run_step(
             cut_rule,
             plan.chunk_size,
             lambda chunk: scorers.feed(place.to_scoring(chunk)),
+            dispatched=decode_slots,
         )
     else:
-        decoding = _decode(k, timeline, actor, decoding, cut_rule, plan.chunk_size)
+        decoding = _decode(
+            k, timeline, actor, decoding, cut_rule, plan.chunk_size, dispatched=decode_slots
+        )
         scorers.admit(on_scoring)  # then the responses past any carried prefix, as one chunk
         scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
     # 4. Cut: the first B completed sequences, in the fixed batch order.
-    finish_step = to_host(decoding.finish_step)
+    finish_step, decode_steps = to_host((decoding.finish_step, decoding.step))
     selection = select_batch(finish_step, slots.active, slots.must_finish, plan.batch_size)
     if selection is None:  # the decode loop only stops when the rule holds
         raise RuntimeError("rollout ended before enough sequences finished")
@@ -173,9 +193,16 @@ def run_step(
     # 7. Carry: sequences not taken keep the tokens they had at the cut (read while the
     #    update runs).
     host = _read_rollout(outputs, finish_step)
+    lengths = (host.num_generated, slots.prefix_len)
+    add_rollout(work, decode_slots, int(decode_steps), plan.chunk_size, lengths, len(scorers.roles))
+    in_batch = slots.prompt_len[selection.batch] + host.num_generated[selection.batch]
+    # Each PPO epoch passes over the batch once in each trained model (actor and critic).
+    add_update(work, batch.tokens.shape, in_batch, 2 * k.spec.ppo.ppo_epochs)
     carried = carry_out(slots, selection, host, plan.step)
     events, wall = timeline.end_step()
-    result = StepResult({**stats, **update_metrics}, selection, slots, host, events, wall, batch)
+    result = StepResult(
+        {**stats, **update_metrics}, selection, slots, host, events, wall, batch, work
+    )
     return train_state, carried, result
 
 
@@ -205,15 +232,20 @@ def _decode(
     rule: CutRule,
     chunk_size: int,
     on_chunk: Callable[[ChunkTokens], None] | None = None,
+    dispatched: list[int] | None = None,
 ) -> DecodeState:
-    """Decode until ``rule`` allows the cut; ``on_chunk`` receives each chunk's tokens."""
+    """Decode until ``rule`` allows the cut; ``on_chunk`` receives each chunk's tokens;
+    ``dispatched`` gets the slot count of each chunk dispatched (accounting)."""
+    dispatched = [] if dispatched is None else dispatched
     decode = kernels.decode(chunk_size)
+    dispatched.append(state.tokens.shape[0])
     state, chunk = decode(params, state, rule)
     timeline.track("decode", GENERATION, chunk.count)
     while True:
         if on_chunk is not None:
             on_chunk(chunk)
         ready = chunk.ready
+        dispatched.append(state.tokens.shape[0])
         state, chunk = decode(params, state, rule)  # dispatched before the host reads `ready`
         timeline.track("decode", GENERATION, chunk.count)
         if jax.device_get(ready):  # the loop's only host read (explicit, one boolean)
@@ -231,9 +263,10 @@ def _read_rollout(outputs: tuple, finish_step: np.ndarray) -> HostRollout:
 class _Scorers:
     """The streaming consumers (reference, critic, reward) of one rollout, on their group."""
 
-    def __init__(self, engine: StepEngine, critic_params, timeline: Timeline):
+    def __init__(self, engine: StepEngine, critic_params, timeline: Timeline, work: WorkLedger):
         k, place = engine.kernels, engine.placement
         self.kernels, self.timeline, self.group = k, timeline, place.scoring_group
+        self.work, self.prompt_width = work, k.rollout.prompt_width
         self.roles = k.scorer_specs.present()
         self.params = ScorerParams(
             reference=engine.ref_params,
@@ -249,6 +282,9 @@ class _Scorers:
 
     def admit(self, admission: Admission) -> None:
         """Prefill every scorer with the prompts and carried prefixes."""
+        shape, rows = admission.context.shape, admission.carried_rows
+        for _ in self.roles:
+            self.work.add("admission", admission_computed(shape, rows, self.prompt_width))
         self.states = ScorerStates(
             **{
                 role: self._dispatch("prefill", role, self.kernels.scorer_admit(role), admission)
@@ -258,6 +294,7 @@ class _Scorers:
 
     def feed(self, chunk: ChunkTokens) -> None:
         """Prefill every scorer with the chunk's new tokens."""
+        self.work.add("scoring", len(self.roles) * token_count(chunk.tokens))
         self.states = ScorerStates(
             **{
                 role: self._dispatch(

@@ -1,0 +1,127 @@
+"""A step's work ledger: per stage, the tokens its kernels computed and the real tokens in them.
+
+``run_step`` fills a ``WorkLedger`` as it dispatches: the *computed* tokens come from the
+shapes of the arrays each kernel is handed (so a kernel that changes its shapes — a packed
+update, scoring at real widths, compacted decode slots — changes the count without touching
+this module), the *real* tokens from the valid tokens in them (host-side lengths). A token
+counts once per model pass over it, so the ratio ``efficiency = real / computed`` is what a
+stage spends on real work:
+
+    admission  every model's prefill of the slots' prompts and carried prefixes
+               (actor + each scorer); real: prompt + prefix tokens of the occupied slots
+               for trained models, only new prompts' tokens for the frozen scorers
+    decode     one token per slot per lockstep decode step; real: tokens the running slots
+               sampled (a finished or empty slot's step is padding)
+    scoring    every scorer's prefill of the response tokens (streamed chunks, or the one
+               call after the rollout); real: the response tokens fed
+    update     PPO epochs × trained models × the batch's token array; real: prompt + response
+               tokens of the batch's sequences
+
+``metrics.jsonl`` and ``bench.json`` carry ``tokens_computed``, ``tokens_real`` and
+``efficiency`` per stage (``WorkLedger.to_record``). Plain Python and NumPy: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+STAGES = ("admission", "decode", "scoring", "update")
+
+
+@dataclasses.dataclass
+class WorkLedger:
+    """Tokens computed and real tokens per stage of one step (module docstring)."""
+
+    computed: dict[str, int] = dataclasses.field(default_factory=dict)
+    real: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, stage: str, computed: int, real: int = 0) -> None:
+        """Add a dispatch's tokens to ``stage`` (a stage may be added to many times)."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        self.computed[stage] = self.computed.get(stage, 0) + int(computed)
+        self.real[stage] = self.real.get(stage, 0) + int(real)
+
+    def efficiency(self, stage: str) -> float | None:
+        """real / computed of ``stage``; None when it computed nothing."""
+        computed = self.computed.get(stage, 0)
+        return self.real.get(stage, 0) / computed if computed else None
+
+    def to_record(self) -> dict:
+        """``{"tokens_computed": {...}, "tokens_real": {...}, "efficiency": {...}}`` over the
+        stages this step ran (JSON-ready)."""
+        stages = [s for s in STAGES if s in self.computed]
+        return {
+            "tokens_computed": {s: self.computed[s] for s in stages},
+            "tokens_real": {s: self.real[s] for s in stages},
+            "efficiency": {s: self.efficiency(s) for s in stages},
+        }
+
+
+def token_count(tokens) -> int:
+    """Tokens in a [rows, width] token array as dispatched (its shape, padding included)."""
+    rows, width = tokens.shape[:2]
+    return int(rows) * int(width)
+
+
+def admission_computed(context_shape: tuple[int, int], carried_rows: int | None, prompt_width: int):
+    """Tokens one model's admission prefill computes: the leading ``carried_rows`` slots at the
+    full context width W, the rest at the prompt width P (``admission_prefill``); every slot at
+    W when ``carried_rows`` is None. Example: S 8, W 48, K 2, P 16 -> 2·48 + 6·16 = 192."""
+    slots, width = context_shape
+    k = slots if carried_rows is None else min(carried_rows, slots)
+    return k * width + (slots - k) * min(prompt_width, width)
+
+
+def admission_real(prompt_len, prefix_len, active, carrying, trained: int, frozen: int) -> int:
+    """Real admission tokens over all models: a trained model (actor, critic: new parameters)
+    must prefill each occupied slot's prompt + carried prefix; a frozen scorer (reference,
+    reward model) only the new prompts' tokens, since a carried row's cache from an earlier
+    step stays exact for it (the token-proportional engine keeps it)."""
+    occupied = np.asarray(active, bool)
+    prompt, prefix = np.asarray(prompt_len), np.asarray(prefix_len)
+    full = int((prompt + prefix)[occupied].sum())
+    fresh = int(prompt[occupied & ~np.asarray(carrying, bool)].sum())
+    return trained * full + frozen * fresh
+
+
+def decode_computed(slots_per_chunk: list[int], steps: int, chunk_size: int) -> int:
+    """Slot-steps of a rollout that ran ``steps`` lockstep steps in chunks of ``chunk_size``,
+    chunk j over ``slots_per_chunk[j]`` slots: every chunk runs C steps until the cut, where
+    the while_loop stops (later chunks run none). Example: [8, 8, 4], 20 steps, C 8 ->
+    8·8 + 8·8 + 4·4 = 144."""
+    return sum(
+        s * int(np.clip(steps - j * chunk_size, 0, chunk_size))
+        for j, s in enumerate(slots_per_chunk)
+    )
+
+
+def generated(num_generated, prefix_len) -> int:
+    """Response tokens sampled this step (each slot's length less what it carried in)."""
+    return int((np.asarray(num_generated) - np.asarray(prefix_len)).sum())
+
+
+def add_rollout(
+    ledger: WorkLedger,
+    decode_slots: list[int],
+    steps: int,
+    chunk_size: int,
+    lengths: tuple,
+    scorers: int,
+) -> None:
+    """The decode's work and the scorers' real tokens, once the rollout is read:
+    ``decode_slots`` the slots of each decode chunk dispatched, ``steps`` the lockstep steps
+    it ran, ``lengths`` (num_generated, prefix_len) per slot; every scorer is fed each new
+    response token once (the computed side was added as each chunk was dispatched)."""
+    new = generated(*lengths)
+    ledger.add("decode", decode_computed(decode_slots, steps, chunk_size), new)
+    ledger.add("scoring", 0, scorers * new)
+
+
+def add_update(ledger: WorkLedger, tokens_shape, sequence_lengths, passes: int) -> None:
+    """The update's work: ``passes`` (PPO epochs × trained models) over a token array of
+    ``tokens_shape`` as handed to the update; real: the batch's prompt + response tokens."""
+    computed = int(np.prod(tokens_shape))
+    ledger.add("update", passes * computed, passes * int(np.sum(sequence_lengths)))

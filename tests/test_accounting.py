@@ -1,0 +1,149 @@
+"""The step's work ledger (pipeline.accounting) against an independent count from the rollout.
+
+Every expected number here is computed from what the step produced (slots, carried prefixes,
+response lengths, the cut) and the engine's documented shapes (S slots, P + R cache, chunks
+of C, the update over [B, P + R]), not from the ledger's own helpers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oppo_jax.config import PPOConfig
+from oppo_jax.models import init_params
+from oppo_jax.pipeline.accounting import STAGES, WorkLedger, admission_computed, decode_computed
+from oppo_jax.pipeline.carry import CarryBuffer
+from oppo_jax.pipeline.kernels import build_kernels
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.step import run_step
+from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.ppo.update import init_train_state
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
+from oppo_jax.rollout.lengths import LengthSpec
+from oppo_jax.sharding import make_device_groups
+from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
+
+R, P, EPOCHS = 24, 4, 2
+EOS = tuple(range(20, 28))
+N_SCORERS = 3  # reference, critic, reward model
+
+
+@functools.cache
+def _kernels():
+    spec = make_spec(PPOConfig(ppo_epochs=EPOCHS, num_minibatches=2), temperature=1.0)
+    rollout = RolloutSpec(
+        SamplingConfig(temperature=1.0), P, R, EOS, lengths=LengthSpec(median=5.0, p99=20.0)
+    )
+    return spec, build_kernels(spec, rollout, reward_model=CRITIC)
+
+
+@functools.cache
+def _steps(mode: str, chunk: int, batch: int, delta: int, steps: int):
+    """[(plan, StepResult)] of ``steps`` steps (cached: the tests share the runs)."""
+    spec, kernels = _kernels()
+    actor, critic = tiny_params(seed=5)
+    reward = init_params(CRITIC, jax.random.key(11))
+    place = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
+    state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))
+    rng = np.random.default_rng(0)
+    prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(2, P + 1))) for i in range(64)])
+    buffer, timeline, out = CarryBuffer(), Timeline(), []
+    engine = step_engine(kernels, place, actor, reward)
+    for step in range(steps):
+        plan = step_plan(step, batch, overcommit=delta, chunk_size=chunk)
+        state, carried, result = run_step(
+            engine, SCHEDULES[mode], plan, state, buffer, prompts, timeline
+        )
+        buffer.extend(carried)
+        out.append((plan, result))
+    return out
+
+
+def _expected(result, plan, stream: bool) -> dict[str, tuple[int, int]]:
+    """(computed, real) per stage, counted from the step's slots, lengths and cut."""
+    slots, host, sel = result.slots, result.rollout, result.selection
+    s, width = slots.context.shape
+    k = slots.carried_rows
+    prompt, prefix = slots.prompt_len.astype(int), slots.prefix_len.astype(int)
+    new = int((host.num_generated - prefix).sum())
+    # Admission: the actor and the three scorers each prefill K rows at W and S - K at P.
+    per_model = k * width + (s - k) * P
+    occupied = slots.active.astype(bool)
+    fresh = occupied & (prefix == 0) & ~slots.prefix_finished.astype(bool)
+    real_admit = 2 * int((prompt + prefix)[occupied].sum()) + 2 * int(prompt[fresh].sum())
+    # Decode: the while_loop runs every slot until the cut.
+    decode = (s * sel.cut, new)
+    # Scoring: streamed [S, C] chunks up to the one holding the cut, or one [S, R] call.
+    chunks = max(1, math.ceil(sel.cut / plan.chunk_size))
+    scored = chunks * s * plan.chunk_size if stream else s * R
+    # Update: EPOCHS passes of actor and critic over [B, P + R].
+    rows = sel.batch
+    real_update = int((prompt[rows] + host.num_generated[rows]).sum())
+    passes = 2 * EPOCHS
+    return {
+        "admission": ((1 + N_SCORERS) * per_model, real_admit),
+        "decode": decode,
+        "scoring": (N_SCORERS * scored, N_SCORERS * new),
+        "update": (passes * len(rows) * (P + R), passes * real_update),
+    }
+
+
+# sync: one [S, R] scoring call; oppo: streamed chunks, carried prefixes, split admission.
+RUNS = {"sync": ("sync", 4, 4, 0, 2), "oppo": ("oppo", 4, 4, 3, 4)}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_ledger_matches_an_independent_count(name):
+    mode, _, _, delta, _ = RUNS[name]
+    runs = _steps(*RUNS[name])
+    carried = 0
+    for plan, result in runs:
+        want = _expected(result, plan, SCHEDULES[mode].stream)
+        work = result.work
+        for stage in STAGES:
+            assert (work.computed[stage], work.real[stage]) == want[stage], stage
+            assert 0 < work.real[stage] <= work.computed[stage], stage
+        carried += int((result.slots.prefix_len > 0).sum())
+    if delta:
+        assert carried > 0, "no carried prefix was admitted; the carried rows went untested"
+
+
+def test_step_record_carries_tokens_and_efficiency_per_stage():
+    from oppo_jax.config import load_config
+    from oppo_jax.run_setup import RunContext
+    from oppo_jax.train import step_record
+
+    plan, result = _steps(*RUNS["oppo"])[-1]
+    place = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
+    engine = step_engine(_kernels()[1], place, None, None)
+    ctx = RunContext(load_config(None, []), engine, [], None, None, None)
+    record = step_record(ctx, plan, result, carried=0)  # the step's line of metrics.jsonl
+    for stage in STAGES:
+        computed = record["tokens_computed"][stage]
+        real = record["tokens_real"][stage]
+        assert record["efficiency"][stage] == pytest.approx(real / computed)
+    assert record["efficiency"]["update"] < 1.0  # the padded update: P + R per row
+
+
+def test_ledger_helpers_on_hand_counted_cases():
+    assert admission_computed((8, 48), 2, 16) == 2 * 48 + 6 * 16
+    assert admission_computed((8, 48), None, 16) == 8 * 48
+    assert decode_computed([8, 8, 4], 20, 8) == 8 * 8 + 8 * 8 + 4 * 4
+    assert decode_computed([8, 8, 8], 8, 8) == 64  # the chunk after the cut runs no step
+    ledger = WorkLedger()
+    ledger.add("update", 100, 40)
+    ledger.add("update", 100, 60)
+    assert ledger.to_record() == {
+        "tokens_computed": {"update": 200},
+        "tokens_real": {"update": 100},
+        "efficiency": {"update": 0.5},
+    }
+    with pytest.raises(ValueError, match="unknown stage"):
+        ledger.add("prefill", 1, 1)

@@ -28,6 +28,7 @@ from oppo_jax.sim import (
 )
 from oppo_jax.sim.cli import main
 from oppo_jax.sim.engine import Plan
+from oppo_jax.sim.engines import FIXED as FIXED_ENGINE
 from oppo_jax.sim.engines import recorded_engine
 from oppo_jax.sim.fitting import _km_median, bench_records
 from oppo_jax.sim.lengths import demo_lengths, longtail_lengths
@@ -120,7 +121,7 @@ def test_equal_lengths_intra_hides_exactly_the_overlapped_scoring():
     )
 
 
-@pytest.mark.parametrize("engine", [PADDED, BUILT], ids=["padded", "built"])
+@pytest.mark.parametrize("engine", [PADDED, FIXED_ENGINE], ids=["padded", "fixed"])
 def test_equal_lengths_fixed_shape_engine_with_host_delays(engine):
     # A fixed-shape engine, worked by hand: 4 slots of 20 tokens, C = 8, P = 4, R = 32. Both
     # engines alike: once every slot has finished, no step runs the model.
@@ -214,17 +215,17 @@ def test_fixed_shape_straggler_costs_every_slot_and_a_wider_admission():
         return _one(schedule, lengths, 4, cost, engine, **kw, **more)
 
     # Sync decodes 8 chunks (cut 60) and the look-ahead over all 4 slots; 59 steps feed.
-    for engine in (PADDED, BUILT):
+    for engine in (PADDED, FIXED_ENGINE):
         sync = run("sync", engine)
         assert sync.records[0]["trace"]["finish"] == [10, 10, 10, 60]
         assert [e.stage for e in sync.events[0]].count("decode") == 9
         want = 9 * cost.decode_chunk_s + 59 * cost.decode_step_s(4, 4 + 64)
         assert sync.records[0]["stage_time_s"]["decode"] == pytest.approx(want, rel=1e-12)
     # Oppo cuts at 10. The padded engine decodes 2 chunks and the look-ahead, all 24 steps
-    # feeding the straggler; the built one stops at the cut: 8 + 2 steps, the third chunk
+    # feeding the straggler; the fixed one stops at the cut: 8 + 2 steps, the third chunk
     # runs none. The straggler is readmitted next step with 10 carried tokens: a context
     # 4 + 16 wide for the carried rows' bucket (1 row -> 4), the prompt width 4 for the fifth.
-    padded, built = run("oppo", PADDED, delta=1), run("oppo", BUILT, delta=1)
+    padded, built = run("oppo", PADDED, delta=1), run("oppo", FIXED_ENGINE, delta=1)
     t0, t1 = padded.records[0]["trace"], padded.records[1]["trace"]
     assert (t0["cut"], t0["finish"][3], t0["width"]) == (10, -1, 4)
     assert (t1["prefix"], t1["width"]) == ([10, 0, 0, 0, 0], 4 + 16)
@@ -276,10 +277,12 @@ def _synthetic_records(cost, engine=ACTIVE, placement="colocated"):
     return records
 
 
-ALL_FEATURES = BUILT.with_features(FEATURES)
+ALL_FEATURES = FIXED_ENGINE.with_features(FEATURES)
 
 
-@pytest.mark.parametrize("engine", [PADDED, BUILT, ALL_FEATURES], ids=lambda e: e.name)
+@pytest.mark.parametrize(
+    "engine", [PADDED, FIXED_ENGINE, BUILT, ALL_FEATURES], ids=lambda e: e.name
+)
 def test_calibration_from_timelines_recovers_the_cost_model(engine):
     # Traces carry the engine that made them: the fit counts the work as that engine did.
     fitted = calibrate(_synthetic_records(FIXED, engine, "disaggregated"))

@@ -7,7 +7,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from oppo_jax.sim import ACTIVE, BUILT, FEATURES, PADDED, CostModel, Workload, simulate, validate
+from oppo_jax.sim import (
+    ACTIVE,
+    BUILT,
+    FEATURES,
+    FIXED,
+    PADDED,
+    CostModel,
+    Workload,
+    simulate,
+    validate,
+)
 from oppo_jax.sim.engines import Engine, packed, pow2, recorded_engine
 from oppo_jax.sim.lengths import LogNormal
 from oppo_jax.sim.work import StepFacts, decode_chunks, step_work
@@ -36,18 +46,18 @@ def _work(engine):
 def test_helpers():
     assert [pow2(n) for n in (0, 1, 5, 8, 9)] == [1, 1, 8, 8, 16]
     assert packed(100, 20) == 4 * 32 and packed(0, 5) == 0
-    assert decode_chunks(BUILT, 12, 8) == decode_chunks(PADDED, 12, 8) == 3
+    assert decode_chunks(FIXED, 12, 8) == decode_chunks(PADDED, 12, 8) == 3
     assert decode_chunks(ACTIVE, 12, 8) == 2 and decode_chunks(BUILT, 16, 8) == 3
-    assert BUILT.features == () and not any(getattr(BUILT, f) for f in FEATURES)
-    what_if = BUILT.with_features(["kept_scorer_caches", "packed_update"])
+    assert FIXED.features == () and not any(getattr(FIXED, f) for f in FEATURES)
+    what_if = FIXED.with_features(["kept_scorer_caches", "packed_update"])
     assert what_if.features == ("packed_update", "kept_scorer_caches")
-    assert what_if.name == "built+packed_update+kept_scorer_caches"
+    assert what_if.name == "fixed+packed_update+kept_scorer_caches"
     with pytest.raises(ValueError, match="unknown engine feature"):
         BUILT.with_features(["paged_attention"])
 
 
-def test_built_engine_work_by_hand():
-    w = _work(BUILT)
+def test_fixed_engine_work_by_hand():
+    w = _work(FIXED)
     assert w.actor_tokens == 4 * 36 + 4 * 4  # split admission: K rows at W, the rest at P
     assert w.scorer_admit_tokens == 3 * 160  # every scorer re-prefills the carried row
     # The while_loop stops at the cut: 8 + 4 steps; the third chunk runs none. Every slot,
@@ -69,27 +79,29 @@ def test_padded_engine_decodes_whole_chunks():
 @pytest.mark.parametrize(
     ("feature", "field", "want"),
     [
-        # The frozen scorers (reference, reward) prefill only the new rows at P.
-        ("kept_scorer_caches", "scorer_admit_tokens", 160 + 2 * 4 * 4),
-        # 6 × 4 prompt + 62 response tokens in rows of pow2(4 + 32) = 64: 2 rows.
-        ("packed_update", "update_tokens", 128),
-        # 56 real new tokens, the longest 12: min(8 × 16, 4 rows of 16) per scorer.
-        ("real_width_scoring", "sync_score_tokens", 3 * 64),
-        # Chunk 0 attends over pow2(4 + 30 + 8) = 64, chunk 1 (slot 0 done) over pow2(20).
-        ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 32), (0, 0, 0)]),
+        # The frozen scorers (reference, reward) keep the carried rows and prefill every
+        # slot's prompt at P; the critic re-prefills as the actor does.
+        ("kept_scorer_caches", "scorer_admit_tokens", 160 + 2 * 8 * 4),
+        # Sequences 4 + [32, 3, 5, 9, 12, 1] = [36, 7, 9, 13, 16, 5]: width bucket 48 holds
+        # them first-fit decreasing in 2 rows ([36, 9], [16, 13, 7, 5]); 64 and 68 cost more.
+        ("packed_update", "update_tokens", 2 * 48),
+        # The same sequences in rows of pow2(36) = 64: 2 rows (a power of two) per scorer.
+        ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
+        # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
+        ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
         # Streamed chunks over their real tokens (43 and 13) in rows of C = 8.
         ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):
-    base, flipped = _work(BUILT), _work(BUILT.with_features([feature]))
+    base, flipped = _work(FIXED), _work(FIXED.with_features([feature]))
     assert getattr(flipped, field) == want
     others = [f.name for f in dataclasses.fields(base) if f.name != field]
-    extra = {"real_width_scoring": {"score_chunks"}}.get(feature, set())
+    extra = {"real_width_scoring": {"sync_admit_tokens"}}.get(feature, set())
     for name in set(others) - extra:
         assert getattr(flipped, name) == getattr(base, name), (feature, name)
-    if feature == "real_width_scoring":  # the last streamed chunk at the cut's width: 4
-        assert flipped.score_chunks == [3 * 8 * 8, 3 * 8 * 4]
+    if feature == "real_width_scoring":  # the packed sync call needs no admission prefill
+        assert flipped.sync_admit_tokens == 0 and base.sync_admit_tokens == 3 * 160
 
 
 def test_slot_compaction_follows_the_live_slots_one_chunk_late():
@@ -98,7 +110,7 @@ def test_slot_compaction_follows_the_live_slots_one_chunk_late():
         FACTS, finish=np.array([1] * 7 + [12]), cut=12, chunk=2, chunks=7, carried_rows=0,
         prefix=np.zeros(8, int), width=4,
     )  # fmt: skip
-    w = step_work(BUILT.with_features(["compact_slots"]), facts, 3, 1)
+    w = step_work(FIXED.with_features(["compact_slots"]), facts, 3, 1)
     # The host sees chunk 0's count when it dispatches chunk 2: 1 slot live -> bucket 1, its
     # cache gathered once (read and written over the 68 positions).
     assert [d[0] for d in w.decode] == [2, 2, 2, 2, 2, 1, 0]
@@ -120,16 +132,16 @@ def test_active_engine_counts_real_tokens():
 
 
 def test_recorded_engine():
-    stamped = [{"engine": BUILT.with_features(["packed_update"]).to_dict()}] * 2
+    stamped = [{"engine": FIXED.with_features(["packed_update"]).to_dict()}] * 2
     assert recorded_engine(stamped).packed_update
     with pytest.raises(ValueError, match="different engines"):
-        recorded_engine([*stamped, {"engine": BUILT.to_dict()}])
+        recorded_engine([*stamped, {"engine": FIXED.to_dict()}])
     # Unstamped: a slot that finished past the cut means whole chunks (padded); slots carried
     # and none past the cut mean the decode stopped there (built).
     old = {"cut": 4, "finish": [2, 9, -1], "carried_rows": 4}
     new = {"cut": 4, "finish": [2, 4, -1], "carried_rows": 4}
     assert recorded_engine([old, new]) == PADDED
-    assert recorded_engine([new]) == BUILT
+    assert recorded_engine([new]) == FIXED  # unstamped traces predate #13's features
     assert recorded_engine([{"cut": 4, "finish": [2, 4]}]) == dataclasses.replace(
         PADDED, split_admission=False
     )
@@ -169,7 +181,9 @@ def _noisy_bench(engine: Engine, seed: int = 0) -> dict:
     return {"workload": {"config": cfg}, "schedules": schedules}
 
 
-@pytest.mark.parametrize("engine", [BUILT, BUILT.with_features(FEATURES)], ids=lambda e: e.name)
+@pytest.mark.parametrize(
+    "engine", [FIXED, BUILT, FIXED.with_features(FEATURES)], ids=lambda e: e.name
+)
 def test_validation_of_a_built_engine_bench(engine):
     # The validation takes any bench.json: this one is stamped by the built engine (with or
     # without #13's features) and every step's timing is noisy, as on a shared machine. Held

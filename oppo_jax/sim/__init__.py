@@ -38,7 +38,7 @@ limits, compilations (a bench step that compiles is an outlier the medians ignor
 """
 
 from oppo_jax.pipeline.events import Event
-from oppo_jax.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, PADDED, Engine
+from oppo_jax.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, FIXED, PADDED, Engine
 from oppo_jax.sim.events import (
     PLACEMENTS,
     SCHEDULES,
@@ -64,7 +64,7 @@ from oppo_jax.sim.roofline import (
 from oppo_jax.sim.validation import validate
 
 __all__ = [
-    "ACTIVE", "BUILT", "ENGINES", "FEATURES", "HARDWARE", "MODELS", "PADDED", "PLACEMENTS",
+    "ACTIVE", "BUILT", "ENGINES", "FEATURES", "FIXED", "HARDWARE", "MODELS", "PADDED", "PLACEMENTS",
     "SCHEDULES", "CostModel", "Engine", "Event", "Hardware", "LengthSource", "ModelShape",
     "Projection", "SimResult", "TrainSettings", "Workload", "calibrate", "calibrate_from_bench",
     "calibrate_traces", "compare", "project_cost_model", "recommend", "regime_map",

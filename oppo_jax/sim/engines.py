@@ -1,14 +1,17 @@
 """What a step's kernels compute: the engines the simulator can model, feature by feature.
 
-Three engines, one dataclass:
+Four engines, one dataclass:
 
-- ``built``: this project's engine as it runs now (``oppo_jax.pipeline.step.run_step``). The
-  decode chunk is a ``lax.while_loop`` that stops exactly at the cut, so no decode step runs past
-  it and the chunk dispatched before the host reads ``ready`` runs zero steps; everything else
-  has fixed shapes: every admitted slot costs every decode step, attention reads the whole
-  P + R cache, ``sync`` scores one [S, R] call, the update runs over [B, P + R], and carried rows
-  are re-prefilled in all four models at admission (split: K carried rows at the wide context
-  W, the rest at the prompt width P).
+- ``fixed``: the fixed-shape engine before issue #13's features. The decode chunk is a
+  ``lax.while_loop`` that stops exactly at the cut, so no decode step runs past it and the
+  chunk dispatched before the host reads ``ready`` runs zero steps; everything else has fixed
+  shapes: every admitted slot costs every decode step, attention reads the whole P + R cache,
+  ``sync`` scores one [S, R] call, the update runs over [B, P + R], and carried rows are
+  re-prefilled in all four models at admission (split: K carried rows at the wide context W,
+  the rest at the prompt width P).
+- ``built``: this project's engine as it runs now (``oppo_jax.pipeline.step.run_step``): the
+  fixed engine with the #13 features that have landed switched on (``BUILT`` below), at the
+  shapes the engine's own planners pick (``sim.packing`` mirrors them).
 - ``padded``: the engine before the while_loop: whole decode chunks plus one more (the host
   reads the cut one chunk late; that chunk ran C steps whenever a slot was still running).
   ``docs/benchmarks/bench.json`` was recorded with it, before the split admission too.
@@ -16,12 +19,11 @@ Three engines, one dataclass:
   slots stop costing, attention reads each slot's own context, every prefill and the update
   cost their real tokens, and the frozen scorers keep the caches of carried rows.
 
-The five engine changes of issue #13 that are not built yet are switches of ``built``, each off
-(``FEATURES``), and a sixth the projections show OPPO needs beside them
-(``packed_chunk_scoring``: streamed chunks scored over their real tokens). When one lands in
-the engine, flip it in ``BUILT`` below: the simulator, the projections and the traces
-``oppo-jax bench`` records (``trace.step_trace`` stamps ``BUILT``) follow. Power-of-two
-buckets (``pow2``) are the shape rule of every bucketed feature.
+Issue #13's five engine changes are switches (``FEATURES``), with a sixth the projections
+show OPPO needs beside them (``packed_chunk_scoring``: streamed chunks scored over their real
+tokens). ``BUILT`` switches on those that landed; the others stay what-ifs (``--with``). The
+simulator, the projections and the traces ``oppo-jax bench`` records (``trace.step_trace``
+stamps ``BUILT``) follow ``BUILT``.
 """
 
 from __future__ import annotations
@@ -89,10 +91,11 @@ class Engine:
 
 
 PADDED = Engine("padded", decode_to_cut=False)
-# This engine as built. Flip a feature here when it lands in the engine (see the docstring).
+FIXED = Engine("fixed")
+# This engine as built: the #13 features that landed (see the docstring).
 BUILT = Engine("built")
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
-ENGINES = {"built": BUILT, "active": ACTIVE, "padded": PADDED}
+ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 
 
 def pow2(n: int | float, floor: int = 1) -> int:
@@ -114,7 +117,8 @@ def recorded_engine(traces: list[dict]) -> Engine:
 
     New traces carry an ``engine`` stamp. Older ones do not: one where a slot finished past
     the cut came from the padded engine (its whole chunks decoded past the cut); if slots were
-    carried and none did, the decode stopped at the cut (built); otherwise (no carrying seen)
+    carried and none did, the decode stopped at the cut (fixed: unstamped traces predate #13's
+    features); otherwise (no carrying seen)
     the two decode alike and the padded engine is assumed. Traces without ``carried_rows``
     predate the split admission.
     """
@@ -125,6 +129,6 @@ def recorded_engine(traces: list[dict]) -> Engine:
         return Engine(**json.loads(stamps.pop()))
     past_cut = any(f > t["cut"] for t in traces for f in t["finish"])
     carried = any(f < 0 for t in traces for f in t["finish"])
-    engine = BUILT if carried and not past_cut else PADDED
+    engine = FIXED if carried and not past_cut else PADDED
     split = all("carried_rows" in t for t in traces)
     return dataclasses.replace(engine, split_admission=split)

@@ -109,9 +109,13 @@ def _plan(cost: CostModel, work: Work, streamed: bool, disagg: bool) -> Plan:
     seen = decodes[scored - 1] if scored else actor  # the host reads the cut after it
     host = [(decodes[-1] if decodes else actor, cost.host_finish_s)]
     if not streamed:
-        admit = cost.scoring_s(work.scorer_admit_tokens)
-        p.add("prefill scorers", sco, admit, [(seen, cost.host_collect_s)])
-        scoring = p.add("score", sco, cost.scoring_s(work.sync_score_tokens))
+        tokens = work.sync_admit_tokens
+        tokens = work.scorer_admit_tokens if tokens is None else tokens
+        deps = [(seen, cost.host_collect_s)]
+        if work.sync_admit_tokens != 0:  # 0: the packed sync scoring has no admission prefill
+            p.add("prefill scorers", sco, cost.scoring_s(tokens), deps)
+            deps = ()  # the score call queues behind the admission on its group
+        scoring = p.add("score", sco, cost.scoring_s(work.sync_score_tokens), deps)
         host.append((seen, cost.host_dispatch_s + cost.host_finish_s))
     p.add("build batch", gen, cost.build_s, host, needs=[scoring])
     update_deps = [(i, offset + cost.host_update_s) for i, offset in host]

@@ -98,6 +98,10 @@ def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
         decode = np.sum(work.decode, axis=0) if work.decode else np.zeros(3)
         calls = len(work.score_chunks) if st else 1  # per scorer, after its admission
         scored = sum(work.score_chunks) if st else work.sync_score_tokens
+        admit = work.scorer_admit_tokens
+        if not st and work.sync_admit_tokens is not None:
+            admit = work.sync_admit_tokens
+        calls += 0 if not st and work.sync_admit_tokens == 0 else 1  # 0: no admission call
         build = obs["first"]["build batch"]  # its own time starts when the last score ends
         rows.append(
             {
@@ -107,7 +111,7 @@ def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
                 "build_own": build[1] - max(build[0], obs["scoring_end"]),
                 "tail": r["step_time_s"] - obs["last"]["update"][1],
                 "decode": [n, *decode],
-                "scorer": [k * (1 + calls), work.scorer_admit_tokens + scored],
+                "scorer": [k * calls, admit + scored],
                 "actor": [1.0, work.actor_tokens],
                 "update": [1.0, work.update_tokens],
             }

@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from oppo_jax.sim import packing
 from oppo_jax.sim.engines import Engine, packed, pow2
 from oppo_jax.sim.trace import forward_steps
 
@@ -72,6 +73,9 @@ class Work:
     score_chunks: list[float]  # per scored chunk (all scorers); the last chunk is never scored
     sync_score_tokens: float  # all scorers, the one call each when not streaming
     update_tokens: float
+    # all scorers' admission when not streaming (None: as when streaming); 0: skipped, as
+    # the packed sync scoring does (it scores prompt + response at once)
+    sync_admit_tokens: float | None = None
 
 
 def decode_chunks(engine: Engine, cut: int, chunk: int) -> int:
@@ -97,32 +101,35 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
     else:
         decode, buckets = _fixed_decode(engine, f, ends)
         per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
-        if engine.real_width_scoring and per_chunk:  # the last chunk at the cut's width
-            last = f.cut - (len(per_chunk) - 1) * f.chunk
-            per_chunk[-1] = buckets[len(per_chunk) - 1] * min(f.chunk, pow2(last))
         if engine.packed_chunk_scoring:  # each chunk's real tokens in rows of C
             real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
             per_chunk = [min(p, packed(r, f.chunk)) for p, r in zip(per_chunk, real, strict=True)]
         k = f.carried_rows if engine.split_admission else f.slots
         actor = k * f.width + (f.slots - k) * f.prompt_len
         new_rows = (f.slots - f.carried_rows) * f.prompt_len
+        full, sequences = f.prompt_len + f.capacity, f.prompt_len + f.batch_lengths
         sync = f.slots * f.capacity
-        if engine.real_width_scoring:
-            longest = float(new_tokens.max(initial=0))
-            sync = min(f.slots * pow2(longest), packed(real_new, longest))
-        update = f.batch_lengths.size * (f.prompt_len + f.capacity)
+        if engine.real_width_scoring:  # the batch's sequences packed, no admission prefill
+            sync = packing.score_tokens(sequences, full)
+        update = f.batch_lengths.size * full
         if engine.packed_update:
-            real = f.batch_lengths.size * f.prompt_len + float(f.batch_lengths.sum())
-            update = packed(real, f.prompt_len + float(f.batch_lengths.max(initial=0)))
+            update = packing.update_tokens(sequences, full)
     frozen = n_scorers - trained_scorers
-    kept = new_rows if engine.kept_scorer_caches else actor
+    kept = actor
+    if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P
+        kept = new_rows if engine.token_proportional else f.slots * f.prompt_len
+    admit = float(trained_scorers * actor + frozen * kept)
+    sync_admit = None if engine.token_proportional else trained_scorers * actor + frozen * actor
+    if engine.real_width_scoring and not engine.token_proportional:
+        sync_admit = 0  # kept caches only when streaming; packed sync scoring admits nothing
     return Work(
         actor_tokens=float(actor),
-        scorer_admit_tokens=float(trained_scorers * actor + frozen * kept),
+        scorer_admit_tokens=admit,
         decode=decode,
         score_chunks=[float(n_scorers * t) for t in per_chunk],
         sync_score_tokens=float(n_scorers * sync),
         update_tokens=float(update),
+        sync_admit_tokens=None if sync_admit is None else float(sync_admit),
     )
 
 
@@ -176,10 +183,9 @@ def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
             if live <= bucket // 2:
                 bucket = pow2(live)
                 gather = 2.0 * bucket * full
-        if engine.live_prefix_decode:
-            live_rows = ends > j * f.chunk
-            longest = float(f.prefix[live_rows].max(initial=0)) + j * f.chunk
-            ctx = min(full, pow2(f.prompt_len + longest + f.chunk))
+        if engine.live_prefix_decode:  # the longest admitted context + the chunks so far
+            longest = f.prompt_len + float(f.prefix.max(initial=0)) + (j + 1) * f.chunk
+            ctx = packing.live_width(longest, full)
         decode.append((float(steps), float(steps * bucket), float(steps * bucket * ctx + gather)))
         buckets.append(bucket)
     return decode, buckets

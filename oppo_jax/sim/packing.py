@@ -1,0 +1,89 @@
+"""The engine's packing and width rules, mirrored without JAX, so the simulator counts the shapes
+the built kernels run at (``engines.BUILT``), not an idealised packing.
+
+- ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): the batch's
+  sequences (prompt + response) first-fit-decreasing into rows of a width from the bucket set
+  ``bucket_up`` (2^k and 1.5·2^k multiples of the 16-token granule, up to P + R), the row count
+  bucketed the same way (at most one sequence per row), the width with the fewest token slots.
+  One packing group per PPO pass: every config here has one minibatch and no accumulation
+  (with more, each microbatch packs on its own and the engine computes a little more).
+- ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the batch's
+  sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
+  row count rounded up to a power of two; the scorers' admission prefill is skipped.
+- ``live_width``: the columns a decode chunk reads (``models.kv_cache.live_width``): the power
+  of two (at least 16) over the longest context the chunk can reach, capped at P + R.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GRANULE = 16  # ppo.pack_granule's default
+MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
+
+
+def bucket_up(n: int | float, granule: int = 1) -> int:
+    """Smallest ``granule · b >= n`` with b in {1, 2, 3, 4, 6, 8, 12, ...}.
+    Example: granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 49 -> 64, 65 -> 96."""
+    units = max(-(-int(np.ceil(n)) // granule), 1)
+    b = 1
+    while b < units:
+        b = b + max(b // 2, 1) if b & (b - 1) == 0 else (b // 3) * 4
+    return b * granule
+
+
+def pow2_at_least(n: int | float, floor: int = 1) -> int:
+    """The power of two >= max(n, floor). Example: 5 -> 8, 16 -> 16."""
+    n = max(int(np.ceil(n)), floor, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def ffd_rows(lengths, width: int) -> int:
+    """Rows first-fit decreasing needs for ``lengths`` in rows of ``width`` (each <= width).
+    Example: [5, 3, 4, 2] in 8 -> 2."""
+    room = np.empty(len(lengths), np.int64)
+    used = 0
+    for n in sorted((int(x) for x in lengths), reverse=True):
+        fits = np.flatnonzero(room[:used] >= n)
+        if fits.size:
+            room[fits[0]] -= n
+        else:
+            room[used] = width - n
+            used += 1
+    return used
+
+
+def update_tokens(lengths, full: int, granule: int = GRANULE) -> int:
+    """Token slots one pass of the packed update computes over sequences of ``lengths``
+    (prompt + response) with padded width ``full`` = P + R (module docstring)."""
+    lengths = np.asarray(lengths)
+    if lengths.size == 0:
+        return 0
+    total, cap = int(lengths.sum()), lengths.size
+    best, width = None, bucket_up(int(lengths.max()), granule)
+    widths = []
+    while width < full:
+        widths.append(width)
+        width = bucket_up(width + 1, granule)
+    for width in [*widths, full]:
+        if best is not None and width * bucket_up(-(-total // width)) >= best:
+            continue  # even a perfect packing at this width costs more
+        rows = min(bucket_up(ffd_rows(lengths, width)), cap)
+        if best is None or rows * width < best:
+            best = rows * width
+    return best
+
+
+def score_tokens(lengths, full: int) -> int:
+    """Token slots a scorer's packed ``sync`` call computes over ``lengths`` (module
+    docstring)."""
+    lengths = np.asarray(lengths)
+    if lengths.size == 0:
+        return 0
+    width = min(pow2_at_least(int(lengths.max()), MIN_WIDTH), full)
+    return pow2_at_least(ffd_rows(lengths, width)) * width
+
+
+def live_width(longest: int | float, capacity: int) -> int:
+    """Cache columns read when no position reaches ``longest``. Example: cap 528: 70 -> 128."""
+    return min(pow2_at_least(longest, MIN_WIDTH), capacity)

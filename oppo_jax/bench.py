@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from oppo_jax.bench_bounds import ideal_bound, stage_shares
+from oppo_jax.bench_bounds import ideal_bound, pooled_efficiency, stage_shares
 from oppo_jax.config import Config, to_dict
 from oppo_jax.pipeline.carry import (
     AdmitRule,
@@ -180,6 +180,7 @@ def _summary(name: str, lanes: list[_Lane], target: float | None, tail: int) -> 
             np.mean([r["stale_token_frac"] for lane in lanes for r in lane.records])
         ),
         "ideal_bound": ideal_bound([r for lane in lanes for r in lane.records]),
+        "efficiency": pooled_efficiency([r for lane in lanes for r in lane.records]),
         "records": [r for lane in lanes for r in lane.records],  # for the simulator's fit
     }
 

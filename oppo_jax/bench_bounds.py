@@ -119,3 +119,23 @@ def stage_shares(records: list[dict]) -> dict:
     shares["other"] = 1.0 - sum(shares.values())
     shares["decode_plus_scoring"] = shares["decode"] + shares["scoring"]
     return shares
+
+
+def pooled_efficiency(records: list[dict]) -> dict:
+    """Per stage over a schedule's records: Σ tokens real / Σ tokens computed (the ledger of
+    ``pipeline.accounting``, in each record), and both sums. Records without a ledger (older
+    runs) are left out; {} when none has one."""
+    computed: dict[str, int] = {}
+    real: dict[str, int] = {}
+    for r in records:
+        for stage, n in r.get("tokens_computed", {}).items():
+            computed[stage] = computed.get(stage, 0) + n
+            real[stage] = real.get(stage, 0) + r["tokens_real"][stage]
+    return {
+        stage: {
+            "tokens_computed": n,
+            "tokens_real": real[stage],
+            "efficiency": real[stage] / n if n else None,
+        }
+        for stage, n in computed.items()
+    }

@@ -147,3 +147,19 @@ def test_ledger_helpers_on_hand_counted_cases():
     }
     with pytest.raises(ValueError, match="unknown stage"):
         ledger.add("prefill", 1, 1)
+
+
+def test_bench_pools_the_ledgers_of_a_schedule():
+    from oppo_jax.bench_bounds import pooled_efficiency
+
+    def record(update, decode):
+        (cu, ru), (cd, rd) = update, decode
+        return {"tokens_computed": {"update": cu, "decode": cd},
+                "tokens_real": {"update": ru, "decode": rd}}  # fmt: skip
+
+    # The second record's decode computed nothing; the third predates the ledger.
+    records = [record((100, 30), (40, 40)), record((300, 90), (0, 0)), {"step_time_s": 1.0}]
+    pooled = pooled_efficiency(records)
+    assert pooled["update"] == {"tokens_computed": 400, "tokens_real": 120, "efficiency": 0.3}
+    assert pooled["decode"]["efficiency"] == 1.0
+    assert pooled_efficiency([{"step_time_s": 1.0}]) == {}

@@ -146,3 +146,15 @@ def test_no_simulator_function_takes_more_than_8_parameters():
     assert len(inspect.signature(oppo_jax.sim.simulate).parameters) == 5
     assert len(inspect.signature(oppo_jax.sim.roofline_cost_model).parameters) == 6
     assert BUILT.name == "built" and ACTIVE.token_proportional
+
+
+def test_lora_projection_trains_no_base_weights():
+    full = build_projection("qwen2.5-7b:gh200", CONFIG)
+    lora = build_projection("qwen2.5-7b:gh200", CONFIG, given={"lora_rank": 16})
+    assert lora.train.lora_rank == 16 and lora.source("trained") == "flag"
+    assert "LoRA rank 16 on frozen bases" in "\n".join(lora.lines())
+    a, b = full.cost_model(), lora.cost_model()
+    # Forward + the activations' backward (2×) instead of 3× per token; no base-weight
+    # optimizer traffic; everything before the update is unchanged.
+    assert b.update_u1 == pytest.approx(a.update_u1 * 2 / 3) and b.update_u0 == 0.0
+    assert (b.decode_a, b.prefill_p1, b.admit_p1) == (a.decode_a, a.prefill_p1, a.admit_p1)

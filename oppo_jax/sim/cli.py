@@ -97,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None, help="--project: PPO epochs")
     p.add_argument("--minibatches", type=int, default=None, help="--project: per epoch")
     p.add_argument("--trained", default=None, help="--project: trained models, e.g. actor,critic")
+    p.add_argument("--lora-rank", type=int, default=None, help="--project: LoRA rank (0: none)")
     p.add_argument("--steps", type=int, default=None, help="simulated steps per schedule (200)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-deferrals", type=int, default=None)
@@ -168,6 +169,7 @@ def _project(args) -> dict:
         "steps": args.steps,
         "seed": args.seed,
         "lengths": lengths,
+        "lora_rank": args.lora_rank,
     }
     proj = build_projection(args.project, args.config, args.set, given)
     cost = proj.cost_model()

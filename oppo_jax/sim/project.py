@@ -43,6 +43,7 @@ DEFAULTS = {
     "steps": 200,
     "seed": 0,
     "lengths": LONGTAIL,
+    "lora_rank": 0,
 }
 # Which printed setting each value belongs to.
 _SETTING = {
@@ -61,6 +62,7 @@ _SETTING = {
     "steps": "steps",
     "seed": "steps",
     "lengths": "lengths",
+    "lora_rank": "trained",
 }
 # Config keys (of --set) and the printed setting they change.
 _CONFIG_KEYS = {
@@ -74,6 +76,7 @@ _CONFIG_KEYS = {
     "mesh.data": "model",
     "mesh.fsdp": "model",
     "mesh.tensor": "model",
+    "model.lora_rank": "trained",
 }
 
 
@@ -106,6 +109,7 @@ class Projection:
         """The settings, one per line, each with its source."""
         model, hardware = parse_spec(self.spec)
         w, t = self.workload, self.train
+        lora = f" (LoRA rank {t.lora_rank} on frozen bases)" if t.lora_rank else ""
         rows = [
             ("model", f"{model.name} on {self.chips}× {hardware.name}, mfu {self.mfu:g}"),
             ("batch", f"B = {w.batch} sequences per PPO batch"),
@@ -113,7 +117,7 @@ class Projection:
             ("capacity", f"R = {w.capacity} tokens of response capacity"),
             ("lengths", f"responses {self.lengths.describe()}"),
             ("ppo", f"{t.ppo_epochs} PPO epoch(s) × {t.num_minibatches} minibatch(es)"),
-            ("trained", f"trained: {' + '.join(t.trained)}; {t.n_scorers} scorers"),
+            ("trained", f"trained: {' + '.join(t.trained)}{lora}; {t.n_scorers} scorers"),
             (
                 "schedule",
                 f"C = {w.chunk_size}, Δ = {w.delta}, {w.placement}, "
@@ -218,7 +222,12 @@ def build_projection(spec: str, config=None, overrides=(), given: dict | None = 
         seed=values["seed"],
     )
     workload.check()
-    train = TrainSettings(values["epochs"], values["minibatches"], tuple(values["trained"]))
+    train = TrainSettings(
+        values["epochs"],
+        values["minibatches"],
+        tuple(values["trained"]),
+        lora_rank=int(values.get("lora_rank") or 0),
+    )
     if "actor" not in train.trained or not set(train.trained) <= {"actor", "critic"}:
         raise ValueError(f"--trained {','.join(train.trained)}: expected actor or actor,critic")
     if train.ppo_epochs < 1 or train.num_minibatches < 1:
@@ -247,6 +256,7 @@ def _config_values(cfg, spec: str) -> dict:
         "placement": p.placement,
         "max_deferrals": p.max_deferrals,
         "chips": m.data * m.fsdp * m.tensor,
+        "lora_rank": getattr(cfg.model, "lora_rank", 0),  # 0 also before the schema had LoRA
     }
     if getattr(r, "length_sampler", "policy") == "lognormal":
         values["lengths"] = LogNormal.from_p99(r.length_median, r.length_p99, r.max_response_len)

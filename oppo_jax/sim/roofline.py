@@ -5,8 +5,11 @@ Decode is memory-bound until the batch reaches the ridge: a step reads every wei
 Prefills and the update run at ``mfu`` of peak: 2·params FLOPs per token forward, 3× that
 forward + backward, per PPO epoch and per trained model (the critic has the actor's size, as
 in every config here); each optimizer step also moves parameters, gradients and two Adam
-moments through HBM. Not modelled: attention FLOPs of prefill and update (a few percent at
-contexts of ~1k tokens, more at 8k+), memory limits, host delays (0) and contention (ρ = 1).
+moments through HBM. With LoRA (``lora_rank`` > 0) the frozen base needs no weight gradient:
+2× the forward per token (forward + the activations' backward), and the optimizer and the
+parameter copy move only the adapters (taken as free). Not modelled: attention FLOPs of
+prefill and update (a few percent at contexts of ~1k tokens, more at 8k+), memory limits,
+host delays (0) and contention (ρ = 1).
 Every cost model from here is labelled PROJECTION.
 """
 
@@ -47,8 +50,9 @@ class TrainSettings:
 
     ppo_epochs: int = 4  # passes over each batch (TRL's default)
     num_minibatches: int = 1  # optimizer updates per epoch
-    trained: tuple[str, ...] = ("actor", "critic")  # models the update trains (LoRA: later)
+    trained: tuple[str, ...] = ("actor", "critic")  # models the update trains
     reward_model: bool = True  # a reward model scores; False: a rule-based reward
+    lora_rank: int = 0  # LoRA adapters on frozen bases (model.lora_rank); 0: full parameters
 
     @property
     def n_scorers(self) -> int:
@@ -56,9 +60,10 @@ class TrainSettings:
         return 1 + ("critic" in self.trained) + self.reward_model
 
     def describe(self) -> str:
+        lora = f" (LoRA rank {self.lora_rank})" if self.lora_rank else ""
         return (
             f"{self.ppo_epochs} PPO epoch(s) × {self.num_minibatches} minibatch(es), "
-            f"trained: {' + '.join(self.trained)}, {self.n_scorers} scorers"
+            f"trained: {' + '.join(self.trained)}{lora}, {self.n_scorers} scorers"
         )
 
 
@@ -98,6 +103,9 @@ def roofline_cost_model(
     per_token = 2.0 * model.params / (peak * mfu)
     trained = len(train.trained)
     optimizer_steps = train.ppo_epochs * train.num_minibatches * trained
+    backward = 3.0  # forward + 2× backward (activations and weights)
+    if train.lora_rank:  # no weight gradient of the frozen base; adapters' traffic is small
+        backward, optimizer_steps = 2.0, 0
     return CostModel(
         decode_a=weights,
         decode_b=slope,
@@ -109,8 +117,8 @@ def roofline_cost_model(
         admit_p0=weights,
         admit_p1=per_token,
         update_u0=optimizer_steps * OPTIMIZER_ARRAYS * weights,
-        update_u1=3.0 * per_token * train.ppo_epochs * trained,  # forward + 2× backward
-        copy_s=model.weight_bytes / hardware.link_bytes_s,
+        update_u1=backward * per_token * train.ppo_epochs * trained,
+        copy_s=0.0 if train.lora_rank else model.weight_bytes / hardware.link_bytes_s,
         label=f"PROJECTION (roofline, mfu {mfu:g}): {model.name} on {chips}× {hardware.name}",
     )
 

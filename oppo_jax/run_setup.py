@@ -31,6 +31,7 @@ from oppo_jax.ppo.update import (
     make_sharded_init,
     make_sharded_update,
 )
+from oppo_jax.rewards.setup import reward_functions
 from oppo_jax.sharding import init_sharded_params, make_device_groups, placed_on
 from oppo_jax.specs import rollout_spec, update_spec
 
@@ -148,7 +149,9 @@ def _load_models(cfg: Config, mesh, progress: bool):
         actor_dir, reward_dir, prompts, gold_fn = _demo_assets(cfg, progress)
     options = {"dtype": m.dtype, "param_dtype": m.param_dtype, "placement": placed_on(mesh)}
     actor = load_hf_model(actor_dir, trust_remote_code=m.trust_remote_code, **options)
-    reward = load_hf_model(reward_dir, trust_remote_code=m.trust_remote_code, **options)
+    reward = None  # reward.model_weight=0: reward functions alone score; no model is loaded
+    if cfg.reward.model_weight:
+        reward = load_hf_model(reward_dir, trust_remote_code=m.trust_remote_code, **options)
     _check_models(actor, reward, actor_dir, reward_dir)
     return actor, reward, actor_dir, prompts, gold_fn
 
@@ -255,13 +258,16 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
     spec = update_spec(cfg, actor.config, critic_cfg)
     update = _batch_resharded(make_sharded_update(spec, mesh)[0], mesh)
     rollout = rollout_spec(cfg, eos_ids, pad_id, placement)
+    if not cfg.reward.model_weight:  # (random models are built in pairs; drop the reward one)
+        reward = None
     engine = StepEngine(
-        kernels=build_kernels(spec, rollout, reward_model=reward.config, update=update),
+        kernels=build_kernels(spec, rollout, reward_model=reward and reward.config, update=update),
         placement=placement,
         ref_params=placement.scoring_params(actor.config, actor.params),
-        reward_params=placement.scoring_params(reward.config, reward.params),
+        reward_params=reward and placement.scoring_params(reward.config, reward.params),
         sample_key=sampling_key(cfg.seed),
         max_deferrals=cfg.pipeline.max_deferrals,
+        rewards=reward_functions(cfg, tok, prompts, eos_ids),  # reward.functions (host)
     )
     state = make_sharded_init(spec, mesh)(actor.params, critic_params)
     ctx = RunContext(cfg, engine, prompts, tok, actor_dir, gold_fn, prompts_truncated=truncated)
@@ -271,10 +277,12 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
 def _check_models(actor, reward, actor_dir: Path, reward_dir: Path) -> None:
     """The actor must be a CausalLM with a tokenizer, the reward model a classifier reading
     the same vocabulary."""
-    if actor.config.head != "lm" or reward.config.head != "score":
+    if actor.config.head != "lm" or (reward is not None and reward.config.head != "score"):
         raise InputError(f"{actor_dir} must be a CausalLM and {reward_dir} a sequence classifier")
     if actor.tokenizer is None:
         raise InputError(f"{actor_dir}: no tokenizer files found")
+    if reward is None:
+        return
     if reward.tokenizer is not None and not same_vocabulary(actor.tokenizer, reward.tokenizer):
         raise InputError(
             f"actor ({actor_dir}) and reward model ({reward_dir}) use different tokenizers; "

@@ -65,6 +65,7 @@ def step_record(ctx: RunContext, plan: StepPlan, result: StepResult, carried: in
         "busy_fraction": result.busy_fraction,
         "chunk_size": plan.chunk_size,
         **{k: metrics[k] for k in _UPDATE_KEYS if k in metrics},
+        **{k: v for k, v in metrics.items() if k.startswith("reward_fn/")},  # reward.functions
     }
     if ctx.gold_fn is not None:
         record["gold"] = float(np.mean(ctx.gold_fn(result.responses, lengths)))

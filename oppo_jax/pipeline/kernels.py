@@ -108,7 +108,7 @@ class Kernels:
         """The streaming consumers of the actor's tokens, by role."""
         r, mesh = self.rollout.max_response_len, self.rollout.scoring_mesh
         reward = None
-        if self.reward_fn is None:
+        if self.reward_model is not None:  # None: reward functions alone (oppo_jax.rewards)
             reward = ScorerSpec(self.reward_model, "score", r, mesh=mesh)
         return ScorerSpecs(
             reference=ScorerSpec(self.spec.actor, "logprob", r, self.spec.temperature, mesh),
@@ -147,8 +147,8 @@ def build_kernels(
 ) -> Kernels:
     """Compile-once kernels. Exactly one of ``reward_model`` (a ModelConfig with a score
     head) and ``reward_fn`` is given. ``update`` defaults to a plain jit of ``ppo_update``."""
-    if (reward_model is None) == (reward_fn is None):
-        raise ValueError("give exactly one of reward_model and reward_fn")
+    if reward_model is not None and reward_fn is not None:
+        raise ValueError("give at most one of reward_model and reward_fn")
     if not rollout.sampling.greedy and rollout.sampling.temperature != spec.temperature:
         # Behaviour log-probs (decode) and old/new log-probs (update) must use one temperature.
         raise ValueError(

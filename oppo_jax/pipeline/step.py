@@ -59,6 +59,7 @@ class StepEngine:
     reward_params: Any  # reward-model weights on the scoring group; None with a reward_fn
     sample_key: jax.Array  # the run's sampling key: a token depends on (seed, prompt, position)
     max_deferrals: int  # a sequence carried this often must finish in its next step
+    rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,8 @@ def run_step(
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
     work.add("admission", 0, admission_real(*lens, trained=trained, frozen=frozen))
     decode_slots: list[int] = []  # slots of each decode chunk dispatched (accounting)
+    # Reward functions run on host threads: each sequence is scored as soon as it ends.
+    fn_rewards = engine.rewards.start(slots) if engine.rewards is not None else None
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
     if schedule.stream:
@@ -160,7 +163,10 @@ def run_step(
             decoding,
             cut_rule,
             plan.chunk_size,
-            lambda chunk: scorers.feed(place.to_scoring(chunk)),
+            lambda chunk: (
+                scorers.feed(place.to_scoring(chunk)),
+                fn_rewards and fn_rewards.feed(chunk),  # read on the reward thread
+            ),
             dispatched=decode_slots,
         )
     else:
@@ -177,11 +183,14 @@ def run_step(
     # 5. Experience: rewards with the KL penalty, GAE and whitening over the batch rows.
     kl_coef = jnp.float32(plan.kl_coef)
     scored = place.to_generation(scorers.outputs())
+    if fn_rewards is not None:  # score = reward.model_weight x RM + sum weight x function
+        scored = fn_rewards.combine(scored, decoding, selection.batch)
     # Only the prompt columns: one compilation for every admission width.
     prompts_only = admission.replace(context=jnp.asarray(slots.context[:, : rollout.prompt_width]))
     rows = jnp.asarray(selection.batch, jnp.int32)
     batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
     timeline.track("build batch", GENERATION, stats["reward"])
+    stats.update(fn_rewards.metrics if fn_rewards is not None else {})  # reward_fn/<name>
     # Drop the KV caches (actor and scorers) before the update: their buffers are freed as
     # soon as the experience kernel has read them, so the update has that memory.
     outputs = (decoding.tokens, decoding.logprobs, decoding.num_generated)

@@ -25,11 +25,11 @@ from oppo_jax.pipeline.host_state import sampling_key
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.step import StepEngine
+from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import (
     TrainState,
     batch_shardings,
     make_sharded_init,
-    make_sharded_update,
 )
 from oppo_jax.rewards.setup import reward_functions
 from oppo_jax.sharding import init_sharded_params, make_device_groups, placed_on
@@ -223,8 +223,8 @@ def _batch_resharded(update: Callable, mesh) -> Callable:
     processes (multi-host) the batch built by the experience kernel must be moved here."""
     shardings = batch_shardings(mesh)
 
-    def run(state, batch, key, kl_coef):
-        return update(state, jax.device_put(batch, shardings), key, kl_coef)
+    def run(state, batch, key, kl_coef, lengths=None):
+        return update(state, jax.device_put(batch, shardings), key, kl_coef, lengths=lengths)
 
     return run
 
@@ -256,7 +256,7 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     spec = update_spec(cfg, actor.config, critic_cfg)
-    update = _batch_resharded(make_sharded_update(spec, mesh)[0], mesh)
+    update = _batch_resharded(make_update(spec, mesh), mesh)  # packed unless packed_update=false
     rollout = rollout_spec(cfg, eos_ids, pad_id, placement)
     if not cfg.reward.model_weight:  # (random models are built in pairs; drop the reward one)
         reward = None

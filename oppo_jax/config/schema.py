@@ -76,6 +76,9 @@ class PPOConfig:
     # weight carried (stale) tokens by a truncated ratio π_old / π_behaviour (decoupled PPO)
     importance_correction: bool = False
     importance_clip: float = 2.0  # upper truncation of that importance weight
+    # update on the sequences' real tokens packed into rows (False: the padded [B, P + R] update)
+    packed_update: bool = True
+    pack_granule: int = 16  # packed widths and response slots are multiples of this, tokens
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.experience import RewardFn, batch_from_rollout
-from oppo_jax.ppo.update import UpdateSpec, ppo_update
+from oppo_jax.ppo.packed_update import make_update
+from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.decode import (
     admit_decode,
     decode_chunk,
@@ -90,7 +91,8 @@ class Kernels:
     rollout: RolloutSpec
     reward_fn: RewardFn | None  # programmatic reward; None: the reward model scores
     reward_model: ModelConfig | None  # the reward model's architecture (None with reward_fn)
-    update: Callable  # (train state, batch, key, kl_coef) -> (train state, metrics); donates
+    # (train state, batch, key, kl_coef, lengths=None) -> (train state, metrics); donates
+    update: Callable
 
     def admit(self, params, admission, base_key):
         """The actor's admission prefill: (DecodeState, marker)."""
@@ -146,7 +148,7 @@ def build_kernels(
     update: Callable | None = None,
 ) -> Kernels:
     """Compile-once kernels. Exactly one of ``reward_model`` (a ModelConfig with a score
-    head) and ``reward_fn`` is given. ``update`` defaults to a plain jit of ``ppo_update``."""
+    head) and ``reward_fn`` is given. ``update`` defaults to ``packed_update.make_update``."""
     if reward_model is not None and reward_fn is not None:
         raise ValueError("give at most one of reward_model and reward_fn")
     if not rollout.sampling.greedy and rollout.sampling.temperature != spec.temperature:
@@ -155,6 +157,6 @@ def build_kernels(
             f"sampling temperature {rollout.sampling.temperature} != update temperature "
             f"{spec.temperature}"
         )
-    if update is None:
-        update = jax.jit(functools.partial(ppo_update, spec), donate_argnums=(0,))
+    if update is None:  # packed or padded (ppo.packed_update); donates all but LoRA's bases
+        update = make_update(spec)
     return Kernels(spec, rollout, reward_fn, reward_model, update)

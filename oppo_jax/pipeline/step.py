@@ -196,8 +196,14 @@ def run_step(
     outputs = (decoding.tokens, decoding.logprobs, decoding.num_generated)
     del decoding, scored
     scorers.close()
-    # 6. Update: PPO epochs x minibatches over the batch, one jitted call.
-    train_state, update_metrics = k.update(train_state, batch, plan.update_key, kl_coef)
+    # 6. Update: PPO epochs x minibatches over the batch, one jitted call. The packed update
+    #    plans its rows from the batch's lengths: the decode has finished (finish_step was
+    #    read), so reading its lengths here does not wait on the experience kernel.
+    generated = np.asarray(to_host(outputs[2]))
+    lengths = (slots.prompt_len[selection.batch], generated[selection.batch])
+    train_state, update_metrics = k.update(
+        train_state, batch, plan.update_key, kl_coef, lengths=lengths
+    )
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
     # 7. Carry: sequences not taken keep the tokens they had at the cut (read while the
     #    update runs).
@@ -205,8 +211,11 @@ def run_step(
     lengths = (host.num_generated, slots.prefix_len)
     add_rollout(work, decode_slots, int(decode_steps), plan.chunk_size, lengths, len(scorers.roles))
     in_batch = slots.prompt_len[selection.batch] + host.num_generated[selection.batch]
-    # Each PPO epoch passes over the batch once in each trained model (actor and critic).
-    add_update(work, batch.tokens.shape, in_batch, 2 * k.spec.ppo.ppo_epochs)
+    # Each PPO epoch passes over the batch once in each trained model (actor and critic);
+    # one pass computes the packed rows (or the padded [B, P + R] batch) the update reports.
+    epochs = k.spec.ppo.ppo_epochs
+    per_pass = (int(update_metrics["update_tokens_computed"]) // epochs,)
+    add_update(work, per_pass, in_batch, 2 * epochs)
     carried = carry_out(slots, selection, host, plan.step)
     events, wall = timeline.end_step()
     result = StepResult(

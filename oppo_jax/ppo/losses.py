@@ -1,46 +1,68 @@
-"""PPO policy, value and entropy losses as pure float32 functions of masked [B, T] arrays."""
+"""PPO policy, value and entropy losses as pure float32 functions of masked per-token arrays:
+padded [B, T] rows, or the packed update's [N] response slots (with ``segments``)."""
 
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Shaped
+from jaxtyping import Array, Float, Int, Shaped
 
 from oppo_jax.ppo.masked import Scalar, as_bool_mask, masked_mean
 
 Aggregation = Literal["token_mean", "seq_mean"]
 
 
+# Packed per-token arrays [N] name their sequence instead of holding one per row:
+# (segment id of each token [N], number of sequences m); ids >= m mark unused slots.
+Segments = tuple[Int[Array, " N"], int]
+
+
 def aggregate(
-    per_token: Float[Array, "B T"], mask: Shaped[Array, "B T"], agg: Aggregation
+    per_token: Float[Array, "*tokens"],
+    mask: Shaped[Array, "*tokens"],
+    agg: Aggregation,
+    segments: Segments | None = None,
 ) -> Float[Array, ""]:
     """Reduce a per-token loss to a scalar.
 
     token_mean: Σ_{b,t} m·ℓ / Σ_{b,t} m                (every valid token weighs the same)
-    seq_mean:   mean over rows with ≥ 1 valid token of (Σ_t m·ℓ / Σ_t m)
+    seq_mean:   mean over sequences with ≥ 1 valid token of (Σ_t m·ℓ / Σ_t m)
+    A sequence is a row of [B, T] arrays, or with ``segments`` the tokens of one segment id
+    (the packed layout, ``oppo_jax.ppo.packing``).
     """
     if agg == "token_mean":
         return masked_mean(per_token, mask)
     if agg == "seq_mean":
-        row_mean = masked_mean(per_token, mask, axis=-1)
-        return masked_mean(row_mean, as_bool_mask(mask).any(axis=-1))
+        if segments is None:
+            row_mean = masked_mean(per_token, mask, axis=-1)
+            return masked_mean(row_mean, as_bool_mask(mask).any(axis=-1))
+        ids, num = segments
+        valid = as_bool_mask(mask)
+        x = jnp.where(valid, per_token.astype(jnp.float32), 0.0)
+        row_sum = jax.ops.segment_sum(x, ids, num + 1)[:num]  # id m: unused slots, dropped
+        row_count = jax.ops.segment_sum(valid.astype(jnp.float32), ids, num + 1)[:num]
+        row_mean = row_sum / jnp.maximum(row_count, 1.0)
+        return masked_mean(row_mean, row_count > 0)
     raise ValueError(f"unknown aggregation {agg!r}; expected 'token_mean' or 'seq_mean'")
 
 
-def _valid_f32(x: Float[Array, "B T"], valid: Shaped[Array, "B T"]) -> Float[Array, "B T"]:
+def _valid_f32(
+    x: Float[Array, "*tokens"], valid: Shaped[Array, "*tokens"]
+) -> Float[Array, "*tokens"]:
     # Zeroing padding before any exp/square keeps NaN/inf out of both values and gradients.
     return jnp.where(valid, x.astype(jnp.float32), 0.0)
 
 
 def policy_loss(
-    logp: Float[Array, "B T"],
-    old_logp: Float[Array, "B T"],
-    advantages: Float[Array, "B T"],
-    mask: Shaped[Array, "B T"],
+    logp: Float[Array, "*tokens"],
+    old_logp: Float[Array, "*tokens"],
+    advantages: Float[Array, "*tokens"],
+    mask: Shaped[Array, "*tokens"],
     cliprange: Scalar,
     agg: Aggregation = "token_mean",
-    behaviour_logp: Float[Array, "B T"] | None = None,
+    behaviour_logp: Float[Array, "*tokens"] | None = None,
     is_clip: float | None = None,
+    segments: Segments | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped PPO surrogate, optionally with a truncated importance weight (decoupled PPO).
 
@@ -70,7 +92,7 @@ def policy_loss(
         per_token = weight * per_token
         aux["is_weight_mean"] = masked_mean(weight, mask)
 
-    loss = aggregate(per_token, mask, agg)
+    loss = aggregate(per_token, mask, agg, segments)
     ratio_sg = jax.lax.stop_gradient(ratio)
     aux["clipfrac"] = masked_mean((jnp.abs(ratio_sg - 1.0) > eps).astype(jnp.float32), mask)
     aux["approx_kl"] = masked_mean(0.5 * jnp.square(jax.lax.stop_gradient(log_ratio)), mask)
@@ -79,12 +101,13 @@ def policy_loss(
 
 
 def value_loss(
-    values: Float[Array, "B T"],
-    old_values: Float[Array, "B T"],
-    returns: Float[Array, "B T"],
-    mask: Shaped[Array, "B T"],
+    values: Float[Array, "*tokens"],
+    old_values: Float[Array, "*tokens"],
+    returns: Float[Array, "*tokens"],
+    mask: Shaped[Array, "*tokens"],
     cliprange_value: Scalar,
     agg: Aggregation = "token_mean",
+    segments: Segments | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped value loss.
 
@@ -103,7 +126,7 @@ def value_loss(
     v_clipped = v_old + jnp.clip(v - v_old, -eps, eps)
     unclipped = jnp.square(v - ret)
     clipped = jnp.square(v_clipped - ret)
-    loss = 0.5 * aggregate(jnp.maximum(unclipped, clipped), mask, agg)
+    loss = 0.5 * aggregate(jnp.maximum(unclipped, clipped), mask, agg, segments)
     clip_used = jax.lax.stop_gradient(clipped > unclipped).astype(jnp.float32)
     return loss, {"vf_clipfrac": masked_mean(clip_used, mask)}
 

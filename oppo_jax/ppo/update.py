@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -184,15 +185,36 @@ def _nan_like(shapes):
     return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
 
 
-def _gradients(spec: UpdateSpec, layout, kl_coef, batch_ok, params, minibatch: PPOBatch):
-    """Mean (actor, critic) gradients over ``grad_accum_steps`` microbatches and the
-    microbatches' loss metrics; NaN, with no model work at all, when not ``batch_ok``."""
-    actor_grad_fn = jax.grad(functools.partial(actor_loss, spec), has_aux=True)
-    critic_grad_fn = jax.grad(functools.partial(critic_loss, spec), has_aux=True)
+@dataclasses.dataclass(frozen=True)
+class Losses:
+    """What one microbatch costs each model: the padded update's losses, or the packed
+    update's (``oppo_jax.ppo.packed_update``). ``prepare`` turns a microbatch's scanned inputs
+    into what the losses read (under the layout's constraints)."""
+
+    prepare: Callable  # (microbatch inputs) -> microbatch
+    actor: Callable  # (params, microbatch, kl_coef) -> (loss, aux)
+    critic: Callable  # (params, microbatch) -> (loss, aux)
+
+
+def padded_losses(spec: UpdateSpec, layout: UpdateLayout | None) -> Losses:
+    """Microbatches are row slices of the padded PPOBatch."""
+    return Losses(
+        prepare=(lambda mb: mb) if layout is None else layout.rows,
+        actor=functools.partial(actor_loss, spec),
+        critic=functools.partial(critic_loss, spec),
+    )
+
+
+def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, params, parts):
+    """Mean (actor, critic) gradients over the ``grad_accum_steps`` microbatches ``parts``
+    (leading axis) and their loss metrics; NaN, with no model work at all, when not
+    ``batch_ok``."""
+    actor_grad_fn = jax.grad(losses.actor, has_aux=True)
+    critic_grad_fn = jax.grad(losses.critic, has_aux=True)
     constrain = (lambda g: g) if layout is None else layout.like_params
 
-    def compute(mb):
-        mb = mb if layout is None else layout.rows(mb)
+    def compute(part):
+        mb = losses.prepare(part)
         g_actor, a_aux = actor_grad_fn(params[0], mb, kl_coef)
         g_critic, c_aux = critic_grad_fn(params[1], mb)
         return constrain((g_actor, g_critic)), {**a_aux, **c_aux}
@@ -201,7 +223,6 @@ def _gradients(spec: UpdateSpec, layout, kl_coef, batch_ok, params, minibatch: P
         return jax.lax.cond(batch_ok, compute, lambda _: _nan_like(shapes), mb)
 
     steps = spec.ppo.grad_accum_steps
-    parts = _split(minibatch, steps, layout)
     shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
     if steps == 1:  # no accumulator: one parameter-sized buffer less
         return guarded(jax.tree.map(lambda x: x[0], parts))
@@ -228,11 +249,12 @@ def _apply(spec: UpdateSpec, grads, state: TrainState) -> TrainState:
     )
 
 
-def _optimizer_step(spec: UpdateSpec, layout, kl_coef, batch_ok, state: TrainState, minibatch):
-    """Average gradients over microbatches, then apply one actor and one critic update, or
-    neither when the batch, a loss, a metric or a gradient is not finite (``applied``)."""
+def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, state, parts):
+    """Average gradients over the microbatches ``parts``, then apply one actor and one critic
+    update, or neither when the batch, a loss, a metric or a gradient is not finite
+    (``applied``)."""
     params = (state.actor_params, state.critic_params)
-    grads, aux = _gradients(spec, layout, kl_coef, batch_ok, params, minibatch)
+    grads, aux = _gradients(spec, losses, layout, kl_coef, batch_ok, params, parts)
     metrics = jax.tree.map(jnp.mean, aux)
     # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
     metrics["actor_grad_norm"] = optax.tree.norm(grads[0])
@@ -248,7 +270,11 @@ def _optimizer_step(spec: UpdateSpec, layout, kl_coef, batch_ok, state: TrainSta
 def _epochs(spec: UpdateSpec, layout, batch: PPOBatch, key, kl_coef, batch_ok, state):
     """Every optimizer step of one PPO step; metrics are stacked [epochs, minibatches]."""
     num_rows = batch.tokens.shape[0]
-    step = functools.partial(_optimizer_step, spec, layout, kl_coef, batch_ok)
+    losses, accum = padded_losses(spec, layout), spec.ppo.grad_accum_steps
+
+    def step(state, minibatch):
+        parts = _split(minibatch, accum, layout)
+        return optimizer_step(spec, losses, layout, kl_coef, batch_ok, state, parts)
 
     def epoch(state, epoch_key):
         perm = jax.random.permutation(epoch_key, num_rows)
@@ -296,6 +322,11 @@ def ppo_update(
     with context:
         batch_ok = all_finite(batch)
         new_state, stacked = _epochs(spec, layout, batch, key, kl_coef, batch_ok, state)
+    return finish_update(spec, new_state, stacked, batch_ok)
+
+
+def finish_update(spec: UpdateSpec, new_state: TrainState, stacked: dict, batch_ok):
+    """The update's metrics from the stacked per-step ones, and the PPO step counter."""
     metrics = _mean_metrics(stacked)
     skipped = metrics["skipped_steps"]
     metrics["nonfinite_batch"] = (~batch_ok).astype(jnp.float32)

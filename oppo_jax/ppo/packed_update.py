@@ -1,0 +1,233 @@
+"""The packed PPO update (``ppo.packed_update``): the padded update's optimizer steps, each
+microbatch computed on its sequences' real tokens packed into rows (``oppo_jax.ppo.packing``).
+
+Same microbatches (the host replays the update key's permutations), same losses, the same
+accumulation and non-finite guard (``update.optimizer_step``): only the layout differs, so the
+results equal the padded update's up to float summation order. The LM head runs at the
+microbatch's response slots only, in vocabulary blocks, as in the padded update.
+
+``make_update`` builds the update a run dispatches: ``update(state, batch, key, kl_coef,
+lengths=None)``, where ``lengths`` = (prompt_len, response_len) host arrays of the batch's rows
+(read from the batch when not given). Either layout adds ``update_tokens_real`` and
+``update_tokens_computed`` (token slots of the forward passes, both models alike) to the
+metrics; the packed one also the step's packed shape (``update_rows``, ``update_width``,
+``update_slots``) and keeps the set of shapes it compiled (``PackedUpdate.shapes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
+from oppo_jax.models.transformer import Transformer
+from oppo_jax.ppo.advantages import kl_estimate
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.losses import aggregate, policy_loss, value_loss
+from oppo_jax.ppo.packing import (
+    PackedMicrobatch,
+    PackIndices,
+    gather_microbatch,
+    host_lengths,
+    microbatch_rows,
+    plan_packing,
+)
+from oppo_jax.ppo.update import (
+    Losses,
+    UpdateLayout,
+    UpdateSpec,
+    all_finite,
+    batch_shardings,
+    finish_update,
+    optimizer_step,
+    ppo_update,
+    train_state_shardings,
+)
+from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards, replicated
+
+
+def _response_hidden(cfg, params, mb: PackedMicrobatch):
+    """Final-normed hidden states [N, D] at the response slots of a packed microbatch."""
+    hidden, _ = Transformer(cfg).apply(
+        {"params": params},
+        mb.tokens,
+        positions=mb.positions,
+        segment_ids=mb.segments,
+        return_hidden=True,
+    )
+    return hidden.reshape(-1, hidden.shape[-1])[mb.resp_at]
+
+
+def packed_actor_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicrobatch, kl_coef):
+    """``update.actor_loss`` on a packed microbatch of ``num_seqs`` sequences."""
+    ppo, segments = spec.ppo, (mb.resp_seg, num_seqs)
+    hidden = _response_hidden(spec.actor, params, mb)
+    logp, entropy = token_logprobs_and_entropy(
+        spec.actor, params, hidden, mb.targets, spec.temperature, VOCAB_BLOCK
+    )
+    is_clip = ppo.importance_clip if ppo.importance_correction else None
+    pg, aux = policy_loss(
+        logp,
+        mb.old_logp,
+        mb.advantages,
+        mb.mask,
+        ppo.cliprange,
+        ppo.loss_agg,
+        behaviour_logp=mb.behaviour_logp if is_clip else None,
+        is_clip=is_clip,
+        segments=segments,
+    )
+    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, segments)
+    loss = pg - ppo.entropy_coef * mean_entropy
+    if not ppo.kl_in_reward:
+        kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)
+        loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, segments)
+    return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
+
+
+def packed_critic_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicrobatch):
+    """``update.critic_loss`` on a packed microbatch of ``num_seqs`` sequences."""
+    hidden = _response_hidden(spec.critic, params, mb)
+    values = apply_head(spec.critic, params, hidden)[..., 0].astype(jnp.float32)
+    ppo = spec.ppo
+    vf, aux = value_loss(
+        values,
+        mb.old_values,
+        mb.returns,
+        mb.mask,
+        ppo.cliprange_value,
+        ppo.loss_agg,
+        segments=(mb.resp_seg, num_seqs),
+    )
+    return ppo.vf_coef * vf, {"value_loss": vf, **aux}
+
+
+def ppo_update_packed(
+    spec: UpdateSpec,
+    state,
+    batch: PPOBatch,
+    plan: PackIndices,
+    kl_coef,
+    layout: UpdateLayout | None = None,
+):
+    """``update.ppo_update`` with every microbatch gathered from ``batch`` onto the packed
+    layout by ``plan`` (leading axes [epochs, minibatches, microbatches]); the same checks
+    (the whole padded batch must be finite) and the same metrics."""
+    ppo = spec.ppo
+    num_seqs = batch.tokens.shape[0] // (ppo.num_minibatches * ppo.grad_accum_steps)
+
+    def prepare(idx: PackIndices) -> PackedMicrobatch:
+        mb = gather_microbatch(batch, idx, num_seqs)
+        return mb if layout is None else layout.rows(mb)
+
+    losses = Losses(
+        prepare=prepare,
+        actor=functools.partial(packed_actor_loss, spec, num_seqs),
+        critic=functools.partial(packed_critic_loss, spec, num_seqs),
+    )
+    context = contextlib.nullcontext() if layout is None else layout.tracing()
+    with context:
+        batch_ok = all_finite(batch)
+        step = functools.partial(optimizer_step, spec, losses, layout, kl_coef, batch_ok)
+        new_state, stacked = jax.lax.scan(
+            lambda s, epoch_plan: jax.lax.scan(step, s, epoch_plan), state, plan
+        )
+    return finish_update(spec, new_state, stacked, batch_ok)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _permutations(key, num_rows: int, epochs: int):
+    """The epochs' row permutations exactly as ``update._epochs`` draws them from ``key``."""
+    keys = jax.random.split(key, epochs)
+    return jnp.stack([jax.random.permutation(keys[e], num_rows) for e in range(epochs)])
+
+
+class PackedUpdate:
+    """The packed update as the step calls it: plans on the host, then one jitted call.
+
+    ``jitted(state, batch, plan, kl_coef)`` compiles once per packed shape; the shapes seen so
+    far are in ``shapes`` (bounded by the bucket sets, see ``oppo_jax.ppo.packing``).
+    """
+
+    def __init__(self, spec: UpdateSpec, jitted, row_multiple: int = 1):
+        self.spec, self.jitted, self.row_multiple = spec, jitted, row_multiple
+        self.shapes: set[tuple[int, int, int]] = set()
+
+    def plan(self, batch: PPOBatch, key, lengths=None):
+        """The step's packing plan (host side)."""
+        ppo = self.spec.ppo
+        prompt_len, response_len = host_lengths(batch) if lengths is None else lengths
+        rows = batch.tokens.shape[0]
+        perms = np.asarray(jax.device_get(_permutations(key, rows, ppo.ppo_epochs)))
+        micro = microbatch_rows(perms, ppo.num_minibatches, ppo.grad_accum_steps)
+        return plan_packing(
+            prompt_len,
+            response_len,
+            micro,
+            batch.tokens.shape[1],
+            batch.response_len,
+            ppo.pack_granule,
+            self.row_multiple,
+        )
+
+    def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
+        plan = self.plan(batch, key, lengths)
+        self.shapes.add(plan.shape)
+        state, metrics = self.jitted(state, batch, plan.indices, kl_coef)
+        rows, width, slots = plan.shape
+        return state, {
+            **metrics,
+            "update_tokens_real": float(plan.tokens_real),
+            "update_tokens_computed": float(plan.tokens_computed),
+            "update_rows": float(rows),
+            "update_width": float(width),
+            "update_slots": float(slots),
+        }
+
+
+class PaddedUpdate:
+    """The padded reference update with the step's call signature and token accounting."""
+
+    def __init__(self, spec: UpdateSpec, jitted):
+        self.spec, self.jitted = spec, jitted
+
+    def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
+        prompt_len, response_len = host_lengths(batch) if lengths is None else lengths
+        state, metrics = self.jitted(state, batch, key, kl_coef)
+        epochs = self.spec.ppo.ppo_epochs
+        real = epochs * int(np.sum(prompt_len) + np.sum(response_len))
+        return state, {
+            **metrics,
+            "update_tokens_real": float(real),
+            "update_tokens_computed": float(epochs * batch.tokens.size),
+        }
+
+
+def make_update(
+    spec: UpdateSpec, mesh=None, rules: ShardingRules = DEFAULT_RULES, packed: bool | None = None
+):
+    """The run's update, packed or padded (``packed``, default ``spec.ppo.packed_update``),
+    jitted donating the state; on
+    ``mesh`` with explicit shardings and the logical rules active while tracing, as
+    ``update.make_sharded_update``."""
+    packed = spec.ppo.packed_update if packed is None else packed
+    fn = ppo_update_packed if packed else ppo_update
+    if mesh is None:
+        jitted = jax.jit(functools.partial(fn, spec), donate_argnums=(0,))
+        return PackedUpdate(spec, jitted) if packed else PaddedUpdate(spec, jitted)
+    state_sh, repl = train_state_shardings(spec, mesh, rules), replicated(mesh)
+    jitted = jax.jit(
+        functools.partial(fn, spec, layout=UpdateLayout(mesh, rules, state_sh)),
+        # The plan's indices are small and replicated; the gathered rows are then laid out
+        # over the batch axes inside (``UpdateLayout.rows``).
+        in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
+        out_shardings=(state_sh, repl),
+        donate_argnums=(0,),
+    )
+    if not packed:
+        return PaddedUpdate(spec, jitted)
+    return PackedUpdate(spec, jitted, row_multiple=batch_shards(mesh, rules))

@@ -1,0 +1,257 @@
+"""Packing the update's microbatches: each microbatch's sequences, prompt + response, laid end
+to end in rows of a bucketed width, so the update computes on real tokens, not on [B, P + R].
+
+The host plans (``plan_packing``) from the step's lengths and the epochs' permutations; the
+update gathers each microbatch from the padded ``PPOBatch`` with the plan's indices
+(``gather_microbatch``). The microbatches are exactly the padded update's (same rows, drawn
+from the same update key), so the losses are the same functions of the same tokens.
+
+Packed layout of one microbatch of m sequences (dimension letters: Rp packed rows, W packed
+width, N response slots):
+- token slots [Rp, W]: sequence i occupies a contiguous run of ``prompt_len + response_len``
+  slots of one row, with positions 0.. (RoPE restarts per sequence) and its own segment id
+  (attention never crosses a segment); unused slots at a row's end hold segment m.
+- response slots [N]: one per real response token, in packed order; slot k reads the packed
+  output at ``resp_at[k]`` (the position before its token) and carries the token's per-token
+  PPO quantities; unused slots have segment m and are masked out.
+
+The shape (Rp, W, N) is one per step, taken from small bucket sets (``bucket_up``), so the
+update compiles a bounded number of programs: at most |W buckets| x |Rp buckets| x |N buckets|.
+The plan is a pure function of the step's data (never of which shapes compiled before): a
+resumed run packs exactly as the uninterrupted one, so resume stays bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from oppo_jax.ppo.batch import PPOBatch
+
+
+def bucket_up(n: int, granule: int = 1) -> int:
+    """Smallest ``granule · b >= n`` with b in {1, 2, 3, 4, 6, 8, 12, 16, ...} (2^k and 1.5·2^k):
+    at most two shapes per doubling, and at most a third of a bucket wasted.
+
+    Example: granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 49 -> 64, 65 -> 96.
+    """
+    units = max(-(-n // granule), 1)
+    b = 1
+    while b < units:  # 1, 2, 3, 4, 6, 8, 12, ...: a power of two grows by half, 3·2^k to 2^(k+2)
+        b = b + max(b // 2, 1) if b & (b - 1) == 0 else (b // 3) * 4
+    return b * granule
+
+
+def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
+    """Bins (rows) of item indices, each holding at most ``width``: longest first, each into
+    the first row with room. Deterministic (ties keep index order).
+
+    Example: lengths [5, 3, 4, 2], width 8 -> [[0, 1], [2, 3]].
+    """
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-np.asarray(lengths), kind="stable"):
+        n = int(lengths[i])
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(int(i))
+                room[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            room.append(width - n)
+    return rows
+
+
+def microbatch_rows(perms: np.ndarray, num_minibatches: int, grad_accum: int) -> np.ndarray:
+    """[E, M, A, m] batch rows of every microbatch, as the padded update splits them.
+
+    Epoch e shuffles the rows by ``perms[e]``; minibatch j takes shuffled rows j, j + M, ...
+    and its microbatch a takes that minibatch's rows a, a + A, ... (``update._split``).
+    """
+    epochs, rows = perms.shape
+    m = rows // (num_minibatches * grad_accum)
+    mini = perms.reshape(epochs, rows // num_minibatches, num_minibatches).transpose(0, 2, 1)
+    micro = mini.reshape(epochs, num_minibatches, m, grad_accum).transpose(0, 1, 3, 2)
+    return micro
+
+
+@flax.struct.dataclass
+class PackIndices:
+    """The plan's index arrays, leading axes [E, M, A] (epoch, minibatch, microbatch)."""
+
+    tok_src: Int[Array, "... Rp W"]  # flat index into tokens [B·L] of each token slot
+    positions: Int[Array, "... Rp W"]  # position within its sequence (RoPE)
+    segments: Int[Array, "... Rp W"]  # microbatch-local sequence index; m for unused slots
+    resp_at: Int[Array, "... N"]  # flat packed slot [Rp·W] whose output is the response token's
+    resp_src: Int[Array, "... N"]  # flat index into response-aligned arrays [B·R]
+    tgt_src: Int[Array, "... N"]  # flat index into tokens [B·L] of the response token itself
+    resp_seg: Int[Array, "... N"]  # microbatch-local sequence index; m for unused slots
+
+    __no_type_check__ = True  # host numpy arrays when planned, tracers inside the update
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPlan:
+    """One step's packing: the indices (host arrays) and what they cost."""
+
+    indices: PackIndices
+    shape: tuple[int, int, int]  # (Rp, W, N) of every microbatch of the step
+    tokens_real: int  # real tokens (prompt + response) the update's forward passes read
+    tokens_computed: int  # token slots they compute: microbatches x Rp x W
+
+
+def _widths(max_len: int, full: int, granule: int) -> list[int]:
+    """Candidate packed widths: the buckets from the longest sequence up, and the padded width
+    ``full`` (a sequence never needs more)."""
+    out, w = [], bucket_up(max_len, granule)
+    while w < full:
+        out.append(w)
+        w = bucket_up(w + 1, granule)
+    return [*out, full]
+
+
+def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
+    """Rows rounded up to the bucket set, in units of ``multiple`` (the batch shards)."""
+    return min(multiple * bucket_up(-(-rows // multiple)), cap)
+
+
+def _choose_shape(lengths, micro, full, granule, multiple):
+    """(W, Rp, rows of every microbatch) with the fewest token slots Rp · W over the candidate
+    widths, the narrower on ties (attention's cost grows with W). ``micro``: [K, m] rows."""
+    cap = -(-micro.shape[-1] // multiple) * multiple  # one sequence per row at most
+    best = None
+    for width in _widths(int(lengths.max()), full, granule):
+        bins = [first_fit_decreasing(lengths[mb], width) for mb in micro]
+        rows = _rows_bucket(max(len(b) for b in bins), cap, multiple)
+        if best is None or rows * width < best[0] * best[1]:
+            best = (width, rows, bins)
+    return best
+
+
+def plan_packing(
+    prompt_len: np.ndarray,
+    response_len: np.ndarray,
+    micro: np.ndarray,
+    full_width: int,
+    response_width: int,
+    granule: int = 16,
+    row_multiple: int = 1,
+) -> PackPlan:
+    """Pack every microbatch ``micro`` [E, M, A, m] (see ``microbatch_rows``) of a batch whose
+    sequences have these lengths [B] (host ints), padded width L = ``full_width`` and response
+    width R = ``response_width``. ``row_multiple``: Rp and N are multiples of it (the devices
+    the rows shard over)."""
+    prompt_len, response_len = np.asarray(prompt_len, np.int64), np.asarray(response_len)
+    if (prompt_len < 1).any():
+        raise ValueError("packing needs every prompt to hold at least one token")
+    lengths = prompt_len + response_len
+    outer, m = micro.shape[:3], micro.shape[-1]
+    flat_micro = micro.reshape(-1, m)
+    width, rows, bins = _choose_shape(lengths, flat_micro, full_width, granule, row_multiple)
+    # Response slots: the step's largest microbatch, bucketed; never more than m · R.
+    most = max(int(response_len[mb].sum()) for mb in flat_micro)
+    n_cap = -(-m * response_width // row_multiple) * row_multiple
+    slots = min(-(-bucket_up(most, granule) // row_multiple) * row_multiple, n_cap)
+    dims = (rows, width, slots, full_width, response_width)
+    arrays = [
+        _pack_one(mb, b, prompt_len, response_len, *dims)
+        for mb, b in zip(flat_micro, bins, strict=True)
+    ]
+    stacked = {
+        k: np.stack([a[k] for a in arrays]).reshape(outer + arrays[0][k].shape) for k in arrays[0]
+    }
+    return PackPlan(
+        indices=PackIndices(**stacked),
+        shape=(rows, width, slots),
+        tokens_real=int(lengths[flat_micro].sum()),
+        tokens_computed=len(flat_micro) * rows * width,
+    )
+
+
+def _pack_one(seqs, row_bins, prompt_len, response_len, rows, width, slots, full, resp_w):
+    """Index arrays of one microbatch: ``seqs`` [m] batch rows, ``row_bins`` their packing."""
+    m = len(seqs)
+    out = {
+        "tok_src": np.zeros((rows, width), np.int32),
+        "positions": np.zeros((rows, width), np.int32),
+        "segments": np.full((rows, width), m, np.int32),
+        "resp_at": np.zeros(slots, np.int32),
+        "resp_src": np.zeros(slots, np.int32),
+        "tgt_src": np.zeros(slots, np.int32),
+        "resp_seg": np.full(slots, m, np.int32),
+    }
+    k = 0
+    for r, members in enumerate(row_bins):
+        offset = 0
+        for local in members:
+            b = int(seqs[local])
+            p, n_resp = int(prompt_len[b]), int(response_len[b])
+            n = p + n_resp
+            pos = np.arange(n)
+            out["tok_src"][r, offset : offset + n] = b * full + pos
+            out["positions"][r, offset : offset + n] = pos
+            out["segments"][r, offset : offset + n] = local
+            j = np.arange(n_resp)
+            out["resp_at"][k : k + n_resp] = r * width + offset + p - 1 + j
+            out["resp_src"][k : k + n_resp] = b * resp_w + j
+            out["tgt_src"][k : k + n_resp] = b * full + p + j
+            out["resp_seg"][k : k + n_resp] = local
+            k += n_resp
+            offset += n
+    return out
+
+
+@flax.struct.dataclass
+class PackedMicrobatch:
+    """One microbatch on the packed layout: token slots [Rp, W] and response slots [N]."""
+
+    tokens: Int[Array, "Rp W"]
+    positions: Int[Array, "Rp W"]
+    segments: Int[Array, "Rp W"]
+    resp_at: Int[Array, " N"]  # flat packed slot whose output belongs to the response token
+    targets: Int[Array, " N"]  # the response tokens
+    resp_seg: Int[Array, " N"]  # which sequence (for seq_mean); m on unused slots
+    mask: Bool[Array, " N"]
+    old_logp: Float[Array, " N"]
+    behaviour_logp: Float[Array, " N"]
+    old_values: Float[Array, " N"]
+    advantages: Float[Array, " N"]
+    returns: Float[Array, " N"]
+    ref_logp: Float[Array, " N"]
+
+    __no_type_check__ = True  # rebuilt with sharding leaves by tree maps
+
+
+def gather_microbatch(batch: PPOBatch, idx: PackIndices, num_seqs: int) -> PackedMicrobatch:
+    """The packed microbatch ``idx`` (one microbatch's indices) from the padded batch."""
+    tokens = batch.tokens.reshape(-1)
+
+    def per_token(x):
+        return x.reshape(-1)[idx.resp_src]
+
+    return PackedMicrobatch(
+        tokens=tokens[idx.tok_src],
+        positions=idx.positions,
+        segments=idx.segments,
+        resp_at=idx.resp_at,
+        targets=tokens[idx.tgt_src],
+        resp_seg=idx.resp_seg,
+        mask=per_token(batch.mask) & (idx.resp_seg < num_seqs),
+        **{
+            name: per_token(getattr(batch, name))
+            for name in ("old_logp", "behaviour_logp", "old_values", "advantages", "returns")
+        },
+        ref_logp=per_token(batch.ref_logp),
+    )
+
+
+def host_lengths(batch: PPOBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt_len, response_len) [B] of a device batch, read to the host (one small read;
+    the step passes lengths it already holds instead)."""
+    prompt_len, mask = jax.device_get((batch.prompt_len, batch.mask))
+    return np.asarray(prompt_len), np.asarray(mask).sum(axis=1)

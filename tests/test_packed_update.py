@@ -1,0 +1,230 @@
+"""The packed PPO update equals the padded one (the reference): losses, gradients and
+parameters after one update, on tiny random Hugging Face Qwen2 and Llama models loaded through
+``oppo_jax.load_hf_model``, with ragged and carried rows, minibatches and accumulation."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oppo_jax
+from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.ppo.batch import critic_values, policy_logprobs
+from oppo_jax.ppo.experience import ScoredRollout, build_batch
+from oppo_jax.ppo.packed_update import make_update, packed_actor_loss, packed_critic_loss
+from oppo_jax.ppo.packing import (
+    bucket_up,
+    first_fit_decreasing,
+    gather_microbatch,
+    microbatch_rows,
+    plan_packing,
+)
+from oppo_jax.ppo.update import (
+    UpdateSpec,
+    actor_loss,
+    critic_loss,
+    init_train_state,
+    make_optimizer,
+)
+from oppo_jax.sharding import make_mesh
+from tests.hf_fixtures import save_tiny_hf_model
+
+B, P, R = 16, 4, 20  # 4 sequences per microbatch with 2 minibatches x 2 accumulation steps
+KL = jnp.float32(0.05)
+
+
+@functools.cache
+def _models(model_type: str, root: str):
+    """(actor, critic) HFModels saved by transformers and loaded by the project."""
+    from pathlib import Path
+
+    base = Path(root) / model_type
+    save_tiny_hf_model(base / "actor", model_type, "ForCausalLM", seed=0)
+    save_tiny_hf_model(base / "critic", model_type, "ForSequenceClassification", seed=1)
+    return oppo_jax.load_hf_model(base / "actor"), oppo_jax.load_hf_model(base / "critic")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("packed_hf"))
+
+
+def _spec(actor, critic, loss_agg: str) -> UpdateSpec:
+    ppo = PPOConfig(
+        ppo_epochs=1, num_minibatches=2, grad_accum_steps=2, loss_agg=loss_agg,
+        entropy_coef=0.01, kl_in_reward=False, importance_correction=True, pack_granule=4,
+    )  # fmt: skip
+    optim = OptimConfig(actor_lr=1e-3, critic_lr=1e-3)
+    return UpdateSpec(
+        actor.config, critic.config, ppo, 0.7,
+        make_optimizer(optim, 1e-3, 10), make_optimizer(optim, 1e-3, 10),
+    )  # fmt: skip
+
+
+def _batch(spec: UpdateSpec, actor_params, critic_params, seed=0):
+    """Ragged rows (prompts 1..P, long-tailed responses 0..R tokens), some carried: their
+    first tokens were sampled at an earlier step, so their behaviour log-probs differ from
+    this step's old log-probs over that prefix (the importance weight is not 1 there)."""
+    rng = np.random.default_rng(seed)
+    prompt_len = rng.integers(1, P + 1, B)
+    resp_len = (rng.random(B) ** 2 * (R + 1)).astype(int)  # mostly short
+    resp_len[:2] = (0, R)  # an empty response and a full one
+    tokens = np.zeros((B, P + R), np.int32)
+    for b in range(B):
+        tokens[b, : prompt_len[b] + resp_len[b]] = rng.integers(3, 96, prompt_len[b] + resp_len[b])
+    mask = np.arange(R)[None, :] < resp_len[:, None]
+    tokens, prompt_len, mask = map(jnp.asarray, (tokens, prompt_len, mask))
+    logp, _ = policy_logprobs(spec.actor, actor_params, tokens, prompt_len, R, spec.temperature)
+    values = critic_values(spec.critic, critic_params, tokens, prompt_len, R)
+    carried_prefix = np.where(rng.random(B) < 0.5, rng.integers(1, R + 1, B), 0)
+    stale = (np.arange(R)[None, :] < carried_prefix[:, None]) * rng.normal(0, 0.2, (B, R))
+    rollout = ScoredRollout(
+        tokens, prompt_len, mask,
+        scores=jnp.asarray(rng.normal(size=B), jnp.float32),
+        ended_with_eos=jnp.asarray(rng.random(B) < 0.7),
+        old_logp=logp, behaviour_logp=logp + jnp.asarray(stale, jnp.float32),
+        ref_logp=logp + jnp.asarray(rng.normal(0, 0.05, (B, R)), jnp.float32), values=values,
+    )  # fmt: skip
+    return build_batch(spec.ppo, rollout, KL)[0]
+
+
+def _relative_diff(a, b) -> float:
+    diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b))
+    return max(diffs) / max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(b))
+
+
+def _run(update, spec, actor, critic, batch, key):
+    state = init_train_state(spec, actor.params, critic.params)
+    return update(jax.tree.map(jnp.copy, state), batch, key, KL)
+
+
+LOSSES = ("policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl", "is_weight_mean")
+
+
+@pytest.mark.parametrize(
+    "model_type,loss_agg",
+    [
+        ("qwen2", "token_mean"),
+        ("llama", "seq_mean"),
+        pytest.param("qwen2", "seq_mean", marks=pytest.mark.slow),
+        pytest.param("llama", "token_mean", marks=pytest.mark.slow),
+    ],
+)
+def test_packed_update_equals_padded(root, model_type, loss_agg):
+    actor, critic = _models(model_type, root)
+    spec = _spec(actor, critic, loss_agg)
+    batch, key = _batch(spec, actor.params, critic.params), jax.random.key(7)
+    padded, packed = make_update(spec, packed=False), make_update(spec, packed=True)
+    want_state, want = _run(padded, spec, actor, critic, batch, key)
+    got_state, got = _run(packed, spec, actor, critic, batch, key)
+    assert got["update_tokens_computed"] < want["update_tokens_computed"]  # it did pack
+    assert got["update_tokens_real"] == want["update_tokens_real"]
+    for name in LOSSES + ("actor_grad_norm", "critic_grad_norm"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert float(got["skipped_steps"]) == float(want["skipped_steps"]) == 0
+    moved = _relative_diff(want_state.actor_params, actor.params)
+    assert moved > 1e-4  # the update did something the comparison can see
+    assert _relative_diff(got_state.actor_params, want_state.actor_params) <= 1e-5
+    assert _relative_diff(got_state.critic_params, want_state.critic_params) <= 1e-5
+    # A non-finite batch is skipped the same way: nothing applied, the state bitwise unchanged.
+    bad = batch.replace(advantages=batch.advantages.at[3, 0].set(jnp.nan))
+    state0 = init_train_state(spec, actor.params, critic.params)
+    for update in (padded, packed):
+        new, metrics = update(jax.tree.map(jnp.copy, state0), bad, key, KL)
+        assert float(metrics["nonfinite_batch"]) == 1 and float(metrics["skipped_steps"]) == 2
+        assert int(new.step) == 0 and np.isnan(float(metrics["policy_loss"]))
+        leaves = zip(jax.tree.leaves(new.actor_params), jax.tree.leaves(actor.params), strict=True)
+        for x, y in leaves:
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "model_type,loss_agg",
+    [("qwen2", "seq_mean"), pytest.param("llama", "token_mean", marks=pytest.mark.slow)],
+)
+def test_packed_microbatch_gradients_equal_padded(root, model_type, loss_agg):
+    """Gradients of one microbatch's actor and critic losses, packed vs padded rows."""
+    actor, critic = _models(model_type, root)
+    spec = _spec(actor, critic, loss_agg)
+    batch = _batch(spec, actor.params, critic.params, seed=1)
+    rows = np.array([0, 1, 5, 9])  # the empty and the full response among them
+    plan = plan_packing(
+        np.asarray(batch.prompt_len), np.asarray(batch.mask).sum(1),
+        rows.reshape(1, 1, 1, -1), P + R, R, granule=4,
+    )  # fmt: skip
+    one = jax.tree.map(lambda x: jnp.asarray(x[0, 0, 0]), plan.indices)
+    packed_mb = gather_microbatch(batch, one, len(rows))
+    padded_mb = jax.tree.map(lambda x: x[rows], batch)
+    cases = (
+        (actor_loss, packed_actor_loss, actor.params, (KL,)),
+        (critic_loss, packed_critic_loss, critic.params, ()),
+    )
+    for loss, packed_loss, params, args in cases:
+        padded_grad = jax.grad(lambda p, f=loss, a=args: f(spec, p, padded_mb, *a)[0])
+        packed_grad = jax.grad(lambda p, f=packed_loss, a=args: f(spec, 4, p, packed_mb, *a)[0])
+        want, got = jax.jit(padded_grad)(params), jax.jit(packed_grad)(params)
+        assert _relative_diff(got, want) <= 1e-5
+
+
+@pytest.mark.slow  # ~100 s of CPU: one more compile of the update, on a 2 x 2 x 2 mesh
+def test_sharded_packed_update_equals_single_device(root):
+    actor, critic = _models("qwen2", root)
+    spec = _spec(actor, critic, "token_mean")
+    batch, key = _batch(spec, actor.params, critic.params, seed=2), jax.random.key(1)
+    want_state, want = _run(make_update(spec, packed=False), spec, actor, critic, batch, key)
+    mesh = make_mesh(2, 2, 2)
+    update = make_update(spec, mesh)
+    got_state, got = _run(update, spec, actor, critic, batch, key)
+    assert got["update_rows"] % 4 == 0 and got["update_slots"] % 4 == 0  # rows shard evenly
+    assert _relative_diff(got_state.actor_params, want_state.actor_params) <= 1e-5
+    assert _relative_diff(got_state.critic_params, want_state.critic_params) <= 1e-5
+    np.testing.assert_allclose(got["policy_loss"], want["policy_loss"], rtol=1e-5)
+
+
+def test_bucket_and_first_fit():
+    assert [bucket_up(n) for n in (1, 2, 3, 4, 5, 7, 9, 13)] == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert [bucket_up(n, 16) for n in (0, 16, 17, 33, 49, 65)] == [16, 16, 32, 48, 64, 96]
+    assert first_fit_decreasing(np.array([5, 3, 4, 2]), 8) == [[0, 1], [2, 3]]
+    assert first_fit_decreasing(np.array([8, 8]), 8) == [[0], [1]]
+
+
+def test_plan_covers_every_real_token_once_and_shapes_stay_bounded():
+    rng = np.random.default_rng(0)
+    full, resp, shapes = 16 + 64, 64, set()
+    for _ in range(60):
+        prompt_len, resp_len = rng.integers(1, 17, 32), rng.integers(0, resp + 1, 32)
+        resp_len = np.minimum(resp_len, rng.lognormal(2.0, 1.0, 32).astype(int))  # long tail
+        perms = np.stack([rng.permutation(32) for _ in range(2)])
+        micro = microbatch_rows(perms, 2, 2)
+        plan = plan_packing(prompt_len, resp_len, micro, full, resp, granule=16, row_multiple=2)
+        shapes.add(plan.shape)
+        rows, width, slots = plan.shape
+        idx = plan.indices
+        assert rows % 2 == 0 and slots % 2 == 0 and width <= full
+        for e, j, a in np.ndindex(*micro.shape[:3]):
+            seqs = micro[e, j, a]
+            seg, pos, src = idx.segments[e, j, a], idx.positions[e, j, a], idx.tok_src[e, j, a]
+            for local, b in enumerate(seqs):
+                at = seg == local
+                n = prompt_len[b] + resp_len[b]
+                assert at.sum() == n and len(np.unique(np.nonzero(at)[0])) == 1  # one row
+                np.testing.assert_array_equal(pos[at], np.arange(n))  # RoPE restarts
+                np.testing.assert_array_equal(src[at], b * full + np.arange(n))
+                r_at = idx.resp_seg[e, j, a] == local
+                np.testing.assert_array_equal(
+                    idx.resp_src[e, j, a][r_at], b * resp + np.arange(resp_len[b])
+                )
+                # the output read for response token i sits just before it in the same segment
+                flat = idx.resp_at[e, j, a][r_at]
+                np.testing.assert_array_equal(seg.reshape(-1)[flat], local)
+                np.testing.assert_array_equal(
+                    pos.reshape(-1)[flat], prompt_len[b] - 1 + np.arange(resp_len[b])
+                )
+        assert plan.tokens_real == (prompt_len + resp_len).sum() * 2
+        assert plan.tokens_computed >= plan.tokens_real
+    # widths {16..80 buckets} x rows {2, 4, 6, 8} x slots: far fewer than the 60 steps drawn
+    assert len(shapes) <= 20, shapes

@@ -13,7 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-ITEMS = ("train_state", "extra")
+ITEMS = ("train_state", "extra", "arrays")  # arrays: optional run-state arrays (kept caches)
 QUARANTINE = "corrupt"  # sub-folder for unreadable steps; not a step name, so orbax ignores it
 
 
@@ -96,8 +96,13 @@ class RunCheckpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
-    def save(self, step: int, train_state: Any, extra: dict, force: bool = False) -> bool:
-        """Start saving ``step``; False when orbax skips it (off-interval or not past latest)."""
+    def save(
+        self, step: int, train_state: Any, extra: dict, force: bool = False, arrays: Any = None
+    ) -> bool:
+        """Start saving ``step``; False when orbax skips it (off-interval or not past latest).
+
+        ``arrays``: an optional tree of arrays beside the train state (the frozen scorers' kept
+        caches, ``scoring.kept``), read back with ``restore_arrays``."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
         step = int(step)  # numpy and 0-d integers are welcome; orbax wants a Python int
@@ -106,13 +111,26 @@ class RunCheckpointer:
         _check_json(extra)
         # A deep copy: the caller may mutate its buffers while the async write is in flight.
         extra = json.loads(json.dumps(extra))
-        args = ocp.args.Composite(
-            train_state=ocp.args.StandardSave(train_state), extra=ocp.args.JsonSave(extra)
-        )
+        items = {
+            "train_state": ocp.args.StandardSave(train_state),
+            "extra": ocp.args.JsonSave(extra),
+        }
+        if arrays is not None:
+            items["arrays"] = ocp.args.StandardSave(arrays)
+        args = ocp.args.Composite(**items)
         try:
             return self._manager.save(step, args=args, force=force)
         except ocp.checkpoint_manager.StepAlreadyExistsError as e:
             raise ValueError(f"checkpoint step {step} already exists in {self.directory}") from e
+
+    def restore_arrays(self, step: int) -> Any:
+        """The ``arrays`` tree saved with ``step`` (as saved, on the default device), or None
+        when that step has none."""
+        self.wait()
+        if not (self.directory / self._name_format.build_name(step) / "arrays").exists():
+            return None
+        args = ocp.args.Composite(arrays=ocp.args.StandardRestore())
+        return self._manager.restore(step, args=args).arrays
 
     def wait(self) -> None:
         """Block until an in-flight async save has been committed (re-raises its error)."""

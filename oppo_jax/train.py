@@ -108,6 +108,7 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     if resume and ckpt.latest_step() is not None:
         train_state, extra = ckpt.restore(None, abstract_like(train_state))
         host.restore(extra["host"], ctx.prompt_iterator(extra["host"]["prompts"]))
+        host.restore_arrays(ckpt.restore_arrays(host.step), ctx.engine.placement)
         print(f"Resuming at step {host.step} from {ckpt.directory / str(host.step)}", flush=True)
     log = RunLog(out, cfg.train.steps, host.step, progress)
     trace = TraceWriter(out / "trace.json")
@@ -135,7 +136,7 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
     while host.step < cfg.train.steps:
         if stop.received:
             if saved != host.step:
-                ckpt.save(host.step, state, {"host": host.to_json()})
+                ckpt.save(host.step, state, {"host": host.to_json()}, arrays=host.arrays())
             ckpt.wait()
             raise Preempted(host.step, stop.received, str(ckpt.directory))
         state, record, result = train_step(ctx, schedule, host, state, timeline)
@@ -150,7 +151,7 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
             )
         every = cfg.train.checkpoint_every
         if every and (host.step % every == 0 or host.step == cfg.train.steps):
-            ckpt.save(host.step, state, {"host": host.to_json()})
+            ckpt.save(host.step, state, {"host": host.to_json()}, arrays=host.arrays())
             saved = host.step
 
 

@@ -28,6 +28,7 @@ from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.sharding import make_device_groups
+from oppo_jax.sim import packing as sim_packing
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
 
 R, P, EPOCHS = 24, 4, 2
@@ -37,7 +38,9 @@ N_SCORERS = 3  # reference, critic, reward model
 
 @functools.cache
 def _kernels():
-    spec = make_spec(PPOConfig(ppo_epochs=EPOCHS, num_minibatches=2), temperature=1.0)
+    # One minibatch: each epoch packs the whole batch, so the packing does not depend on the
+    # epoch's permutation and the count below needs no update key.
+    spec = make_spec(PPOConfig(ppo_epochs=EPOCHS, num_minibatches=1), temperature=1.0)
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, EOS, lengths=LengthSpec(median=5.0, p99=20.0)
     )
@@ -66,7 +69,7 @@ def _steps(mode: str, chunk: int, batch: int, delta: int, steps: int):
     return out
 
 
-def _expected(result, plan, stream: bool) -> dict[str, tuple[int, int]]:
+def _expected(result, plan, stream: bool, packed_update: bool = True) -> dict:
     """(computed, real) per stage, counted from the step's slots, lengths and cut."""
     slots, host, sel = result.slots, result.rollout, result.selection
     s, width = slots.context.shape
@@ -83,15 +86,21 @@ def _expected(result, plan, stream: bool) -> dict[str, tuple[int, int]]:
     # Scoring: streamed [S, C] chunks up to the one holding the cut, or one [S, R] call.
     chunks = max(1, math.ceil(sel.cut / plan.chunk_size))
     scored = chunks * s * plan.chunk_size if stream else s * R
-    # Update: EPOCHS passes of actor and critic over [B, P + R].
+    # Update: EPOCHS passes of actor and critic over the batch's sequences packed (the
+    # simulator's copy of the packing rule, checked against the engine's planner in
+    # tests/test_sim_packing.py), or over [B, P + R] with the padded update.
     rows = sel.batch
-    real_update = int((prompt[rows] + host.num_generated[rows]).sum())
+    sequences = prompt[rows] + host.num_generated[rows]
+    real_update = int(sequences.sum())
     passes = 2 * EPOCHS
+    per_pass = len(rows) * (P + R)
+    if packed_update:
+        per_pass = sim_packing.update_tokens(sequences, P + R)
     return {
         "admission": ((1 + N_SCORERS) * per_model, real_admit),
         "decode": decode,
         "scoring": (N_SCORERS * scored, N_SCORERS * new),
-        "update": (passes * len(rows) * (P + R), passes * real_update),
+        "update": (passes * per_pass, passes * real_update),
     }
 
 
@@ -129,7 +138,7 @@ def test_step_record_carries_tokens_and_efficiency_per_stage():
         computed = record["tokens_computed"][stage]
         real = record["tokens_real"][stage]
         assert record["efficiency"][stage] == pytest.approx(real / computed)
-    assert record["efficiency"]["update"] < 1.0  # the padded update: P + R per row
+    assert 0 < record["efficiency"]["update"] <= 1.0
 
 
 def test_ledger_helpers_on_hand_counted_cases():

@@ -33,10 +33,15 @@ class Carried:
 
 
 class CarryBuffer:
-    """FIFO of carried sequences; its state is plain JSON (it goes into checkpoints)."""
+    """FIFO of carried sequences; its state is plain JSON (it goes into checkpoints).
+
+    ``kept`` holds the frozen scorers' device state of the carried rows
+    (``oppo_jax.scoring.kept.KeptCaches``, or None): it goes into checkpoints as arrays.
+    """
 
     def __init__(self, items: list[Carried] | None = None):
         self._items = collections.deque(items or [])
+        self.kept = None  # KeptCaches of the sequences carried by the last step
 
     def __len__(self) -> int:
         return len(self._items)
@@ -225,6 +230,12 @@ class HostRollout:
     finish_step: np.ndarray  # [S] decode position at which each slot finished (-1: running)
 
 
+def carried_slots(slots: SlotBatch, selection: Selection) -> list[int]:
+    """The slots ``carry_out`` carries, in its order (admission order): active, not taken."""
+    taken = set(selection.batch.tolist())
+    return [i for i in range(slots.num_slots) if slots.active[i] and i not in taken]
+
+
 def carry_out(
     slots: SlotBatch, selection: Selection, rollout: HostRollout, step: int
 ) -> list[Carried]:
@@ -234,11 +245,8 @@ def carry_out(
     finished at or before the cut but did not fit into the batch is carried complete. Tokens
     sampled in this ``step`` are stamped with it as their policy version.
     """
-    taken = set(selection.batch.tolist())
     out = []
-    for i in range(slots.num_slots):
-        if not slots.active[i] or i in taken:
-            continue
+    for i in carried_slots(slots, selection):
         generated = int(rollout.num_generated[i])
         done = 0 <= rollout.finish_step[i] <= selection.cut
         keep = generated if done else min(int(slots.prefix_len[i]) + selection.cut, generated)

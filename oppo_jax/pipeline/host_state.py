@@ -7,15 +7,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.config import Config
 from oppo_jax.data.prompts import PromptIterator
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.chunk_control import ChunkSizeController
 from oppo_jax.pipeline.overcommit import OvercommitController
+from oppo_jax.pipeline.placement import Placement, move
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan
 from oppo_jax.ppo.kl_control import make_kl_controller
+from oppo_jax.scoring.kept import KeptCaches
 
 
 def sampling_key(seed: int) -> jax.Array:
@@ -101,6 +104,21 @@ class HostState:
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total,
         }
+
+    def arrays(self) -> dict | None:
+        """The arrays a checkpoint keeps beside ``to_json``: the frozen scorers' kept caches
+        of the carried rows (``scoring.kept``), or None."""
+        kept = self.buffer.kept
+        return None if kept is None else {"kept": kept.to_tree()}
+
+    def restore_arrays(self, arrays: dict | None, placement: Placement) -> None:
+        """Take the arrays saved by ``arrays`` (after ``restore``), onto the scoring group."""
+        if arrays is None or "kept" not in arrays:
+            return
+        tree = dict(arrays["kept"])
+        ids = tree.pop("ids")
+        replicated = NamedSharding(placement.scoring_mesh, PartitionSpec())
+        self.buffer.kept = KeptCaches.from_tree({**move(tree, replicated), "ids": ids})
 
     def restore(self, data: dict, prompts: PromptIterator) -> None:
         """Take the state saved by ``to_json``; ``prompts`` is the stream at its position."""

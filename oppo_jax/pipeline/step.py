@@ -36,15 +36,18 @@ from oppo_jax.pipeline.carry import (
     Selection,
     SlotBatch,
     admit,
+    carried_slots,
     carry_out,
     select_batch,
 )
 from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION, Placement
 from oppo_jax.pipeline.schedule import Schedule
+from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
 from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, DecodeState
+from oppo_jax.scoring.kept import FROZEN, KeptCaches, kept_bucket, row_ids
 from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
 from oppo_jax.sharding import to_host
 
@@ -59,6 +62,10 @@ class StepEngine:
     reward_params: Any  # reward-model weights on the scoring group; None with a reward_fn
     sample_key: jax.Array  # the run's sampling key: a token depends on (seed, prompt, position)
     max_deferrals: int  # a sequence carried this often must finish in its next step
+    # Non-streaming schedules score the batch's real tokens packed (False: every slot over R).
+    packed_scoring: bool = True
+    # Streaming with carrying keeps the frozen scorers' caches of carried rows (False: re-prefill).
+    keep_frozen_caches: bool = True
     rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
 
 
@@ -133,6 +140,7 @@ def run_step(
     slots = admit(
         buffer, prompts, rule, rollout.prompt_width, rollout.max_response_len, rollout.pad_id
     )
+    kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
     admission = device_admission(slots)
     # 2. Prefill the actor under the current parameters (a carried prefix gets this step's
     #    old log-probs from the same pass).
@@ -155,7 +163,9 @@ def run_step(
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
     if schedule.stream:
-        scorers.admit(on_scoring)
+        from_buffer = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
+        used = kept.usable_rows(from_buffer) if kept is not None else 0
+        scorers.admit(on_scoring, kept, used)
         decoding = _decode(
             k,
             timeline,
@@ -173,13 +183,19 @@ def run_step(
         decoding = _decode(
             k, timeline, actor, decoding, cut_rule, plan.chunk_size, dispatched=decode_slots
         )
-        scorers.admit(on_scoring)  # then the responses past any carried prefix, as one chunk
-        scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
+        if not engine.packed_scoring:  # every slot's responses past its prefix, R wide
+            scorers.admit(on_scoring)
+            scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
     # 4. Cut: the first B completed sequences, in the fixed batch order.
     finish_step, decode_steps = to_host((decoding.finish_step, decoding.step))
     selection = select_batch(finish_step, slots.active, slots.must_finish, plan.batch_size)
     if selection is None:  # the decode loop only stops when the rule holds
         raise RuntimeError("rollout ended before enough sequences finished")
+    if not schedule.stream and engine.packed_scoring:  # the batch's real tokens, packed
+        scorers.score_packed(decoding, selection.batch, slots)
+    new_kept = None
+    if schedule.stream and engine.keep_frozen_caches:
+        new_kept = scorers.keep(carried_slots(slots, selection), plan)
     # 5. Experience: rewards with the KL penalty, GAE and whitening over the batch rows.
     kl_coef = jnp.float32(plan.kl_coef)
     scored = place.to_generation(scorers.outputs())
@@ -209,7 +225,8 @@ def run_step(
     #    update runs).
     host = _read_rollout(outputs, finish_step)
     lengths = (host.num_generated, slots.prefix_len)
-    add_rollout(work, decode_slots, int(decode_steps), plan.chunk_size, lengths, len(scorers.roles))
+    fed = 0 if scorers.packed else len(scorers.roles)  # packed scoring recorded its own
+    add_rollout(work, decode_slots, int(decode_steps), plan.chunk_size, lengths, fed)
     in_batch = slots.prompt_len[selection.batch] + host.num_generated[selection.batch]
     # Each PPO epoch passes over the batch once in each trained model (actor and critic);
     # one pass computes the packed rows (or the padded [B, P + R] batch) the update reports.
@@ -217,6 +234,8 @@ def run_step(
     per_pass = (int(update_metrics["update_tokens_computed"]) // epochs,)
     add_update(work, per_pass, in_batch, 2 * epochs)
     carried = carry_out(slots, selection, host, plan.step)
+    if new_kept is not None:
+        new_kept.ids, buffer.kept = row_ids(carried), new_kept
     events, wall = timeline.end_step()
     result = StepResult(
         {**stats, **update_metrics}, selection, slots, host, events, wall, batch, work
@@ -284,6 +303,7 @@ class _Scorers:
     def __init__(self, engine: StepEngine, critic_params, timeline: Timeline, work: WorkLedger):
         k, place = engine.kernels, engine.placement
         self.kernels, self.timeline, self.group = k, timeline, place.scoring_group
+        self.place = place
         self.work, self.prompt_width = work, k.rollout.prompt_width
         self.roles = k.scorer_specs.present()
         self.params = ScorerParams(
@@ -292,23 +312,40 @@ class _Scorers:
             reward=engine.reward_params if "reward" in self.roles else None,
         )
         self.states: ScorerStates | None = None
+        self.packed: ScorerOutputs | None = None  # non-streaming: the packed scoring's outputs
 
     def _dispatch(self, stage: str, role: str, kernel: Callable, *args):
         state, marker = kernel(getattr(self.params, role), *args)
         self.timeline.track(f"{stage} {role}", self.group, marker)
         return state
 
-    def admit(self, admission: Admission) -> None:
-        """Prefill every scorer with the prompts and carried prefixes."""
-        shape, rows = admission.context.shape, admission.carried_rows
-        for _ in self.roles:
+    def admit(self, admission: Admission, kept: KeptCaches | None = None, used: int = 0) -> None:
+        """Prefill every scorer with the prompts and carried prefixes; the frozen ones take
+        the first ``used`` slots from ``kept`` instead and prefill only the prompts."""
+        prompts = admission.replace(context=admission.context[:, : self.prompt_width])
+        states = {}
+        for role in self.roles:
+            reuse = used > 0 and role in FROZEN and role in kept.states
+            a = prompts.replace(carried_rows=0) if reuse else admission
+            shape, rows = a.context.shape, a.carried_rows
             self.work.add("admission", admission_computed(shape, rows, self.prompt_width))
-        self.states = ScorerStates(
-            **{
-                role: self._dispatch("prefill", role, self.kernels.scorer_admit(role), admission)
-                for role in self.roles
-            }
-        )
+            state = self._dispatch("prefill", role, self.kernels.scorer_admit(role), a)
+            states[role] = restore_rows(state, kept.states[role], used) if reuse else state
+        self.states = ScorerStates(**states)
+
+    def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots: SlotBatch) -> None:
+        """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
+        out, computed, real = packed_outputs(self, decoding, rows, slots)
+        self.work.add("scoring", computed * len(self.roles), real * len(self.roles))
+        self.packed = ScorerOutputs(out["reference"], out["critic"], out.get("reward"))
+
+    def keep(self, slots: list[int], plan: StepPlan) -> KeptCaches | None:
+        """The frozen scorers' states of the carried ``slots`` (None when none is carried)."""
+        if not slots:
+            return None
+        bucket = kept_bucket(len(slots), plan.reserved - plan.batch_size)
+        frozen = {r: getattr(self.states, r) for r in self.roles if r in FROZEN}
+        return keep_rows(frozen, slots, bucket, [])
 
     def feed(self, chunk: ChunkTokens) -> None:
         """Prefill every scorer with the chunk's new tokens."""
@@ -327,7 +364,7 @@ class _Scorers:
         )
 
     def outputs(self) -> ScorerOutputs:
-        return self.states.outputs()
+        return self.packed if self.packed is not None else self.states.outputs()
 
     def close(self) -> None:
         """Let go of the scorers' caches and of this step's critic copy."""

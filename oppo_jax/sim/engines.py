@@ -92,8 +92,9 @@ class Engine:
 
 PADDED = Engine("padded", decode_to_cut=False)
 FIXED = Engine("fixed")
-# This engine as built: the #13 features that landed (see the docstring).
-BUILT = Engine("built")
+# This engine as built: the #13 features that landed (see the docstring): the packed update
+# (624cce5).
+BUILT = Engine("built", packed_update=True)
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 

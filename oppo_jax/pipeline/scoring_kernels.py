@@ -1,0 +1,105 @@
+"""Compiled kernels of scoring at real widths and of the frozen scorers' kept caches (one jit
+per static setting, like ``pipeline.kernels``), and the host side that dispatches them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oppo_jax.rollout.layout import assemble_sequences
+from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
+from oppo_jax.scoring.packed import PackedBatch, PackPlan, plan_packing, score_packed
+from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.sharding import to_host, with_rules
+
+
+@functools.cache
+def make_packed_scorer(spec: ScorerSpec, pad_id: int, num_slots: int):
+    """(params, PackedBatch, batch rows [B]) -> (the scorer's output laid out over the
+    ``num_slots`` slots, zero outside the batch rows, and a fresh marker)."""
+
+    def run(params, batch: PackedBatch, rows):
+        out = score_packed(spec, params, batch, pad_id)
+        slots = jnp.zeros((num_slots, *out.shape[1:]), out.dtype).at[rows].set(out)
+        return slots, jnp.sum(out)
+
+    return jax.jit(with_rules(run, spec.mesh))
+
+
+@functools.cache
+def make_batch_sequences(pad_id: int):
+    """(decode state, batch rows [B], prompts [S, P], prompt_len [S]) -> (sequences
+    [B, P + R]: prompt then the whole response, response lengths [B])."""
+
+    def run(state, rows, prompts, prompt_len):
+        response_len = state.num_generated[rows]
+        seqs = assemble_sequences(
+            prompts[rows], prompt_len[rows], state.tokens[rows], response_len, pad_id
+        )
+        return seqs, response_len
+
+    return jax.jit(run)
+
+
+def packed_inputs(sequences, response_len, prompt_len, plan: PackPlan) -> PackedBatch:
+    """A PackedBatch from device sequences and a host plan (the plan's arrays go to the
+    sequences' devices)."""
+    sharding = getattr(sequences, "sharding", None)
+    put = functools.partial(jax.device_put, device=sharding)
+    return PackedBatch(
+        sequences=sequences,
+        prompt_len=put(np.asarray(prompt_len, np.int32)),
+        response_len=response_len,
+        seq=put(plan.seq),
+        col=put(plan.col),
+        row=put(plan.row),
+        offset=put(plan.offset),
+    )
+
+
+def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, int, int]:
+    """Every scorer's output over the batch ``rows``, their real tokens packed; dispatched
+    through ``scorers`` (pipeline.step._Scorers). Returns (role -> [S, R] or [S] output,
+    tokens computed per scorer, real tokens per scorer)."""
+    k, place = scorers.kernels, scorers.place
+    r = k.rollout
+    rows = np.asarray(rows, np.int32)
+    prompt_len = slots.prompt_len[rows]
+    lengths = prompt_len + to_host(decoding.num_generated)[rows]  # the cut's only extra read
+    plan = plan_packing(lengths, r.prompt_width + r.max_response_len)
+    prompts = np.asarray(slots.context[:, : r.prompt_width])
+    made = make_batch_sequences(r.pad_id)(decoding, rows, prompts, slots.prompt_len)
+    sequences, response_len = place.to_scoring(made)
+    batch = packed_inputs(sequences, response_len, prompt_len, plan)
+    on_scoring = jax.device_put(rows, getattr(sequences, "sharding", None))
+    out = {}
+    for role in scorers.roles:
+        kernel = make_packed_scorer(getattr(k.scorer_specs, role), r.pad_id, slots.num_slots)
+        out[role] = scorers._dispatch("score", role, kernel, batch, on_scoring)
+    return out, plan.computed_tokens, plan.real_tokens
+
+
+@functools.cache
+def _take():
+    return jax.jit(take_rows)
+
+
+@functools.cache
+def _put():
+    return jax.jit(put_rows, donate_argnums=(0,))
+
+
+def keep_rows(states: dict, slots: list[int], bucket: int, ids: list) -> KeptCaches:
+    """The frozen scorers' states of ``slots`` (carried rows, buffer order), gathered into a
+    ``bucket``-row block (padding repeats the last row and is never used)."""
+    rows = jnp.asarray(slots + [slots[-1]] * (bucket - len(slots)), jnp.int32)
+    return KeptCaches({role: _take()(s, rows) for role, s in states.items()}, ids)
+
+
+def restore_rows(state, kept_state, used: int):
+    """``state`` (donated) with its first ``used`` slots taken from the kept block."""
+    use = jnp.arange(kept_state.num_fed.shape[0]) < used
+    return _put()(state, kept_state, use)

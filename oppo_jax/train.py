@@ -10,6 +10,7 @@ import numpy as np
 from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import Config, to_yaml
 from oppo_jax.errors import NonFiniteError, Preempted
+from oppo_jax.evaluate import make_evaluator
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult, run_step
@@ -111,10 +112,11 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
         host.restore_arrays(ckpt.restore_arrays(host.step), ctx.engine.placement)
         print(f"Resuming at step {host.step} from {ckpt.directory / str(host.step)}", flush=True)
     log = RunLog(out, cfg.train.steps, host.step, progress)
+    evaluate = make_evaluator(ctx, out, host.step)  # eval.*: held-out decoding (no-op when off)
     trace = TraceWriter(out / "trace.json")
     try:
         with StopOnSignal() as stop:
-            _loop(ctx, schedule, host, train_state, (ckpt, log, trace), stop)
+            _loop(ctx, schedule, host, train_state, (ckpt, log, trace, evaluate), stop)
     finally:
         trace.write()
         ckpt.wait()
@@ -131,7 +133,7 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
     Raises ``Preempted`` after checkpointing when ``stop`` saw a signal, and ``NonFiniteError``
     after ``train.max_nonfinite_in_a_row`` skipped updates in a row.
     """
-    cfg, (ckpt, log, trace) = ctx.cfg, outputs
+    cfg, (ckpt, log, trace, evaluate) = ctx.cfg, outputs
     timeline, saved = Timeline(), host.step
     while host.step < cfg.train.steps:
         if stop.received:
@@ -139,6 +141,7 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
                 ckpt.save(host.step, state, {"host": host.to_json()}, arrays=host.arrays())
             ckpt.wait()
             raise Preempted(host.step, stop.received, str(ckpt.directory))
+        evaluate(host.step, state)  # at step 0 and every eval.every steps
         state, record, result = train_step(ctx, schedule, host, state, timeline)
         trace.add_step(record["step"], result.events, result.wall_s)
         log.write(record)
@@ -153,6 +156,7 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
         if every and (host.step % every == 0 or host.step == cfg.train.steps):
             ckpt.save(host.step, state, {"host": host.to_json()}, arrays=host.arrays())
             saved = host.step
+    evaluate(host.step, state)  # the final parameters
 
 
 def _nonfinite_where(record: dict) -> str:

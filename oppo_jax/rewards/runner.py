@@ -49,10 +49,11 @@ class RewardFunctions:
     def text(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
 
-    def submit(self, prompt_id: int, prompt_ids, response_ids) -> cf.Future:
-        """Decode one sequence and queue its functions; the future gives [F] raw values."""
+    def submit(self, prompt_id: int, prompt_ids, response_ids, record=None) -> cf.Future:
+        """Decode one sequence and queue its functions; the future gives [F] raw values.
+        ``record`` defaults to the training prompt's (``prompt_id``) dataset record."""
         prompt, response = self.text(prompt_ids), self.text(response_ids)
-        record = self.record(int(prompt_id))
+        record = self.record(int(prompt_id)) if record is None else record
         where = f"prompt_id {prompt_id}, record {record!r}"[:300]
 
         def run():

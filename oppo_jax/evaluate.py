@@ -1,0 +1,240 @@
+"""Held-out evaluation (``eval.*``): decode held-out prompts with the current actor, without
+training, through the run's own rollout and scorer kernels, and report the reward (and each
+reward function), the demo's gold score, the KL to the reference and the lengths.
+
+An evaluation at step N reads the parameters after N steps and nothing else that changes, and
+its randomness comes from (seed, prompt, sample index, position) under its own key, so it is
+deterministic from the seed and gives the same numbers again after a resume. It runs at step
+0, every ``eval.every`` steps and at the end; each writes one line of ``eval.jsonl``, a sample
+table ``samples/step_<N>.jsonl`` (prompt, response, reward) and TensorBoard scalars and text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oppo_jax.data.prompt_set import load_prompt_set
+from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
+from oppo_jax.pipeline.step import device_admission
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.sharding import to_host
+
+EVAL_KEY = 0xE7A1  # folded into the run's sampling key: eval samples never repeat training's
+DEMO_EVAL_SEED = 54321  # held-out demo prompts (training's come from seed 12345)
+TEXT_SAMPLES = 4  # rows of each sample table shown in TensorBoard's text tab
+
+
+class _Fixed:
+    """``take(k)`` over a fixed list of (prompt_id, tokens), as ``admit`` expects."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def take(self, k):
+        out, self.items = self.items[:k], self.items[k:]
+        return out
+
+
+def eval_prompts(ctx) -> tuple[list[np.ndarray], list[dict]]:
+    """The held-out prompts (the first ``eval.num_prompts`` of the source) and their records."""
+    cfg, ev = ctx.cfg, ctx.cfg.eval
+    if ev.prompts == "demo":
+        from oppo_jax.data.demo_task import DemoTaskSpec, sample_prompts
+
+        spec = DemoTaskSpec(max_response_len=cfg.rollout.max_response_len)
+        prompts = sample_prompts(spec, ev.num_prompts, np.random.default_rng(DEMO_EVAL_SEED))
+        text = ctx.tokenizer.decode
+        return prompts, [{"prompt": text(list(p), skip_special_tokens=True)} for p in prompts]
+    from oppo_jax.run_setup import prompt_format
+
+    source = ev.prompts if ev.prompts is not None else cfg.data.prompts
+    r = cfg.rollout
+    prompt_set, _ = load_prompt_set(
+        source, ctx.tokenizer, r.max_prompt_len, r.prompt_too_long, prompt_format(cfg), ev.split
+    )
+    n = min(ev.num_prompts, len(prompt_set))
+    return [prompt_set[i] for i in range(n)], [prompt_set.record(i) for i in range(n)]
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """Runs the evaluations of one run and writes their records."""
+
+    ctx: object  # RunContext
+    out: Path
+    prompts: list[np.ndarray]
+    records: list[dict]
+    done: set = dataclasses.field(default_factory=set)
+
+    def due(self, step: int) -> bool:
+        every, last = self.ctx.cfg.eval.every, self.ctx.cfg.train.steps
+        return step not in self.done and (
+            step == 0 or step == last or (every > 0 and step % every == 0)
+        )
+
+    def __call__(self, step: int, train_state) -> dict | None:
+        """Evaluate the parameters after ``step`` steps if an evaluation is due then."""
+        if not self.due(step):
+            return None
+        self.done.add(step)
+        rows, record = evaluate(self.ctx, train_state, self.prompts, self.records)
+        record = {"step": step, **record}
+        with open(self.out / "eval.jsonl", "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        (self.out / "samples").mkdir(exist_ok=True)
+        lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+        (self.out / "samples" / f"step_{step}.jsonl").write_text(lines)
+        _tensorboard(self.out, step, record, rows)
+        return record
+
+
+def make_evaluator(ctx, out: Path, start_step: int):
+    """The run's evaluator, or a no-op when ``eval`` is off (neither ``eval.prompts`` nor
+    ``eval.split`` set). On a resume at ``start_step``, ``eval.jsonl`` keeps the evaluations
+    before it; the one at ``start_step`` (if due) runs again, with the same result."""
+    ev = ctx.cfg.eval
+    if ev.prompts is None and ev.split is None:
+        return lambda step, state: None
+    path = out / "eval.jsonl"
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in kept if json.loads(line)["step"] < start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+    return Evaluator(ctx, out, *eval_prompts(ctx))
+
+
+def _eval_kernels(ctx):
+    """The run's kernels with the evaluation's sampling (greedy or not)."""
+    k = ctx.engine.kernels
+    sampling = dataclasses.replace(k.rollout.sampling, greedy=ctx.cfg.eval.greedy)
+    return dataclasses.replace(k, rollout=dataclasses.replace(k.rollout, sampling=sampling))
+
+
+def _decode_all(ctx, k, actor, admission):
+    """Decode every admitted slot to its end (the cut rule takes them all)."""
+    n = int(np.sum(np.asarray(admission.active)))
+    rule = CutRule(admission.active, admission.must_finish, jnp.int32(n))
+    key = jax.random.fold_in(ctx.engine.sample_key, EVAL_KEY)
+    state, _ = k.admit(actor, admission, key)
+    chunk_size = ctx.cfg.pipeline.chunk_size
+    decode = k.decode(chunk_size)  # over the whole cache: an evaluation is not timed
+    for _ in range(k.rollout.max_response_len // chunk_size + 2):
+        state, chunk = decode(actor, state, rule)
+        if jax.device_get(chunk.ready):
+            return state
+    raise RuntimeError("evaluation decode did not finish within the response length")
+
+
+def _score(ctx, k, admission, decoding) -> tuple[np.ndarray, np.ndarray | None]:
+    """(reference log-probs [S, R], reward-model scores [S] or None), sync-style."""
+    engine, place = ctx.engine, ctx.engine.placement
+    chunk = place.to_scoring(k.responses(decoding, admission.prefix_len))
+    on_scoring = place.to_scoring(admission)
+    out = {}
+    for role, params in (("reference", engine.ref_params), ("reward", engine.reward_params)):
+        if params is None:
+            continue
+        state, _ = k.scorer_admit(role)(params, on_scoring)
+        state, _ = k.scorer_chunk(role)(params, state, chunk)
+        out[role] = state
+    ref = np.asarray(to_host(out["reference"].per_token))
+    rm = np.asarray(to_host(out["reward"].score)) if "reward" in out else None
+    return ref, rm
+
+
+def evaluate(ctx, train_state, prompts, records) -> tuple[list[dict], dict]:
+    """Decode ``prompts`` (x ``eval.samples_per_prompt``) with the current actor; returns the
+    sample rows and the evaluation's metrics."""
+    cfg, k = ctx.cfg, _eval_kernels(ctx)
+    per = cfg.eval.samples_per_prompt
+    items = [(i, p) for i, p in enumerate(prompts) for _ in range(per)]
+    place, r = ctx.engine.placement, k.rollout
+    rule = AdmitRule(len(items), place.num_slots(len(items)), False, 0)  # all must finish
+    slots = admit(CarryBuffer(), _Fixed(items), rule, r.prompt_width, r.max_response_len, r.pad_id)
+    samples = np.zeros(slots.num_slots, np.int32)
+    samples[: len(items)] = np.tile(np.arange(per), len(prompts))
+    admission = device_admission(slots).replace(sample_index=jnp.asarray(samples))
+    actor = getattr(train_state, "actor_model_params", None) or train_state.actor_params
+    decoding = _decode_all(ctx, k, actor, admission)
+    ref, rm = _score(ctx, k, admission, decoding)
+    tokens, logp, lengths = map(
+        np.asarray, to_host((decoding.tokens, decoding.logprobs, decoding.num_generated))
+    )
+    rows = np.arange(len(items))
+    mask = np.arange(r.max_response_len)[None, :] < lengths[rows, None]
+    kl = np.where(mask, logp[rows] - ref[rows], 0.0).sum(axis=1)
+    return _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records)
+
+
+def _function_values(ctx, slots, rows, tokens, lengths, records) -> np.ndarray:
+    """[N, F] raw reward-function values of the evaluation's responses."""
+    fns = ctx.engine.rewards
+    if fns is None or not fns.functions:
+        return np.zeros((len(rows), 0))
+    futures = [
+        fns.submit(
+            int(slots.prompt_ids[s]),
+            slots.context[s, : slots.prompt_len[s]],
+            tokens[s, : lengths[s]],
+            records[int(slots.prompt_ids[s])],
+        )
+        for s in rows
+    ]
+    return np.stack([f.result() for f in futures])
+
+
+def _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records):
+    fns, model_weight = ctx.engine.rewards, ctx.cfg.reward.model_weight
+    raw = _function_values(ctx, slots, rows, tokens, lengths, records)
+    reward = np.zeros(len(rows)) if rm is None else model_weight * rm[rows].astype(np.float64)
+    if raw.shape[1]:
+        reward = reward + fns.weighted(raw)
+    record = {
+        "reward": float(np.mean(reward)),
+        "kl": float(np.mean(kl)),
+        "response_len_mean": float(np.mean(lengths[rows])),
+        "response_len_max": int(np.max(lengths[rows])),
+        "num_samples": len(rows),
+    }
+    if rm is not None:
+        record["reward_model"] = float(np.mean(rm[rows]))
+    for i, f in enumerate(fns.functions if raw.shape[1] else []):
+        record[f"reward_fn/{f.short_name}"] = float(np.mean(raw[:, i]))
+    if ctx.gold_fn is not None:
+        record["gold"] = float(np.mean(ctx.gold_fn(tokens[rows], lengths[rows])))
+    decode = ctx.tokenizer.decode
+    samples = [
+        {
+            "prompt": decode(
+                list(slots.context[s, : slots.prompt_len[s]]), skip_special_tokens=True
+            ),
+            "response": decode(list(tokens[s, : lengths[s]]), skip_special_tokens=True),
+            "reward": float(reward[j]),
+            "prompt_index": int(slots.prompt_ids[s]),
+        }
+        for j, s in enumerate(rows)
+    ]
+    return samples, record
+
+
+def _tensorboard(out: Path, step: int, record: dict, rows: list[dict]) -> None:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # optional, as for the training metrics
+        return
+    with SummaryWriter(str(out / "tensorboard"), filename_suffix=".eval") as tb:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float):
+                tb.add_scalar(f"eval/{key}", value, step)
+        table = "\n\n".join(
+            f"**prompt** {r['prompt']}  \n**response** {r['response']}  \n"
+            f"**reward** {r['reward']:.4f}"
+            for r in rows[:TEXT_SAMPLES]
+        )
+        tb.add_text("eval/samples", table, step)

@@ -7,8 +7,9 @@ The cost model comes from measurements (``--bench`` bench.json with timelines, o
 chips) from ``--config`` (with ``--set``), else from flags whose defaults it states, prints
 them with every table, and ends with the regime map: OPPO's speedup over PPO epochs × median
 response length. ``--engine`` picks what the kernels compute (``built``: this engine as it
-runs now, ``active``: token-proportional, ``padded``: the engine before the decode stopped at
-the cut); ``--with`` switches issue #13's features on the built engine (a what-if).
+runs now, with the issue #13 features that landed; ``active``: token-proportional; ``fixed``:
+the fixed-shape engine before #13; ``padded``: the one before the decode stopped at the cut);
+``--with`` switches the remaining #13 features on (a what-if).
 Lengths come from a file (JSON list, or numbers separated by spaces, commas or newlines),
 ``bench`` (the measured batches of the bench's sync schedule, in order), ``demo`` (the demo
 task's long-tailed mixture) or ``longtail`` (log-normal, median 103, σ 0.94, capped at R).

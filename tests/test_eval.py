@@ -35,6 +35,10 @@ def _evals(run) -> list[dict]:
         (["eval.samples_per_prompt=3"], "greedy decoding gives one response per prompt"),
         (["eval.split=test"], "eval.split='test': data.prompts='demo' has no splits"),
         (["eval.prompts=random"], "random prompts have no held-out set"),
+        (
+            ["eval.prompts=demo", "model.actor_path=/a", "model.reward_path=/b"],
+            "eval.prompts='demo': the demo's held-out prompts need the demo actor",
+        ),
     ],
 )
 def test_eval_config_errors_name_the_key(overrides, message):

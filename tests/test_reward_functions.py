@@ -222,6 +222,17 @@ def test_demo_gold_rises_with_reward_functions(demo_cache, tmp_path, extra):
         assert all(r["reward"] == pytest.approx(r["gold"], abs=1e-6) for r in records)
 
 
+@pytest.mark.slow  # builds the small demo assets when the session has not
+def test_a_function_only_run_loads_no_reward_model(demo_cache):
+    from oppo_jax.run_setup import prepare_run
+
+    ctx, _ = prepare_run(load_config(None, small_demo_args(*FUNCTION_ONLY)), progress=False)
+    assert ctx.engine.reward_params is None
+    assert "reward" not in ctx.engine.kernels.scorer_specs.present()
+    assert [f.name for f in ctx.engine.rewards.functions] == [FUNCTION_ONLY[1][18:-1]]
+    assert ctx.engine.rewards.model_weight == 0
+
+
 @pytest.mark.slow
 def test_a_raising_function_stops_the_run_naming_it(demo_cache, tmp_path, user_module):
     with pytest.raises(RewardFunctionError, match=r"user_rewards:boom raised ZeroDivisionError.*"

@@ -88,6 +88,11 @@ def _eval_problems(cfg: Config) -> list[str]:
         )
     if ev.prompts == "random":
         problems.append("eval.prompts='random': random prompts have no held-out set")
+    if ev.prompts == "demo" and cfg.model.actor_path != "demo":
+        problems.append(
+            f"eval.prompts='demo': the demo's held-out prompts need the demo actor "
+            f"(model.actor_path={cfg.model.actor_path!r})"
+        )
     return problems
 
 

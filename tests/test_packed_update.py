@@ -13,6 +13,13 @@ import pytest
 
 import oppo_jax
 from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.models import init_params
+from oppo_jax.pipeline.carry import CarryBuffer
+from oppo_jax.pipeline.kernels import build_kernels
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.step import run_step
+from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.experience import ScoredRollout, build_batch
 from oppo_jax.ppo.packed_update import make_update, packed_actor_loss, packed_critic_loss
@@ -30,8 +37,10 @@ from oppo_jax.ppo.update import (
     init_train_state,
     make_optimizer,
 )
-from oppo_jax.sharding import make_mesh
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
+from oppo_jax.sharding import make_device_groups, make_mesh
 from tests.hf_fixtures import save_tiny_hf_model
+from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
 
 B, P, R = 16, 4, 20  # 4 sequences per microbatch with 2 minibatches x 2 accumulation steps
 KL = jnp.float32(0.05)
@@ -228,3 +237,45 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded():
         assert plan.tokens_computed >= plan.tokens_real
     # widths {16..80 buckets} x rows {2, 4, 6, 8} x slots: far fewer than the 60 steps drawn
     assert len(shapes) <= 20, shapes
+
+
+def _pipeline_run(packed: bool, steps: int = 2):
+    """OPPO steps (B = 4, Δ = 3: carried rows) through ``run_step`` with the packed or the
+    padded update; returns the results and the final train state."""
+    ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, packed_update=packed, pack_granule=4)
+    spec = make_spec(ppo, temperature=1.0)
+    rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompt_width=4, max_response_len=16,
+                          eos_ids=tuple(range(20, 26)))  # fmt: skip
+    kernels = build_kernels(spec, rollout, reward_model=CRITIC)
+    actor, critic = tiny_params(seed=5)
+    place = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
+    state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))
+    rng = np.random.default_rng(0)
+    prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(2, 5))) for i in range(64)])
+    engine = step_engine(kernels, place, actor, init_params(CRITIC, jax.random.key(11)))
+    buffer, timeline, results = CarryBuffer(), Timeline(), []
+    for step in range(steps):
+        plan = step_plan(step, 4, overcommit=3, chunk_size=4)
+        state, carried, result = run_step(
+            engine, SCHEDULES["oppo"], plan, state, buffer, prompts, timeline
+        )
+        buffer.extend(carried)
+        results.append(result)
+    return results, state
+
+
+@pytest.mark.slow  # two pipelines' kernels: ~2-3 min of CPU
+def test_step_with_packed_update_equals_padded():
+    """Through the step (host lengths handed to the update, carried rows): the same batches,
+    losses and parameters as the padded update, and the work ledger counts the packed slots."""
+    padded, padded_state = _pipeline_run(False)
+    packed, packed_state = _pipeline_run(True)
+    assert any(r.slots.carried_rows for r in packed)
+    for a, b in zip(padded, packed, strict=True):
+        np.testing.assert_array_equal(a.responses, b.responses)
+        for key in ("policy_loss", "value_loss", "entropy"):
+            np.testing.assert_allclose(b.metrics[key], a.metrics[key], rtol=1e-5, atol=1e-7)
+        assert b.metrics["update_tokens_real"] == a.metrics["update_tokens_real"]
+        assert b.metrics["update_tokens_computed"] <= a.metrics["update_tokens_computed"]
+    assert _relative_diff(packed_state.actor_params, padded_state.actor_params) <= 1e-5
+    assert _relative_diff(packed_state.critic_params, padded_state.critic_params) <= 1e-5

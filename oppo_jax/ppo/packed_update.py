@@ -47,7 +47,7 @@ from oppo_jax.ppo.update import (
     ppo_update,
     train_state_shardings,
 )
-from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards, replicated
+from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards, replicated, to_host
 
 
 def _response_hidden(cfg, params, mb: PackedMicrobatch):
@@ -162,7 +162,7 @@ class PackedUpdate:
         ppo = self.spec.ppo
         prompt_len, response_len = host_lengths(batch) if lengths is None else lengths
         rows = batch.tokens.shape[0]
-        perms = np.asarray(jax.device_get(_permutations(key, rows, ppo.ppo_epochs)))
+        perms = np.asarray(to_host(_permutations(key, rows, ppo.ppo_epochs)))
         micro = microbatch_rows(perms, ppo.num_minibatches, ppo.grad_accum_steps)
         return plan_packing(
             prompt_len,

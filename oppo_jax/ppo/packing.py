@@ -26,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 
 import flax.struct
-import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.sharding import to_host
 
 
 def bucket_up(n: int, granule: int = 1) -> int:
@@ -253,5 +253,5 @@ def gather_microbatch(batch: PPOBatch, idx: PackIndices, num_seqs: int) -> Packe
 def host_lengths(batch: PPOBatch) -> tuple[np.ndarray, np.ndarray]:
     """(prompt_len, response_len) [B] of a device batch, read to the host (one small read;
     the step passes lengths it already holds instead)."""
-    prompt_len, mask = jax.device_get((batch.prompt_len, batch.mask))
+    prompt_len, mask = to_host((batch.prompt_len, batch.mask))  # global values, every process
     return np.asarray(prompt_len), np.asarray(mask).sum(axis=1)

@@ -196,6 +196,7 @@ def demo_dirs(demo_cache):
     return ensure_demo_assets(demo_cache / "demo", spec, *steps, progress=False)
 
 
+@pytest.mark.slow  # builds the small demo assets when the session has not
 def test_cli_bad_dataset_exits_2_and_writes_nothing(demo_dirs, tmp_path, capsys):
     actor, reward = demo_dirs
     saved = tmp_path / "saved"

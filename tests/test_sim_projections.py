@@ -17,7 +17,7 @@ from oppo_jax.errors import ConfigError
 from oppo_jax.sim import ACTIVE, BUILT, Projection, TrainSettings, Workload, regime_map
 from oppo_jax.sim.cli import main
 from oppo_jax.sim.lengths import LONGTAIL, LogNormal
-from oppo_jax.sim.project import build_projection, format_regime_map
+from oppo_jax.sim.project import build_projection, format_regime_map, sync_vs_oppo
 
 CONFIG = "qwen2.5-7b_gh200x1"
 
@@ -158,3 +158,43 @@ def test_lora_projection_trains_no_base_weights():
     # optimizer traffic; everything before the update is unchanged.
     assert b.update_u1 == pytest.approx(a.update_u1 * 2 / 3) and b.update_u0 == 0.0
     assert (b.decode_a, b.prefill_p1, b.admit_p1) == (a.decode_a, a.prefill_p1, a.admit_p1)
+
+
+# Issue #13's projection must-show, on the engine as built (engines.BUILT): sync within 1.3×
+# of the token-proportional engine in the labelled one-epoch setting and in the configs' own;
+# OPPO's speedup within 0.05 of the active engine's in every cell of the regime map.
+LABELLED = {"batch": 112, "prompt_len": 0, "epochs": 1, "trained": ("actor",), "chunk": 256,
+            "delta": 16, "placement": "disaggregated"}  # fmt: skip
+SETTINGS = [
+    ("qwen2.5-7b:gh200", None, LABELLED),
+    ("qwen2.5-3b:gh200", None, LABELLED),
+    ("qwen2.5-7b:gh200", "qwen2.5-7b_gh200x1", {}),
+    ("qwen2.5-3b:gh200", "qwen2.5-3b_gh200x1", {}),
+    ("qwen2.5-7b:tpu-v5p", "qwen2.5-7b_tpu-v5p-8", {}),
+    ("qwen2.5-3b:tpu-v5p", "qwen2.5-3b_tpu-v5p-8", {}),
+]
+MUST_SHOW = pytest.mark.xfail(
+    raises=AssertionError,  # only the criterion may fail; any other error is a failure
+    strict=True,
+    reason="issue #13's projection must-show does not hold for the engine as built (see "
+    "docs/PROJECTIONS.md §4); strict: this fails once it does, so the mark comes off",
+)
+
+
+@MUST_SHOW
+@pytest.mark.parametrize(("spec", "config", "given"), SETTINGS)
+def test_built_sync_within_1_3x_of_active(spec, config, given):
+    p = build_projection(spec, config, (), {**given, "steps": 40})
+    built, active = sync_vs_oppo(p, BUILT), sync_vs_oppo(p, ACTIVE)
+    assert built["sync_s"] >= active["sync_s"]  # the reference computes no more than needed
+    assert built["sync_s"] <= 1.3 * active["sync_s"], (built, active)
+
+
+@MUST_SHOW
+@pytest.mark.parametrize(("spec", "config", "given"), SETTINGS[::2])
+def test_built_regime_map_within_0_05_of_active(spec, config, given):
+    p = build_projection(spec, config, (), {**given, "steps": 30})
+    cells = regime_map(p)["cells"]
+    gaps = [[abs(b["speedup"] - a["speedup"]) for b, a in zip(rb, ra, strict=True)]
+            for rb, ra in zip(cells["built"], cells["active"], strict=True)]  # fmt: skip
+    assert max(max(row) for row in gaps) <= 0.05, gaps

@@ -97,7 +97,7 @@ def test_default_load_is_the_cpu_demo():
     cfg = load_config()
     assert cfg == load_config(CONFIG_DIR / "demo_cpu.yaml")
     assert cfg.model.actor_path == "demo" and cfg.rollout.batch_size == 16
-    assert cfg.pipeline.mode == "oppo" and cfg.pipeline.chunk_size == 16
+    assert cfg.pipeline.mode == "sync" and cfg.pipeline.chunk_size == 16
     assert cfg.rollout.max_response_len == 64
 
 

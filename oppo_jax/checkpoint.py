@@ -22,12 +22,26 @@ class CheckpointCorruptError(RuntimeError):
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
-    """A ShapeDtypeStruct tree with the leaves' shapes, dtypes and shardings (or ``shardings``)."""
+    """A ShapeDtypeStruct tree with the leaves' shapes, dtypes and shardings (or ``shardings``).
+
+    A train state's ``frozen`` LoRA bases stay as they are: checkpoints do not hold them (they
+    are the run's base checkpoints), and ``restore`` hands them back with the trained state.
+    """
+    frozen, tree = _detach_frozen(tree)
     if shardings is None:
-        return jax.tree.map(_as_abstract, tree)
-    return jax.tree.map(
-        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
-    )
+        out = jax.tree.map(_as_abstract, tree)
+    else:
+        _, shardings = _detach_frozen(shardings)
+        out = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
+        )
+    return out if frozen is None else out.replace(frozen=frozen)
+
+
+def _detach_frozen(tree: Any) -> tuple[Any, Any]:
+    """(frozen bases or None, the tree without them)."""
+    frozen = getattr(tree, "frozen", None)
+    return frozen, (tree if frozen is None else tree.replace(frozen=None))
 
 
 def _as_abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -111,6 +125,7 @@ class RunCheckpointer:
         _check_json(extra)
         # A deep copy: the caller may mutate its buffers while the async write is in flight.
         extra = json.loads(json.dumps(extra))
+        _, train_state = _detach_frozen(train_state)  # LoRA: adapters and moments only
         items = {
             "train_state": ocp.args.StandardSave(train_state),
             "extra": ocp.args.JsonSave(extra),
@@ -159,9 +174,13 @@ class RunCheckpointer:
         """
         if abstract_train_state is None:
             raise TypeError("restore needs abstract_train_state (e.g. abstract_like(train_state))")
+        frozen, abstract_train_state = _detach_frozen(abstract_train_state)
         target = jax.tree.map(_as_abstract, abstract_train_state)
         self.wait()  # never reshuffle steps under a finalising save
         steps = self.all_steps()
+        if frozen is not None:  # the bases come back with the restored trained state
+            restored, extra = self.restore(step, target)
+            return restored.replace(frozen=frozen), extra
         if step is not None:
             if step not in steps:
                 raise FileNotFoundError(

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import load_config
+from oppo_jax.models import lora
 from oppo_jax.models.hf_export import export_hf
+from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.run_setup import prepare_run
 
 
@@ -28,9 +33,19 @@ def export_run(
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
         state, _ = ckpt.restore(step, abstract_like(initial))
-    out = export_hf(state.actor_params, ctx.kernels.spec.actor, out_dir, ctx.actor_dir)
+    spec = ctx.kernels.spec
+    out = export_hf(*dense(state.actor_model_params, spec.actor), out_dir, ctx.actor_dir)
     if critic:
         export_hf(
-            state.critic_params, ctx.kernels.spec.critic, Path(out_dir) / "critic", ctx.actor_dir
+            *dense(state.critic_model_params, spec.critic), Path(out_dir) / "critic", ctx.actor_dir
         )
     return out
+
+
+def dense(params, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
+    """Full weights of a (possibly LoRA-adapted) model and its plain architecture: adapters
+    merged into their kernels (in float32) and every leaf in the trained dtype
+    (``cfg.param_dtype``, the master dtype), so the export carries the update's precision."""
+    if cfg.lora_rank:
+        params, cfg = lora.merged(params, cfg), cfg.replace(lora_rank=0)
+    return jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_param_dtype), params), cfg

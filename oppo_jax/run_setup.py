@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.config import Config, devices_needed
@@ -34,6 +33,7 @@ from oppo_jax.ppo.update import (
 from oppo_jax.rewards.setup import reward_functions
 from oppo_jax.sharding import init_sharded_params, make_device_groups, placed_on
 from oppo_jax.specs import rollout_spec, update_spec
+from oppo_jax.trained_params import initial_params
 
 NUM_DEMO_PROMPTS = 4096  # size of the built-in demo's prompt set
 DEMO_CONTEXT = 128  # context of the default demo models, tokens; longer runs get their own
@@ -236,8 +236,11 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
     mesh = placement.groups.training
     actor, reward, actor_dir, prompts, gold_fn = _load_models(cfg, mesh, progress)
     critic_cfg = actor.config.replace(head="score", num_labels=1)
-    if cfg.model.critic_init == "reward":
-        critic_cfg, critic_params = reward.config, jax.tree.map(jnp.copy, reward.params)
+    critic_params = None  # a LoRA critic started from the actor sits on the actor's base
+    if cfg.model.critic_init == "reward":  # copied (trained) or shared (a LoRA base) below
+        critic_cfg, critic_params = reward.config, reward.params
+    elif cfg.model.lora_rank:
+        pass
     elif actor_dir is None:
         critic_params = _critic_from_actor(actor, critic_cfg, jax.random.key(cfg.seed))
     else:
@@ -269,7 +272,17 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         max_deferrals=cfg.pipeline.max_deferrals,
         rewards=reward_functions(cfg, tok, prompts, eos_ids),  # reward.functions (host)
     )
-    state = make_sharded_init(spec, mesh)(actor.params, critic_params)
+    critic_base = reward.params if cfg.model.critic_init == "reward" else actor.params
+    actor_trained, critic_trained, frozen = initial_params(
+        spec,
+        actor.params,
+        critic_params,
+        critic_base,
+        mesh,
+        jax.random.fold_in(jax.random.key(cfg.seed), 11),
+        cfg.optim.master_dtype,
+    )
+    state = make_sharded_init(spec, mesh)(actor_trained, critic_trained).replace(frozen=frozen)
     ctx = RunContext(cfg, engine, prompts, tok, actor_dir, gold_fn, prompts_truncated=truncated)
     return ctx, state
 

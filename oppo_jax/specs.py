@@ -32,11 +32,21 @@ def sampling_config(cfg: Config) -> SamplingConfig:
 
 def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateSpec:
     """Static description of the PPO update for ``cfg`` (optimizers sized to the run, layers
-    rematerialised as ``model.remat`` says: the rollout never differentiates, so only here)."""
+    rematerialised as ``model.remat`` says: the rollout never differentiates, so only here;
+    LoRA adapters as ``model.lora_*`` say; trained weights in ``optim.master_dtype``)."""
     updates = cfg.train.steps * cfg.ppo.ppo_epochs * cfg.ppo.num_minibatches
+    m = cfg.model
+    # Trained weights are created (LoRA adapters, value heads) in the master dtype.
+    trained = dict(
+        remat=m.remat,
+        param_dtype=cfg.optim.master_dtype,
+        lora_rank=m.lora_rank,
+        lora_alpha=m.lora_alpha,
+        lora_targets=tuple(m.lora_targets),
+    )
     return UpdateSpec(
-        actor=actor.replace(remat=cfg.model.remat),
-        critic=critic.replace(remat=cfg.model.remat),
+        actor=actor.replace(**trained),
+        critic=critic.replace(**trained),
         ppo=cfg.ppo,
         temperature=cfg.rollout.temperature,
         actor_tx=make_optimizer(cfg.optim, cfg.optim.actor_lr, updates),

@@ -13,6 +13,9 @@ STABLE_KEYS = (
     "pipeline.overcommit", "pipeline.adaptive_overcommit", "pipeline.placement",
 )  # fmt: skip
 
+# Every projection a LoRA adapter can sit on (model.lora_targets).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -30,6 +33,11 @@ class ModelConfig:
     trust_remote_code: bool = False  # let transformers run code shipped inside a checkpoint
     # recompute each layer in the update's backward: none | full | dots (keep matmul outputs)
     remat: str = "none"
+    # LoRA rank of the actor's and critic's adapters on frozen bases; 0 = full-parameter training
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # adapters scale by lora_alpha / lora_rank
+    # projections that carry an adapter (q/k/v/o_proj, gate/up/down_proj)
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ class OptimConfig:
     adam_b1: float = 0.9  # Adam β1, decay of the first moment
     adam_b2: float = 0.999  # Adam β2, decay of the second moment
     adam_eps: float = 1e-8  # Adam ε, added to the root of the second moment
+    # dtype of trained weights (master copy) and their AdamW moments: float32 | bfloat16
+    master_dtype: str = "float32"
 
 
 @dataclass(frozen=True)

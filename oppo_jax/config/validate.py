@@ -13,6 +13,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
+from oppo_jax.config.schema import LORA_TARGETS
 from oppo_jax.config.validate_user import user_data_problems
 from oppo_jax.errors import ConfigError
 
@@ -26,6 +27,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots"),
+    "optim.master_dtype": ("float32", "bfloat16"),
     "rollout.prompt_too_long": ("truncate", "reject"),
     "rollout.length_sampler": ("policy", "lognormal"),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
@@ -47,11 +49,11 @@ _NONNEGATIVE = (
     "optim.actor_lr", "optim.critic_lr", "optim.weight_decay", "optim.warmup_steps",
     "mesh.scoring_devices", "pipeline.overcommit", "pipeline.overcommit_min",
     "pipeline.overcommit_max", "pipeline.max_deferrals", "train.checkpoint_every",
-    "train.sft_steps", "train.rm_steps",
+    "train.sft_steps", "train.rm_steps", "model.lora_rank",
 )  # fmt: skip
 _POSITIVE_FLOATS = (
     "ppo.target_kl", "ppo.cliprange", "ppo.cliprange_value", "optim.max_grad_norm",
-    "optim.adam_eps", "rollout.length_median", "rollout.length_p99",
+    "optim.adam_eps", "rollout.length_median", "rollout.length_p99", "model.lora_alpha",
 )  # fmt: skip
 
 
@@ -135,6 +137,9 @@ def _value_problems(cfg: Config) -> list[str]:
     cands = cfg.pipeline.chunk_candidates
     if not cands or min(cands) < 1:
         problems.append(f"pipeline.chunk_candidates={cands!r}: must be positive token counts")
+    targets = cfg.model.lora_targets
+    if not targets or not set(targets) <= set(LORA_TARGETS):
+        problems.append(f"model.lora_targets={targets!r}: a non-empty subset of {LORA_TARGETS}")
     return problems
 
 

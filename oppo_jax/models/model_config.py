@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from oppo_jax.models import lora
+
 # Which head sits on the backbone: next-token logits (actor, reference) or a linear
 # "score" layer (critic: applied at every token; reward model: read at the last valid token).
 HeadKind = Literal["lm", "score"]
@@ -43,6 +45,9 @@ class ModelConfig:
     dtype: str = "float32"  # activation dtype
     param_dtype: str = "float32"  # parameter dtype
     remat: Remat = "none"  # per-layer rematerialisation in the backward pass (see Remat)
+    lora_rank: int = 0  # r, rank of the LoRA adapters (0 = no adapters; see models.lora)
+    lora_alpha: float = 16.0  # adapters scale by lora_alpha / lora_rank
+    lora_targets: tuple[str, ...] = lora.ALL_TARGETS  # projections that carry an adapter
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -55,6 +60,12 @@ class ModelConfig:
             raise ValueError(f"head={self.head!r}: expected 'lm' or 'score'")
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}: expected 'none', 'full' or 'dots'")
+        unknown = set(self.lora_targets) - set(lora.ALL_TARGETS)
+        if self.lora_rank < 0 or unknown:
+            raise ValueError(
+                f"lora_rank={self.lora_rank}, lora_targets={self.lora_targets}: the rank must be "
+                f">= 0 and the targets among {lora.ALL_TARGETS}"
+            )
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected float32 or bfloat16")

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.models import lora
 from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
 from oppo_jax.models.transformer import Transformer
 from oppo_jax.ppo.advantages import kl_estimate
@@ -211,22 +212,21 @@ def make_update(
     spec: UpdateSpec, mesh=None, rules: ShardingRules = DEFAULT_RULES, packed: bool | None = None
 ):
     """The run's update, packed or padded (``packed``, default ``spec.ppo.packed_update``),
-    jitted donating the state; on
+    jitted donating the state (not LoRA's frozen bases, which also serve the scorers); on
     ``mesh`` with explicit shardings and the logical rules active while tracing, as
     ``update.make_sharded_update``."""
     packed = spec.ppo.packed_update if packed is None else packed
     fn = ppo_update_packed if packed else ppo_update
     if mesh is None:
-        jitted = jax.jit(functools.partial(fn, spec), donate_argnums=(0,))
+        jitted = lora.jit_keeping_frozen(functools.partial(fn, spec))
         return PackedUpdate(spec, jitted) if packed else PaddedUpdate(spec, jitted)
     state_sh, repl = train_state_shardings(spec, mesh, rules), replicated(mesh)
-    jitted = jax.jit(
+    jitted = lora.jit_keeping_frozen(
         functools.partial(fn, spec, layout=UpdateLayout(mesh, rules, state_sh)),
         # The plan's indices are small and replicated; the gathered rows are then laid out
         # over the batch axes inside (``UpdateLayout.rows``).
         in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
         out_shardings=(state_sh, repl),
-        donate_argnums=(0,),
     )
     if not packed:
         return PaddedUpdate(spec, jitted)

@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh
 
 from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.advantages import kl_estimate
 from oppo_jax.ppo.batch import PPOBatch, critic_values, policy_logprobs
@@ -53,8 +54,21 @@ class TrainState:
     actor_opt: optax.OptState
     critic_opt: optax.OptState
     step: jax.Array  # PPO steps that applied at least one optimizer step (int32 scalar)
+    # LoRA: the frozen bases {"actor": ..., "critic": ...} under the trained adapters (the same
+    # arrays serve the reference and reward model); never trained, donated or checkpointed.
+    frozen: dict | None = None
 
     __no_type_check__ = True  # rebuilt with sharding leaves by tree maps
+
+    @property
+    def actor_model_params(self) -> dict:
+        """The actor's whole parameter tree (adapters over the frozen base, with LoRA)."""
+        return lora.combine(self.actor_params, self.frozen and self.frozen["actor"])
+
+    @property
+    def critic_model_params(self) -> dict:
+        """The critic's whole parameter tree (adapters and value head over the frozen base)."""
+        return lora.combine(self.critic_params, self.frozen and self.frozen["critic"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +268,7 @@ def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, 
     update, or neither when the batch, a loss, a metric or a gradient is not finite
     (``applied``)."""
     params = (state.actor_params, state.critic_params)
+    losses = lora.over_frozen(losses, state.frozen)  # differentiate the trained tree only
     grads, aux = _gradients(spec, losses, layout, kl_coef, batch_ok, params, parts)
     metrics = jax.tree.map(jnp.mean, aux)
     # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
@@ -344,20 +359,21 @@ def all_finite(tree) -> jax.Array:
 
 
 def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):
-    """NamedShardings of a TrainState: optimizer moments follow their parameters."""
+    """NamedShardings of a TrainState: optimizer moments follow their (trained) parameters."""
     repl = replicated(mesh)
 
     def model_and_opt(cfg, tx):
-        params_sh = param_shardings(cfg, mesh, rules)
-        abstract_opt = jax.eval_shape(tx.init, abstract_params(cfg))
+        params_sh, frozen_sh = lora.split(param_shardings(cfg, mesh, rules), cfg)
+        abstract_opt = jax.eval_shape(tx.init, lora.split(abstract_params(cfg), cfg)[0])
         opt_sh = optax.tree_map_params(
             tx, lambda _, sh: sh, abstract_opt, params_sh, transform_non_params=lambda _: repl
         )
-        return params_sh, opt_sh
+        return params_sh, opt_sh, frozen_sh
 
-    actor_sh, actor_opt_sh = model_and_opt(spec.actor, spec.actor_tx)
-    critic_sh, critic_opt_sh = model_and_opt(spec.critic, spec.critic_tx)
-    return TrainState(actor_sh, critic_sh, actor_opt_sh, critic_opt_sh, step=repl)
+    actor_sh, actor_opt_sh, actor_frozen = model_and_opt(spec.actor, spec.actor_tx)
+    critic_sh, critic_opt_sh, critic_frozen = model_and_opt(spec.critic, spec.critic_tx)
+    frozen = None if actor_frozen is None else {"actor": actor_frozen, "critic": critic_frozen}
+    return TrainState(actor_sh, critic_sh, actor_opt_sh, critic_opt_sh, step=repl, frozen=frozen)
 
 
 def batch_shardings(mesh, rules: ShardingRules = DEFAULT_RULES) -> PPOBatch:
@@ -377,11 +393,10 @@ def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_R
     state_sh = train_state_shardings(spec, mesh, rules)
     repl = replicated(mesh)
     layout = UpdateLayout(mesh, rules, state_sh)
-    update = jax.jit(
+    update = lora.jit_keeping_frozen(  # the frozen LoRA bases are not donated
         functools.partial(ppo_update, spec, layout=layout),
         in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
         out_shardings=(state_sh, repl),
-        donate_argnums=(0,),
     )
     return update, state_sh
 
@@ -392,5 +407,5 @@ def make_sharded_init(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RUL
     return jax.jit(
         functools.partial(init_train_state, spec),
         in_shardings=(state_sh.actor_params, state_sh.critic_params),
-        out_shardings=state_sh,
+        out_shardings=state_sh.replace(frozen=None),  # LoRA bases are attached afterwards
     )

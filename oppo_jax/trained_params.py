@@ -1,0 +1,71 @@
+"""What the optimizer trains and what stays frozen, at the start of a run (precision and LoRA).
+
+Precision policy: the trained parameters (the whole actor and critic, or with LoRA their
+adapters and the critic's value head) are a master copy in ``optim.master_dtype`` (float32 by
+default), and so are their AdamW moments (optax keeps moments in the parameters' dtype). The
+model computes in ``model.dtype`` (each Dense casts its weights to it), so the forward is what
+bf16 weights give, while an update far smaller than a bf16 weight's spacing still accumulates.
+Frozen weights (the reference, the reward model, LoRA's bases) stay in ``model.param_dtype``.
+
+With LoRA one copy of each base serves two models: the actor's base is the reference, and the
+critic's base is the reward model's (``critic_init=reward``) or the actor's (``actor``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from oppo_jax.models import lora
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.transformer import init_params
+from oppo_jax.sharding import param_shardings
+
+
+def master_copy(tree, dtype):
+    """A fresh copy of ``tree`` in ``dtype`` (a copy even when the dtype already matches: the
+    update donates its state, which must not delete arrays the scorers read)."""
+    return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _trained_init(cfg: ModelConfig, key):
+    # Only the trained part is returned, so XLA drops the random base it would build.
+    return lora.split(init_params(cfg, key), cfg)[0]
+
+
+def fresh_trained(cfg: ModelConfig, key: jax.Array, mesh):
+    """New adapters (and, for a score head, a new head) of ``cfg``, born sharded on ``mesh``."""
+    shardings = lora.split(param_shardings(cfg, mesh), cfg)[0]
+    return jax.device_put(_trained_init(cfg, key), shardings)
+
+
+def pick(base: dict, like: dict) -> dict:
+    """``base``'s top-level entries named in ``like`` (no copy): a critic's base taken from the
+    actor's parameters leaves out the LM head."""
+    return {k: base[k] for k in like}
+
+
+def initial_params(spec, actor_params, critic_params, critic_base, mesh, key, dtype):
+    """(actor trained, critic trained, frozen bases or None) for a run's first train state.
+
+    ``critic_params`` is the critic's full starting tree (full-parameter training);
+    ``critic_base`` the tree a LoRA critic sits on (the reward model's or the actor's
+    parameters, shared, not copied). ``dtype`` is ``optim.master_dtype``.
+    """
+    a_cfg, c_cfg = spec.actor, spec.critic
+    if not a_cfg.lora_rank:
+        return master_copy(actor_params, dtype), master_copy(critic_params, dtype), None
+    a_key, c_key = jax.random.split(key)
+    c_fresh = fresh_trained(c_cfg, c_key, mesh)
+    c_frozen_like = lora.split(param_shardings(c_cfg, mesh), c_cfg)[1]
+    if "score" in critic_base:  # the reward model's head starts the value head (as without LoRA)
+        c_fresh = {**c_fresh, "score": master_copy(critic_base["score"], dtype)}
+    frozen = {
+        "actor": pick(actor_params, lora.split(param_shardings(a_cfg, mesh), a_cfg)[1]),
+        "critic": pick(critic_base, c_frozen_like),
+    }
+    actor_trained = master_copy(fresh_trained(a_cfg, a_key, mesh), dtype)
+    return actor_trained, master_copy(c_fresh, dtype), frozen

@@ -17,6 +17,12 @@ The model scans over layers with the whole [L, ...] buffers as the scan's carry;
 writes its new keys and values into them in place (``write_layer``), so a forward step never
 copies the cache (when the caller donates it).
 
+Live prefix: a kernel whose tokens all sit at positions below some bound reads only the first
+``width`` cache columns of each layer (``read_layer``; a static slice, so the read, the scores
+and the softmax cost S·T·width, not S·T·Tc). The host picks ``width`` with ``live_width`` from
+what it already knows (context lengths at admission, chunks dispatched), a power of two, so a
+run compiles at most ``len(live_widths(Tc))`` variants of each kernel.
+
 On a mesh the rollout kernels shard S over the batch axes (data x fsdp) and K over tensor
 (logical axes ``oppo_jax.sharding.KV_CACHE_AXES``), so each device holds its slots only.
 """
@@ -85,7 +91,39 @@ def write_layer(
 
 
 def read_layer(
-    buffer: Float[Array, "L S K Tc Dh"], layer: Int[Array, ""]
-) -> Float[Array, "S Tc K Dh"]:
-    """One layer's keys (or values) in the [S, Tc, K, Dh] layout attention takes."""
-    return jnp.swapaxes(jax.lax.dynamic_index_in_dim(buffer, layer, 0, keepdims=False), 1, 2)
+    buffer: Float[Array, "L S K Tc Dh"], layer: Int[Array, ""], width: int | None = None
+) -> Float[Array, "S W K Dh"]:
+    """One layer's keys (or values) in the [S, W, K, Dh] layout attention takes: the first
+    ``width`` cache columns (static; all Tc when None). A slice read: the buffer itself is
+    neither copied nor resized."""
+    one = jax.lax.dynamic_index_in_dim(buffer, layer, 0, keepdims=False)
+    if width is not None:
+        one = jax.lax.slice_in_dim(one, 0, width, axis=2)
+    return jnp.swapaxes(one, 1, 2)
+
+
+MIN_LIVE_WIDTH = 16  # the narrowest live width: shorter contexts share one compiled variant
+
+
+def live_width(longest: int, capacity: int) -> int:
+    """Cache columns to read when no token of the call sits at a position >= ``longest``: the
+    next power of two (at least ``MIN_LIVE_WIDTH``), capped at the capacity.
+
+    Example: capacity 528 -> longest 70 gives 128, 300 gives 512, 520 gives 528, 5 gives 16.
+    """
+    if capacity < 1:
+        raise ValueError(f"cache capacity must be positive, got {capacity}")
+    bucket = max(MIN_LIVE_WIDTH, 1 << max(int(longest) - 1, 0).bit_length())
+    return min(bucket, capacity)
+
+
+def live_widths(capacity: int) -> tuple[int, ...]:
+    """Every width ``live_width`` can return for this capacity (what a warm-up compiles).
+
+    Example: capacity 100 -> (16, 32, 64, 100).
+    """
+    widths, width = [], MIN_LIVE_WIDTH
+    while width < capacity:
+        widths.append(width)
+        width *= 2
+    return (*widths, capacity)

@@ -21,18 +21,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
-from oppo_jax.models.lora import LoraDense
 from oppo_jax.models.model_config import ModelConfig
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
-def _dense(cfg: ModelConfig, features: int, axes: tuple, use_bias: bool, name: str) -> nn.Module:
-    if cfg.lora_rank and name in cfg.lora_targets:  # same parameter names, plus an adapter
-        return LoraDense(
-            features, axes, use_bias, cfg.lora_rank, cfg.lora_alpha, cfg.jnp_dtype,
-            cfg.jnp_param_dtype, _INIT, name=name,
-        )  # fmt: skip
+def _dense(cfg: ModelConfig, features: int, axes: tuple, use_bias: bool, name: str) -> nn.Dense:
     return nn.Dense(
         features,
         use_bias=use_bias,
@@ -122,7 +116,9 @@ class Attention(nn.Module):
             k_all, v_all, layer = kv
             k_all = write_layer(k_all, layer, k, positions)
             v_all = write_layer(v_all, layer, v, positions)
-            keys, values = read_layer(k_all, layer), read_layer(v_all, layer)
+            # Only the live prefix the mask covers (its last axis: the static width).
+            width = mask.shape[-1]
+            keys, values = read_layer(k_all, layer, width), read_layer(v_all, layer, width)
             kv = (k_all, v_all, layer)
         # GQA is native (no repeated kv-heads). implementation=None lets jax pick the kernel
         # (XLA in jax 0.10: scores in float32, softmax in float32, on every backend).
@@ -202,7 +198,9 @@ class Transformer(nn.Module):
     0..T-1), or over packed rows when ``segment_ids`` (and per-segment ``positions``) are
     given: a token then sees only earlier tokens of its own segment. With a cache, the T new
     tokens of slot s take positions ``cache.length[s] + i``, are written into the cache, and
-    ``n_valid[s]`` of them (default all T) count as filled. ``return_hidden`` returns the
+    ``n_valid[s]`` of them (default all T) count as filled. ``kv_width`` (static) bounds the
+    cache columns attention reads: every new token must sit at a position below it (the live
+    prefix, ``kv_cache.live_width``); None reads the whole capacity. ``return_hidden`` returns the
     final-normed hidden states [S T D] instead of the head's output (``oppo_jax.models.heads``
     applies the head only where it is needed).
     """
@@ -219,6 +217,7 @@ class Transformer(nn.Module):
         positions: Int[Array, "S T"] | None = None,
         segment_ids: Int[Array, "S T"] | None = None,
         return_hidden: bool = False,
+        kv_width: int | None = None,
     ) -> tuple[Float[Array, "S T O"], KVCache | None]:
         cfg = self.cfg
         s, t = tokens.shape
@@ -240,7 +239,7 @@ class Transformer(nn.Module):
             if positions is not None or segment_ids is not None:
                 raise ValueError("positions and segment_ids are for the cache-less forward only")
             positions = write_positions(cache.length, t)
-            mask = attention_mask_for_cache(positions, cache.capacity)
+            mask = attention_mask_for_cache(positions, _kv_width(kv_width, cache.capacity))
             kv = (cache.k, cache.v, jnp.zeros((), jnp.int32))
         (x, kv), _ = _layers(cfg)((x, kv), (positions, mask))
         x = RMSNorm(cfg, name="norm")(x)
@@ -257,6 +256,30 @@ class Transformer(nn.Module):
         axes = ("embed", "vocab") if cfg.head == "lm" else ("embed", None)
         name = "lm_head" if cfg.head == "lm" else "score"
         return _dense(cfg, cfg.head_out, axes, False, name)(x)
+
+
+def cached_hidden(
+    cfg: ModelConfig,
+    params,
+    cache: KVCache,
+    tokens: Int[Array, "S T"],
+    n_valid: Int[Array, " S"],
+    kv_width: int | None = None,
+) -> tuple[Float[Array, "S T D"], KVCache]:
+    """Append ``n_valid[s]`` tokens of each right-padded row to the cache and return the final
+    hidden states, attention reading the first ``kv_width`` cache columns (None: all). The
+    chunk prefill of the streaming scorers; any split of a sequence gives the same outputs."""
+    apply = Transformer(cfg).apply
+    return apply({"params": params}, tokens, cache, n_valid, return_hidden=True, kv_width=kv_width)
+
+
+def _kv_width(kv_width: int | None, capacity: int) -> int:
+    """The cache columns a cached call reads: ``kv_width`` checked against the capacity."""
+    if kv_width is None:
+        return capacity
+    if not 1 <= kv_width <= capacity:
+        raise ValueError(f"kv_width {kv_width} outside 1..{capacity} (the cache capacity)")
+    return int(kv_width)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, boxed: bool = False):

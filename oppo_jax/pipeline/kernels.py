@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.experience import RewardFn, batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
@@ -34,16 +35,24 @@ __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_c
 
 
 @functools.cache
-def make_decode_chunk(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh=None):
-    """``decode_chunk`` jitted for one (model, sampling, C, mesh), donating the state."""
-    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh)
+def make_decode_chunk(
+    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh=None, kv_width=None
+):
+    """``decode_chunk`` jitted for one (model, sampling, C, mesh, live width), donating the
+    state."""
+    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width)
     return jax.jit(with_rules(fn, mesh), donate_argnums=(1,))
 
 
 @functools.cache
-def make_decode_chunk_emit(cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh):
-    """``decode_chunk_emit`` jitted, donating the state; the chunk's counts are the marker."""
-    fn = functools.partial(decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh)
+def make_decode_chunk_emit(
+    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh, kv_width=None
+):
+    """``decode_chunk_emit`` jitted, donating the state; the chunk's counts are the marker.
+    One compilation per live width (``kv_cache.live_widths``: a handful per chunk size)."""
+    fn = functools.partial(
+        decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width
+    )
     return jax.jit(with_rules(fn, mesh), donate_argnums=(1,))
 
 
@@ -75,9 +84,9 @@ def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
 
 
 @functools.cache
-def make_scorer_chunk(spec: ScorerSpec):
+def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None):
     def run(params, state, chunk):
-        new = score_chunk(spec, params, state, chunk)
+        new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
         return new, jnp.sum(new.num_fed)
 
     return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
@@ -93,6 +102,8 @@ class Kernels:
     reward_model: ModelConfig | None  # the reward model's architecture (None with reward_fn)
     # (train state, batch, key, kl_coef, lengths=None) -> (train state, metrics); donates
     update: Callable
+    # decode and streamed scoring read the cache's live prefix only (False: the whole P + R)
+    live_prefix: bool = True
 
     def admit(self, params, admission, base_key):
         """The actor's admission prefill: (DecodeState, marker)."""
@@ -100,10 +111,22 @@ class Kernels:
             params, admission, base_key
         )
 
-    def decode(self, chunk_size: int) -> Callable:
-        """(params, state, cut rule) -> (state, ChunkTokens) for this chunk size."""
+    def decode(self, chunk_size: int, kv_width: int | None = None) -> Callable:
+        """(params, state, cut rule) -> (state, ChunkTokens) for this chunk size, reading the
+        first ``kv_width`` cache columns (None: all)."""
         r = self.rollout
-        return make_decode_chunk_emit(self.spec.actor, r.sampling, chunk_size, r.mesh)
+        return make_decode_chunk_emit(self.spec.actor, r.sampling, chunk_size, r.mesh, kv_width)
+
+    def chunk_width(self, longest_context: int, chunk_size: int, chunks_before: int) -> int | None:
+        """The live width for the chunk after ``chunks_before`` others of ``chunk_size``
+        tokens, when no slot's context (prompt + prefix) exceeded ``longest_context`` at
+        admission: each step adds at most one token per slot, so none passes
+        longest + (chunks_before + 1) * C in it. None (all columns) without ``live_prefix``."""
+        if not self.live_prefix:
+            return None
+        r = self.rollout
+        longest = longest_context + (chunks_before + 1) * chunk_size
+        return live_width(longest, r.prompt_width + r.max_response_len)
 
     @functools.cached_property
     def scorer_specs(self) -> ScorerSpecs:
@@ -122,9 +145,10 @@ class Kernels:
         """(params, admission) -> (ScorerState, marker): one role's admission prefill."""
         return make_scorer_admit(getattr(self.scorer_specs, role), self.rollout.prompt_width)
 
-    def scorer_chunk(self, role: str) -> Callable:
-        """(params, state, chunk) -> (ScorerState, marker): one role's chunk prefill."""
-        return make_scorer_chunk(getattr(self.scorer_specs, role))
+    def scorer_chunk(self, role: str, kv_width: int | None = None) -> Callable:
+        """(params, state, chunk) -> (ScorerState, marker): one role's chunk prefill, reading
+        the first ``kv_width`` cache columns (None: all)."""
+        return make_scorer_chunk(getattr(self.scorer_specs, role), kv_width)
 
     @functools.cached_property
     def responses(self) -> Callable:

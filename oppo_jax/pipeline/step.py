@@ -13,6 +13,7 @@ starts more sequences than the batch takes (B + Δ).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -144,7 +145,7 @@ def run_step(
     admission = device_admission(slots)
     # 2. Prefill the actor under the current parameters (a carried prefix gets this step's
     #    old log-probs from the same pass).
-    actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
+    actor = train_state.actor_params
     decoding, marker = k.admit(actor, admission, engine.sample_key)
     timeline.track("prefill actor", GENERATION, marker)
     work = WorkLedger()
@@ -152,7 +153,7 @@ def run_step(
     work.add("admission", admission_computed(shape, admission.carried_rows, rollout.prompt_width))
     # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
     #    actor decodes the next. Not streaming: they score whole responses afterwards.
-    scorers = _Scorers(engine, train_state.critic_model_params, timeline, work)
+    scorers = _Scorers(engine, train_state.critic_params, timeline, work)
     frozen = len([r for r in scorers.roles if r != "critic"])  # reference, reward model
     trained = 1 + len(scorers.roles) - frozen  # the actor, and the critic
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
@@ -162,6 +163,8 @@ def run_step(
     fn_rewards = engine.rewards.start(slots) if engine.rewards is not None else None
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
+    longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
+    chunking = (cut_rule, plan.chunk_size, longest)
     if schedule.stream:
         from_buffer = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(from_buffer) if kept is not None else 0
@@ -171,18 +174,15 @@ def run_step(
             timeline,
             actor,
             decoding,
-            cut_rule,
-            plan.chunk_size,
-            lambda chunk: (
-                scorers.feed(place.to_scoring(chunk)),
+            chunking,
+            lambda chunk, width: (
+                scorers.feed(place.to_scoring(chunk), width),
                 fn_rewards and fn_rewards.feed(chunk),  # read on the reward thread
             ),
             dispatched=decode_slots,
         )
     else:
-        decoding = _decode(
-            k, timeline, actor, decoding, cut_rule, plan.chunk_size, dispatched=decode_slots
-        )
+        decoding = _decode(k, timeline, actor, decoding, chunking, dispatched=decode_slots)
         if not engine.packed_scoring:  # every slot's responses past its prefix, R wide
             scorers.admit(on_scoring)
             scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
@@ -266,25 +266,32 @@ def _decode(
     timeline: Timeline,
     params,
     state: DecodeState,
-    rule: CutRule,
-    chunk_size: int,
-    on_chunk: Callable[[ChunkTokens], None] | None = None,
+    chunking: tuple[CutRule, int, int],
+    on_chunk: Callable[[ChunkTokens, int | None], None] | None = None,
     dispatched: list[int] | None = None,
 ) -> DecodeState:
-    """Decode until ``rule`` allows the cut; ``on_chunk`` receives each chunk's tokens;
-    ``dispatched`` gets the slot count of each chunk dispatched (accounting)."""
+    """Decode until the cut rule allows the cut; ``on_chunk`` receives each chunk's tokens and
+    the live width they fit in; ``dispatched`` gets the slot count of each chunk dispatched
+    (accounting). ``chunking`` is (cut rule, C, the longest context admitted).
+
+    Chunk i reads the cache's live prefix, sized on the host from the admitted lengths and i
+    alone (``Kernels.chunk_width``): no device read beyond the loop's one boolean."""
+    rule, chunk_size, longest = chunking
     dispatched = [] if dispatched is None else dispatched
-    decode = kernels.decode(chunk_size)
-    dispatched.append(state.tokens.shape[0])
-    state, chunk = decode(params, state, rule)
-    timeline.track("decode", GENERATION, chunk.count)
-    while True:
-        if on_chunk is not None:
-            on_chunk(chunk)
-        ready = chunk.ready
+
+    def dispatch(i, state):
+        width = kernels.chunk_width(longest, chunk_size, i)
         dispatched.append(state.tokens.shape[0])
-        state, chunk = decode(params, state, rule)  # dispatched before the host reads `ready`
+        state, chunk = kernels.decode(chunk_size, width)(params, state, rule)
         timeline.track("decode", GENERATION, chunk.count)
+        return state, chunk, width
+
+    state, chunk, width = dispatch(0, state)
+    for i in itertools.count(1):
+        if on_chunk is not None:
+            on_chunk(chunk, width)
+        ready = chunk.ready
+        state, chunk, width = dispatch(i, state)  # dispatched before the host reads `ready`
         if jax.device_get(ready):  # the loop's only host read (explicit, one boolean)
             return state
 
@@ -347,15 +354,16 @@ class _Scorers:
         frozen = {r: getattr(self.states, r) for r in self.roles if r in FROZEN}
         return keep_rows(frozen, slots, bucket, [])
 
-    def feed(self, chunk: ChunkTokens) -> None:
-        """Prefill every scorer with the chunk's new tokens."""
+    def feed(self, chunk: ChunkTokens, kv_width: int | None = None) -> None:
+        """Prefill every scorer with the chunk's new tokens (attending over the first
+        ``kv_width`` cache columns; None: all)."""
         self.work.add("scoring", len(self.roles) * token_count(chunk.tokens))
         self.states = ScorerStates(
             **{
                 role: self._dispatch(
                     "score",
                     role,
-                    self.kernels.scorer_chunk(role),
+                    self.kernels.scorer_chunk(role, kv_width),
                     getattr(self.states, role),
                     chunk,
                 )

@@ -57,8 +57,8 @@ class DecodeState:
         return self.tokens.shape[1]
 
 
-def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None):
-    return Transformer(cfg).apply({"params": params}, tokens, cache, n_valid)
+def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None, kv_width=None):
+    return Transformer(cfg).apply({"params": params}, tokens, cache, n_valid, kv_width=kv_width)
 
 
 def admit_decode(
@@ -135,8 +135,15 @@ def start_decode(
     return admit_decode(cfg, params, admission, base_key, rollout, temperature=1.0)
 
 
-def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: DecodeState):
-    """Sample one token for every running slot, record it, and feed it to the model."""
+def decode_step(
+    cfg: ModelConfig,
+    sampling: SamplingConfig,
+    params,
+    state: DecodeState,
+    kv_width: int | None = None,
+):
+    """Sample one token for every running slot, record it, and feed it to the model, whose
+    attention reads the first ``kv_width`` cache columns (None: all; see ``live_width``)."""
     running = ~state.finished
     position = state.num_generated
     keys = token_keys(state.base_key, state.prompt_id, state.sample_index, position)
@@ -154,7 +161,8 @@ def decode_step(cfg: ModelConfig, sampling: SamplingConfig, params, state: Decod
     feed = running & ~just_done
 
     def forward(_):
-        logits, cache = _apply(cfg, params, token[:, None], state.cache, feed.astype(jnp.int32))
+        fed = feed.astype(jnp.int32)
+        logits, cache = _apply(cfg, params, token[:, None], state.cache, fed, kv_width)
         return jnp.where(feed[:, None], logits[:, 0].astype(jnp.float32), state.next_logits), cache
 
     # Once every slot is done the forward pass is wasted work; skip it.
@@ -208,9 +216,12 @@ def decode_chunk_emit(
     state: DecodeState,
     rule: CutRule,
     mesh: Mesh | None = None,
+    kv_width: int | None = None,
 ) -> tuple[DecodeState, ChunkTokens]:
     """Up to ``chunk_size`` lockstep decode steps that stop as soon as ``rule`` holds, with
     the chunk's new tokens as fresh (undonated) arrays and whether the rollout may stop.
+    Attention reads the first ``kv_width`` cache columns (static; None: all): the caller
+    guarantees every slot's context stays below it through the chunk (``live_width``).
 
     Stopping at the cut position wastes no decode step past it: steps after the cut would
     only make tokens the carry throws away. The chunk the host dispatches before it reads
@@ -225,7 +236,7 @@ def decode_chunk_emit(
 
     def step(carry):
         i, s = carry
-        return i + 1, constrain_slots(decode_step(cfg, sampling, params, s), mesh)
+        return i + 1, constrain_slots(decode_step(cfg, sampling, params, s, kv_width), mesh)
 
     _, state = jax.lax.while_loop(going, step, (jnp.int32(0), constrain_slots(state, mesh)))
     chunk = tokens_since(state, start, chunk_size, rule.ready(state.finished))
@@ -255,12 +266,14 @@ def decode_chunk(
     params,
     state: DecodeState,
     mesh: Mesh | None = None,
+    kv_width: int | None = None,
 ) -> DecodeState:
     """Advance every slot by ``chunk_size`` lockstep decode steps (a ``lax.scan``); with a
-    ``mesh``, the state stays sharded along the slots at every step."""
+    ``mesh``, the state stays sharded along the slots at every step. ``kv_width`` as in
+    ``decode_chunk_emit``."""
 
     def body(carry, _):
-        return constrain_slots(decode_step(cfg, sampling, params, carry), mesh), None
+        return constrain_slots(decode_step(cfg, sampling, params, carry, kv_width), mesh), None
 
     state, _ = jax.lax.scan(body, constrain_slots(state, mesh), None, length=chunk_size)
     return state

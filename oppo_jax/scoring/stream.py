@@ -29,7 +29,8 @@ from jaxtyping import Array, Float, Int
 from oppo_jax.models.heads import gather_rows, logprobs_at, scores_at
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.rollout.admission import Admission, admission_prefill, prefill_hidden
+from oppo_jax.models.transformer import cached_hidden
+from oppo_jax.rollout.admission import Admission, admission_prefill
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.sharding import constrain_slots
 
@@ -140,10 +141,14 @@ def _score(spec: ScorerSpec, params, last_hidden: Float[Array, "S D"]) -> Float[
     return scores_at(spec.model, params, last_hidden)
 
 
-def score_chunk(spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens) -> ScorerState:
-    """Append one chunk of each slot's new tokens to the cache and record their quantities."""
+def score_chunk(
+    spec: ScorerSpec, params, state: ScorerState, chunk: ChunkTokens, kv_width: int | None = None
+) -> ScorerState:
+    """Append one chunk of each slot's new tokens to the cache and record their quantities;
+    attention reads the cache's first ``kv_width`` columns (the live prefix; None: all)."""
     width = chunk.tokens.shape[1]
-    hidden, cache = prefill_hidden(spec.model, params, state.cache, chunk.tokens, chunk.count)
+    tokens, count = chunk.tokens, chunk.count
+    hidden, cache = cached_hidden(spec.model, params, state.cache, tokens, count, kv_width)
     rows = jnp.arange(chunk.tokens.shape[0])[:, None]
     offsets = jnp.arange(width)[None, :]
     at = jnp.where(

@@ -21,12 +21,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
+from oppo_jax.models.lora import LoraDense
 from oppo_jax.models.model_config import ModelConfig
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
-def _dense(cfg: ModelConfig, features: int, axes: tuple, use_bias: bool, name: str) -> nn.Dense:
+def _dense(cfg: ModelConfig, features: int, axes: tuple, use_bias: bool, name: str) -> nn.Module:
+    if cfg.lora_rank and name in cfg.lora_targets:  # same parameter names, plus an adapter
+        return LoraDense(
+            features, axes, use_bias, cfg.lora_rank, cfg.lora_alpha, cfg.jnp_dtype,
+            cfg.jnp_param_dtype, _INIT, name=name,
+        )  # fmt: skip
     return nn.Dense(
         features,
         use_bias=use_bias,

@@ -145,7 +145,7 @@ def run_step(
     admission = device_admission(slots)
     # 2. Prefill the actor under the current parameters (a carried prefix gets this step's
     #    old log-probs from the same pass).
-    actor = train_state.actor_params
+    actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
     decoding, marker = k.admit(actor, admission, engine.sample_key)
     timeline.track("prefill actor", GENERATION, marker)
     work = WorkLedger()
@@ -153,7 +153,7 @@ def run_step(
     work.add("admission", admission_computed(shape, admission.carried_rows, rollout.prompt_width))
     # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
     #    actor decodes the next. Not streaming: they score whole responses afterwards.
-    scorers = _Scorers(engine, train_state.critic_params, timeline, work)
+    scorers = _Scorers(engine, train_state.critic_model_params, timeline, work)
     frozen = len([r for r in scorers.roles if r != "critic"])  # reference, reward model
     trained = 1 + len(scorers.roles) - frozen  # the actor, and the critic
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)

@@ -76,35 +76,45 @@ def _expected(result, plan, stream: bool, packed_update: bool = True) -> dict:
     k = slots.carried_rows
     prompt, prefix = slots.prompt_len.astype(int), slots.prefix_len.astype(int)
     new = int((host.num_generated - prefix).sum())
-    # Admission: the actor and the three scorers each prefill K rows at W and S - K at P.
+    rows = sel.batch
+    sequences = prompt[rows] + host.num_generated[rows]  # the batch's prompt + response
+    # Admission: the actor and each scorer that admits prefill K rows at W and S - K at P;
+    # streaming, the frozen scorers (reference, reward) that kept the carried rows' caches
+    # from the step before prefill every slot's prompt at P instead. The packed sync scoring
+    # admits nothing.
     per_model = k * width + (s - k) * P
     occupied = slots.active.astype(bool)
     fresh = occupied & (prefix == 0) & ~slots.prefix_finished.astype(bool)
-    real_admit = 2 * int((prompt + prefix)[occupied].sum()) + 2 * int(prompt[fresh].sum())
+    full_real, fresh_real = int((prompt + prefix)[occupied].sum()), int(prompt[fresh].sum())
+    kept = stream and bool((slots.deferrals > 0).any())
+    frozen = 2 * (s * P if kept else per_model)
+    admission = (2 * per_model + frozen, 2 * full_real + 2 * fresh_real) if stream else None
+    admission = admission or (per_model, full_real)
     # Decode: the while_loop runs every slot until the cut.
     decode = (s * sel.cut, new)
-    # Scoring: streamed [S, C] chunks up to the one holding the cut, or one [S, R] call.
+    # Scoring: streamed [S, C] chunks up to the one holding the cut, or one packed call over
+    # the batch's sequences (the simulator's copy of the engine's rule, checked against it in
+    # tests/test_sim_packing.py).
     chunks = max(1, math.ceil(sel.cut / plan.chunk_size))
-    scored = chunks * s * plan.chunk_size if stream else s * R
-    # Update: EPOCHS passes of actor and critic over the batch's sequences packed (the
-    # simulator's copy of the packing rule, checked against the engine's planner in
-    # tests/test_sim_packing.py), or over [B, P + R] with the padded update.
-    rows = sel.batch
-    sequences = prompt[rows] + host.num_generated[rows]
+    scoring = (chunks * s * plan.chunk_size, new)
+    if not stream:
+        scoring = (sim_packing.score_tokens(sequences, P + R), int(sequences.sum()))
+    # Update: EPOCHS passes of actor and critic over the batch's sequences packed (the same
+    # copy of the packing rule), or over [B, P + R] with the padded update.
     real_update = int(sequences.sum())
     passes = 2 * EPOCHS
     per_pass = len(rows) * (P + R)
     if packed_update:
         per_pass = sim_packing.update_tokens(sequences, P + R)
     return {
-        "admission": ((1 + N_SCORERS) * per_model, real_admit),
+        "admission": admission,
         "decode": decode,
-        "scoring": (N_SCORERS * scored, N_SCORERS * new),
+        "scoring": (N_SCORERS * scoring[0], N_SCORERS * scoring[1]),
         "update": (passes * per_pass, passes * real_update),
     }
 
 
-# sync: one [S, R] scoring call; oppo: streamed chunks, carried prefixes, split admission.
+# sync: one packed scoring call; oppo: streamed chunks, carried prefixes, kept caches.
 RUNS = {"sync": ("sync", 4, 4, 0, 2), "oppo": ("oppo", 4, 4, 3, 4)}
 
 

@@ -1,13 +1,14 @@
-"""The simulator's mirrors of the engine's shape rules (oppo_jax.sim.packing) against the
-engine's own planners, on random ragged batches: the packed update's plan
-decode's live width (oppo_jax.models.kv_cache). The simulator stays JAX-free, so it cannot
-call them; this keeps the copies honest."""
+"""The simulator's copies of the engine's shape rules (oppo_jax.sim.packing) against the
+engine's own planners on random ragged batches: the packed update's plan (oppo_jax.ppo.packing)
+and the packed sync scoring's plan (oppo_jax.scoring.packed). The simulator stays JAX-free,
+so it cannot call them; this keeps the copies honest."""
 
 import numpy as np
 import pytest
 
 from oppo_jax.ppo.packing import bucket_up
 from oppo_jax.ppo.packing import plan_packing as update_plan
+from oppo_jax.scoring.packed import plan_packing as score_plan
 from oppo_jax.sim import packing
 
 
@@ -23,5 +24,7 @@ def test_mirrors_count_what_the_engine_plans(seed):
         one_group = np.arange(b)[None, None, None, :]  # one epoch, minibatch, microbatch
         want = update_plan(prompt, response, one_group, p + r, r).tokens_computed
         assert packing.update_tokens(prompt + response, p + r) == want
+        want = score_plan(prompt + response, p + r).computed_tokens
+        assert packing.score_tokens(prompt + response, p + r) == want
         n = int(rng.integers(1, 4 * (p + r)))
         assert packing.bucket_up(n, 16) == bucket_up(n, 16)

@@ -157,7 +157,13 @@ def run_step(
     frozen = len([r for r in scorers.roles if r != "critic"])  # reference, reward model
     trained = 1 + len(scorers.roles) - frozen  # the actor, and the critic
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
-    work.add("admission", 0, admission_real(*lens, trained=trained, frozen=frozen))
+    work.add("admission", 0, admission_real(*lens, trained=1, frozen=0))  # the actor's
+    # Each scorer's real admission tokens, added only if it admits (sync's packed scoring
+    # does not): trained ones re-prefill carried rows, frozen ones need only new prompts.
+    scorers.admit_real = {
+        "critic": admission_real(*lens, trained=trained - 1, frozen=0),
+        "frozen": admission_real(*lens, trained=0, frozen=1),
+    }
     decode_slots: list[int] = []  # slots of each decode chunk dispatched (accounting)
     # Reward functions run on host threads: each sequence is scored as soon as it ends.
     fn_rewards = engine.rewards.start(slots) if engine.rewards is not None else None
@@ -312,6 +318,7 @@ class _Scorers:
         self.kernels, self.timeline, self.group = k, timeline, place.scoring_group
         self.place = place
         self.work, self.prompt_width = work, k.rollout.prompt_width
+        self.admit_real = {"critic": 0, "frozen": 0}  # set by run_step from host lengths
         self.roles = k.scorer_specs.present()
         self.params = ScorerParams(
             reference=engine.ref_params,
@@ -335,7 +342,8 @@ class _Scorers:
             reuse = used > 0 and role in FROZEN and role in kept.states
             a = prompts.replace(carried_rows=0) if reuse else admission
             shape, rows = a.context.shape, a.carried_rows
-            self.work.add("admission", admission_computed(shape, rows, self.prompt_width))
+            real = self.admit_real["critic" if role == "critic" else "frozen"]
+            self.work.add("admission", admission_computed(shape, rows, self.prompt_width), real)
             state = self._dispatch("prefill", role, self.kernels.scorer_admit(role), a)
             states[role] = restore_rows(state, kept.states[role], used) if reuse else state
         self.states = ScorerStates(**states)

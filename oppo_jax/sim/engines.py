@@ -93,8 +93,8 @@ class Engine:
 PADDED = Engine("padded", decode_to_cut=False)
 FIXED = Engine("fixed")
 # This engine as built: the #13 features that landed (see the docstring): the packed update
-# (624cce5).
-BUILT = Engine("built", packed_update=True)
+# (624cce5), sync scoring at real widths and the frozen scorers' kept caches (d8a8bca).
+BUILT = Engine("built", packed_update=True, real_width_scoring=True, kept_scorer_caches=True)
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 

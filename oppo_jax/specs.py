@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from oppo_jax import offload
 from oppo_jax.config import Config
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.pipeline.placement import Placement
@@ -49,9 +50,15 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateS
         critic=critic.replace(**trained),
         ppo=cfg.ppo,
         temperature=cfg.rollout.temperature,
-        actor_tx=make_optimizer(cfg.optim, cfg.optim.actor_lr, updates),
-        critic_tx=make_optimizer(cfg.optim, cfg.optim.critic_lr, updates),
+        actor_tx=_optimizer(cfg, cfg.optim.actor_lr, updates),
+        critic_tx=_optimizer(cfg, cfg.optim.critic_lr, updates),
     )
+
+
+def _optimizer(cfg: Config, lr: float, updates: int):
+    """AdamW of the run; with ``optim.offload`` its state rests in host memory."""
+    tx = make_optimizer(cfg.optim, lr, updates)
+    return offload.offloaded(tx) if cfg.optim.offload else tx
 
 
 def rollout_spec(

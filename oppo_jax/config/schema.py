@@ -104,6 +104,8 @@ class OptimConfig:
     adam_eps: float = 1e-8  # Adam ε, added to the root of the second moment
     # dtype of trained weights (master copy) and their AdamW moments: float32 | bfloat16
     master_dtype: str = "float32"
+    # keep the AdamW moments in host memory (pinned_host), streamed in for each update
+    offload: bool = False
 
 
 @dataclass(frozen=True)

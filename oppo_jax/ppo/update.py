@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from oppo_jax import offload
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
@@ -368,6 +369,7 @@ def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT
         opt_sh = optax.tree_map_params(
             tx, lambda _, sh: sh, abstract_opt, params_sh, transform_non_params=lambda _: repl
         )
+        opt_sh = offload.resting_shardings(tx, opt_sh)  # optim.offload: in host memory
         return params_sh, opt_sh, frozen_sh
 
     actor_sh, actor_opt_sh, actor_frozen = model_and_opt(spec.actor, spec.actor_tx)

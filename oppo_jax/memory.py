@@ -16,7 +16,6 @@ parameters, optimizer state, the four KV caches and the PPO batch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -24,16 +23,23 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import jaxtyping
 
+from oppo_jax import offload
 from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.memory_abstract import (
+    KernelMemory,
+    abstract_model_params,
+    abstract_ppo_batch,
+    abstract_tree,
+    on_slots,
+    sds,
+    shape_checks_off,
+    shaped,
+)
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
-from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import (
     UpdateSpec,
-    batch_shardings,
-    init_train_state,
     make_optimizer,
     make_sharded_update,
 )
@@ -51,6 +57,7 @@ from oppo_jax.sharding import (
     replicated,
     slot_shardings,
 )
+from oppo_jax.trained_params import abstract_train_state
 
 KERNELS = ("update", "admission", "decode_chunk", "score_chunk")
 CPU_NOTE = (
@@ -71,102 +78,18 @@ class RunShapes:
     carried_rows: int = 0  # admission slots prefilled at the full width P + R (carried ones)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelMemory:
-    """One device's bytes of a compiled kernel, from ``compiled.memory_analysis()``."""
-
-    argument: int  # inputs, donated ones included
-    output: int  # outputs, those written into donated inputs included
-    alias: int  # outputs written in place of donated inputs
-    temp: int  # XLA temporaries: activations, gathered weights, gradients...
-
-    @classmethod
-    def of(cls, compiled) -> KernelMemory:
-        m = compiled.memory_analysis()
-        return cls(
-            m.argument_size_in_bytes,
-            m.output_size_in_bytes,
-            m.alias_size_in_bytes,
-            m.temp_size_in_bytes,
-        )
-
-    @property
-    def peak(self) -> int:
-        """Inputs, new outputs and temporaries all live at once (an upper bound)."""
-        return self.argument + self.output - self.alias + self.temp
-
-    def extrapolate(self, one_more: KernelMemory, extra_layers: int) -> KernelMemory:
-        """Linear in depth, from ``self`` and ``one_more`` (the same kernel one layer deeper)."""
-        names = [f.name for f in dataclasses.fields(self)]
-        return KernelMemory(
-            **{
-                n: getattr(self, n) + extra_layers * (getattr(one_more, n) - getattr(self, n))
-                for n in names
-            }
-        )
+def _abstract_state(spec: UpdateSpec, master: str):
+    """Trained parameters and moments in ``master``, LoRA's frozen bases in their own dtype."""
+    return abstract_train_state(spec, master)
 
 
-def _abstract(tree, shardings):
-    """``tree``'s leaves as ShapeDtypeStructs carrying ``shardings`` (a list in leaf order, or
-    a tree of shardings matching ``tree``)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not isinstance(shardings, list):
-        shardings = jax.tree.leaves(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-        )
-    out = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        for x, s in zip(leaves, shardings, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, out)
-
-
-def _on_slots(tree, mesh):
-    """``tree`` (abstract) laid out like the rollout state: slots over data x fsdp."""
-    return _abstract(tree, slot_shardings(tree, mesh))
-
-
-def _params(cfg: ModelConfig, mesh):
-    return _abstract(abstract_params(cfg), param_shardings(cfg, mesh))
-
-
-def _sds(shape, dtype, sharding=None):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-@contextlib.contextmanager
-def _shape_checks_off():
-    """Runtime shape checks (jaxtyping's, on in the tests) reject ShapeDtypeStruct leaves in
-    the rollout's typed dataclasses; the abstract inputs are built and lowered without them."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
-
-
-def _shaped(cls, *fields, **static):
-    """``cls(*arrays, **static)`` with a ShapeDtypeStruct per (shape, dtype) of ``fields``."""
-    return cls(*(jax.ShapeDtypeStruct(s, d) for s, d in fields), **static)
-
-
-def abstract_ppo_batch(rows: int, prompt: int, response: int, mesh) -> PPOBatch:
-    """A PPOBatch of ShapeDtypeStructs for ``rows`` sequences, sharded as the update takes it."""
-    shapes = {f.name: ((rows, response), jnp.float32) for f in dataclasses.fields(PPOBatch)}
-    shapes.update(
-        tokens=((rows, prompt + response), jnp.int32),
-        prompt_len=((rows,), jnp.int32),
-        mask=((rows, response), jnp.bool_),
-        scores=((rows,), jnp.float32),
-    )
-    sh = batch_shardings(mesh)
-    return PPOBatch(**{n: _sds(*s, getattr(sh, n)) for n, s in shapes.items()})
-
-
-def _abstract_state(spec: UpdateSpec):
-    init = functools.partial(init_train_state, spec)
-    return jax.eval_shape(init, abstract_params(spec.actor), abstract_params(spec.critic))
+def _bytes_by_memory(tree, shardings) -> tuple[int, int]:
+    """(device bytes, host bytes) per device of ``tree`` laid out as ``shardings``."""
+    leaves = jax.tree.leaves(tree)
+    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    host = [(x, sh) for x, sh in zip(leaves, shs, strict=True) if sh.memory_kind == "pinned_host"]
+    on_host = per_device_bytes([x for x, _ in host], [sh for _, sh in host]) if host else 0
+    return per_device_bytes(leaves, shs) - on_host, on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +97,7 @@ class _Run:
     """The models, shapes and meshes one report lowers kernels for."""
 
     spec: UpdateSpec  # actor and critic as the update runs them (remat), their optimizers
+    master: str  # dtype of the trained parameters and their moments (optim.master_dtype)
     policy: ModelConfig  # the actor's architecture as the rollout runs it; also the reference's
     reward: ModelConfig
     shapes: RunShapes
@@ -199,7 +123,7 @@ class _Run:
         """Abstract admission of every slot, the first ``carried_rows`` at width P + R."""
         s, r, n = self.shapes, self.shapes.response_len, self.slots
         i32, flag = ((n,), jnp.int32), ((n,), jnp.bool_)
-        admission = _shaped(
+        admission = shaped(
             Admission,
             ((n, s.prompt_len + r), jnp.int32),
             i32,
@@ -212,15 +136,15 @@ class _Run:
             flag,
             carried_rows=min(s.carried_rows, n),
         )
-        return _on_slots(admission, mesh)
+        return on_slots(admission, mesh)
 
     def update(self):
         """(the sharded update as the run jits it, its abstract arguments)."""
         update, state_sh = make_sharded_update(self.spec, self.mesh)
-        s, key = self.shapes, _sds((), jax.random.key(0).dtype, replicated(self.mesh))
+        s, key = self.shapes, sds((), jax.random.key(0).dtype, replicated(self.mesh))
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, self.mesh)
-        state = _abstract(_abstract_state(self.spec), state_sh)
-        return update, (state, batch, key, _sds((), jnp.float32, replicated(self.mesh)))
+        state = abstract_tree(_abstract_state(self.spec, self.master), state_sh)
+        return update, (state, batch, key, sds((), jnp.float32, replicated(self.mesh)))
 
     def admit(self):
         """(the actor's admission prefill, its abstract arguments)."""
@@ -232,15 +156,16 @@ class _Run:
         def admit(params, admission, key):
             return admit_decode(actor, params, admission, key, rollout, self.sampling.temperature)
 
-        key = _sds((), jax.random.key(0).dtype, replicated(self.mesh))
-        return jax.jit(admit), (_params(actor, self.mesh), self.admission(self.mesh), key)
+        key = sds((), jax.random.key(0).dtype, replicated(self.mesh))
+        params = abstract_model_params(actor, self.mesh)
+        return jax.jit(admit), (params, self.admission(self.mesh), key)
 
     def decode_chunk(self):
         """(one decode chunk, donating its state, and its abstract arguments)."""
         admit, args = self.admit()
-        state = _on_slots(jax.eval_shape(admit, *args), self.mesh)
+        state = on_slots(jax.eval_shape(admit, *args), self.mesh)
         flag = ((self.slots,), jnp.bool_)
-        rule = _on_slots(_shaped(CutRule, flag, flag, ((), jnp.int32)), self.mesh)
+        rule = on_slots(shaped(CutRule, flag, flag, ((), jnp.int32)), self.mesh)
         fn = functools.partial(
             decode_chunk_emit, self.policy, self.sampling, self.shapes.chunk_size, mesh=self.mesh
         )
@@ -250,17 +175,17 @@ class _Run:
         """(one reference-scorer chunk, donating its state, and its abstract arguments)."""
         s, mesh, n = self.shapes, self.scoring_mesh, self.slots
         spec = ScorerSpec(self.policy, "logprob", s.response_len, self.sampling.temperature, mesh)
-        params = _params(self.policy, mesh)
+        params = abstract_model_params(self.policy, mesh)
         admit = functools.partial(scorer_admit, spec, prompt_width=s.prompt_len)
-        state = _on_slots(jax.eval_shape(admit, params, self.admission(mesh)), mesh)
+        state = on_slots(jax.eval_shape(admit, params, self.admission(mesh)), mesh)
         count = ((n,), jnp.int32)
-        chunk = _shaped(ChunkTokens, ((n, s.chunk_size), jnp.int32), count, count, ((), jnp.bool_))
+        chunk = shaped(ChunkTokens, ((n, s.chunk_size), jnp.int32), count, count, ((), jnp.bool_))
         fn = jax.jit(functools.partial(score_chunk, spec), donate_argnums=(1,))
-        return fn, (params, state, _on_slots(chunk, mesh))
+        return fn, (params, state, on_slots(chunk, mesh))
 
     def kernel(self, name: str) -> KernelMemory:
         """Lower and compile one of ``KERNELS``; its memory per device."""
-        with _shape_checks_off():
+        with shape_checks_off():
             fn, args = getattr(self, "admit" if name == "admission" else name)()
             lowered = fn.lower(*args)
         return KernelMemory.of(lowered.compile())
@@ -268,7 +193,8 @@ class _Run:
     def resident(self) -> dict:
         """Bytes per device of everything a step keeps resident."""
         spec, mesh, scoring, s = self.spec, self.mesh, self.scoring_mesh, self.shapes
-        state, state_sh = _abstract_state(spec), make_sharded_update(spec, mesh)[1]
+        state = _abstract_state(spec, self.master)
+        state_sh = make_sharded_update(spec, mesh)[1]
 
         def params(cfg, on):
             return per_device_bytes(abstract_params(cfg), param_shardings(cfg, on))
@@ -279,15 +205,22 @@ class _Run:
             return per_device_bytes(abstract, slot_shardings(abstract, on))
 
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, mesh)
-        opt = per_device_bytes(
+        opt, opt_host = _bytes_by_memory(
             (state.actor_opt, state.critic_opt), (state_sh.actor_opt, state_sh.critic_opt)
         )
+        # LoRA's frozen bases are the reference and the reward model themselves (one copy each)
+        # when colocated; disaggregated, the training devices hold their own copy.
+        frozen = 0
+        if state.frozen is not None and scoring is not mesh:
+            frozen = per_device_bytes(state.frozen, state_sh.frozen)
+        base = lambda cfg: cfg.replace(lora_rank=0)  # noqa: E731
         return {
-            "actor_params": params(spec.actor, mesh),
-            "critic_params": params(spec.critic, mesh),
+            "actor_params": per_device_bytes(state.actor_params, state_sh.actor_params),
+            "critic_params": per_device_bytes(state.critic_params, state_sh.critic_params),
+            "frozen_params": frozen,
             "optimizer": opt,
-            "reference_params": params(self.policy, scoring),
-            "reward_params": params(self.reward, scoring),
+            "reference_params": params(base(self.policy), scoring),
+            "reward_params": params(base(self.reward), scoring),
             "kv_caches": {
                 "actor": cache(self.policy, mesh),
                 "critic": cache(spec.critic, scoring),
@@ -295,6 +228,7 @@ class _Run:
                 "reward": cache(self.reward, scoring),
             },
             "ppo_batch": per_device_bytes(batch, [x.sharding for x in jax.tree.leaves(batch)]),
+            "host": {"optimizer": opt_host},  # pinned host memory (optim.offload), not device
         }
 
 
@@ -373,20 +307,21 @@ def memory_report(
     critic = (
         actor.replace(head="score") if models.critic is None else _model(models.critic, "score")
     )
-    reward = critic if models.reward is None else _model(models.reward, "score")
+    plain_critic = critic.replace(lora_rank=0)  # the reward model carries no adapter
+    reward = plain_critic if models.reward is None else _model(models.reward, "score")
     remat, layers = lowering.remat, lowering.layers
     trained = [m if remat is None else m.replace(remat=remat) for m in (actor, critic)]
     ppo, optim = settings.ppo or PPOConfig(), settings.optim or OptimConfig()
     sampling = settings.sampling or SamplingConfig()
     mesh, scoring_mesh = settings.mesh, settings.scoring_mesh
-    txs = (
-        make_optimizer(optim, optim.actor_lr, 1000),
-        make_optimizer(optim, optim.critic_lr, 1000),
-    )
+    txs = [make_optimizer(optim, lr, 1000) for lr in (optim.actor_lr, optim.critic_lr)]
+    txs = [offload.offloaded(tx) if optim.offload else tx for tx in txs]
     spec = UpdateSpec(*trained, ppo, sampling.temperature, *txs)
-    run = _Run(spec, actor, reward, shapes, sampling, *_meshes(mesh, scoring_mesh))
+    meshes = _meshes(mesh, scoring_mesh)
+    run = _Run(spec, optim.master_dtype, actor, reward, shapes, sampling, *meshes)
     state = run.resident()
-    resident = sum(v if isinstance(v, int) else sum(v.values()) for v in state.values())
+    device = {k: v for k, v in state.items() if k != "host"}
+    resident = sum(v if isinstance(v, int) else sum(v.values()) for v in device.values())
     depth = actor.num_layers
     cut = layers is not None and layers < depth
     note = CPU_NOTE + (
@@ -426,6 +361,7 @@ def _describe(cfg: ModelConfig) -> dict:
         "layers": cfg.num_layers,
         "head": cfg.head,
         "param_dtype": cfg.param_dtype,
+        "lora_rank": cfg.lora_rank,
         "dtype": cfg.dtype,
         "remat": cfg.remat,
     }

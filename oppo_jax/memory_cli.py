@@ -41,6 +41,10 @@ def config_memory_report(
             "(e.g. --set model.preset=qwen2.5-7b)"
         )
     actor, critic = preset_models(cfg)
+    lo = cfg.model
+    adapters = {"lora_rank": lo.lora_rank, "lora_alpha": lo.lora_alpha,
+                "lora_targets": tuple(lo.lora_targets)}  # fmt: skip
+    actor, critic = actor.replace(**adapters), critic.replace(**adapters)
     r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
     delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
     delta = delta if Schedule.named(p.mode).carry else 0
@@ -75,12 +79,14 @@ def format_table(report: dict) -> str:
     rows = [
         ("actor parameters (trained)", b["actor_params"]),
         ("critic parameters (trained)", b["critic_params"]),
-        ("AdamW moments (actor + critic)", b["optimizer"]),
-        ("reference parameters (frozen)", b["reference_params"]),
-        ("reward parameters (frozen)", b["reward_params"]),
+        ("LoRA bases on the training devices (frozen)", b["frozen_params"]),
+        ("AdamW moments on the device (actor + critic)", b["optimizer"]),
+        ("reference parameters (frozen; the LoRA actor's base)", b["reference_params"]),
+        ("reward parameters (frozen; the LoRA critic's base)", b["reward_params"]),
         *((f"KV cache: {role}", n) for role, n in b["kv_caches"].items()),
         ("PPO batch", b["ppo_batch"]),
-        ("resident", report["resident"]),
+        ("resident on the device", report["resident"]),
+        ("AdamW moments in host memory (optim.offload)", b["host"]["optimizer"]),
     ]
     lines = [
         f"{unit} per device, mesh {report['mesh']} (scorers {report['scoring_mesh']}); "

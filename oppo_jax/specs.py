@@ -15,7 +15,6 @@ from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import (
     UpdateSpec,
     batch_shardings,
-    init_train_state,
     make_optimizer,
     make_sharded_update,
 )
@@ -23,6 +22,7 @@ from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.sharding import abstract_params, make_mesh, param_shardings, per_device_bytes
+from oppo_jax.trained_params import abstract_train_state
 
 
 def sampling_config(cfg: Config) -> SamplingConfig:
@@ -124,11 +124,7 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
     update, state_sh = make_sharded_update(spec, mesh)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(
-            lambda a, c: init_train_state(spec, a, c),
-            abstract_params(actor),
-            abstract_params(critic),
-        ),
+        abstract_train_state(spec, cfg.optim.master_dtype, cfg.model.param_dtype),
         state_sh,
     )
     batch = abstract_batch(cfg, batch_shardings(mesh))

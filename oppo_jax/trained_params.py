@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import init_params
-from oppo_jax.sharding import param_shardings
+from oppo_jax.ppo.update import init_train_state
+from oppo_jax.sharding import abstract_params, param_shardings
 
 
 def master_copy(tree, dtype):
@@ -69,3 +70,26 @@ def initial_params(spec, actor_params, critic_params, critic_base, mesh, key, dt
     }
     actor_trained = master_copy(fresh_trained(a_cfg, a_key, mesh), dtype)
     return actor_trained, master_copy(c_fresh, dtype), frozen
+
+
+def abstract_train_state(spec, master: str, frozen_dtype: str | None = None):
+    """The train state's ShapeDtypeStructs (nothing allocated): trained parameters (LoRA:
+    adapters and the value head) and their moments in ``master``, LoRA's frozen bases in
+    ``frozen_dtype`` (default: the models' ``param_dtype``)."""
+
+    def as_dtype(tree, dtype):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), tree)
+
+    def trained(cfg):
+        return as_dtype(lora.split(abstract_params(cfg), cfg)[0], master)
+
+    init = functools.partial(init_train_state, spec)
+    state = jax.eval_shape(init, trained(spec.actor), trained(spec.critic))
+    if not spec.actor.lora_rank:
+        return state
+    models = {"actor": spec.actor, "critic": spec.critic}
+    frozen = {
+        role: as_dtype(lora.split(abstract_params(m), m)[1], frozen_dtype or m.param_dtype)
+        for role, m in models.items()
+    }
+    return state.replace(frozen=frozen)

@@ -89,12 +89,12 @@ def test_extrapolation_from_one_and_two_layers_is_exact_at_two():
 @pytest.mark.parametrize("remat", ["full"])
 def test_command_reports_the_7b_update_per_device(capsys, remat):
     # Qwen2.5-7B on four GH200s, all 28 layers, abstract: the update's state is 1/4 of the
-    # bf16 parameters and moments, and with per-layer remat its temporaries stay far below
-    # the no-remat activations (CPU float32 upper bound).
+    # float32 master parameters and moments (optim.master_dtype), and with per-layer remat its
+    # temporaries stay far below the no-remat activations (CPU float32 upper bound).
     main(["qwen2.5-7b_gh200x4", "--json", "--kernels", "update", "--remat", remat])
     report = json.loads(capsys.readouterr().out)
     b, update = report["bytes"], report["kernels"]["update"]
-    params = 7_615_616_512 * 2 / 4  # Qwen2.5-7B parameters, bf16, over fsdp = 4
+    params = 7_615_616_512 * 4 / 4  # Qwen2.5-7B parameters, float32 masters, over fsdp = 4
     assert abs(b["actor_params"] - params) / params < 0.01
     assert update["alias"] == b["actor_params"] + b["critic_params"] + b["optimizer"] + 4
     assert report["models"]["actor"]["remat"] == remat
@@ -112,3 +112,31 @@ def test_memory_is_an_oppo_jax_subcommand(capsys):
 
     assert main(["memory", "demo_cpu"]) == 2
     assert "model.preset" in capsys.readouterr().err
+
+
+def test_lora_trains_adapters_over_shared_bases_and_offload_moves_moments_to_the_host():
+    from oppo_jax.config import OptimConfig
+
+    lora_model = MODEL.replace(lora_rank=4)
+    settings = lambda optim: ReportSettings((1, FSDP, 1), optim=optim)  # noqa: E731
+    none = Lowering(kernels=())
+    plain = memory_report(ReportModels(MODEL), SHAPES, settings(OptimConfig()), none)["bytes"]
+    lora = memory_report(ReportModels(lora_model), SHAPES, settings(OptimConfig()), none)
+    b = lora["bytes"]
+    # The frozen bases are the reference and the reward model: counted once, as without LoRA.
+    assert b["reference_params"] == plain["reference_params"]
+    assert b["reward_params"] == plain["reward_params"]
+    assert b["frozen_params"] == 0
+    # Only adapters (and the critic's value head) are trained, with float32 moments.
+    assert 0 < b["actor_params"] < plain["actor_params"] / 5
+    assert b["optimizer"] == 2 * (b["actor_params"] + b["critic_params"]) + 2 * 2 * 4
+    assert lora["models"]["actor"]["lora_rank"] == 4
+    off = memory_report(
+        ReportModels(lora_model), SHAPES, settings(OptimConfig(offload=True)), none
+    )["bytes"]
+    assert off["optimizer"] == 0 and off["host"]["optimizer"] == b["optimizer"]
+    # bfloat16 masters halve the trained bytes and their moments.
+    half = memory_report(
+        ReportModels(lora_model), SHAPES, settings(OptimConfig(master_dtype="bfloat16")), none
+    )["bytes"]
+    assert 2 * half["actor_params"] == b["actor_params"]

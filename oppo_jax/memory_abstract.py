@@ -1,0 +1,109 @@
+"""Abstract inputs of the memory report: ShapeDtypeStruct trees carrying the run's shardings,
+and one kernel's bytes from XLA's memory analysis. Nothing is allocated."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.update import batch_shardings
+from oppo_jax.sharding import abstract_params, param_shardings, slot_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMemory:
+    """One device's bytes of a compiled kernel, from ``compiled.memory_analysis()``."""
+
+    argument: int  # inputs, donated ones included
+    output: int  # outputs, those written into donated inputs included
+    alias: int  # outputs written in place of donated inputs
+    temp: int  # XLA temporaries: activations, gathered weights, gradients...
+
+    @classmethod
+    def of(cls, compiled) -> KernelMemory:
+        m = compiled.memory_analysis()
+        return cls(
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+        )
+
+    @property
+    def peak(self) -> int:
+        """Inputs, new outputs and temporaries all live at once (an upper bound)."""
+        return self.argument + self.output - self.alias + self.temp
+
+    def extrapolate(self, one_more: KernelMemory, extra_layers: int) -> KernelMemory:
+        """Linear in depth, from ``self`` and ``one_more`` (the same kernel one layer deeper)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return KernelMemory(
+            **{
+                n: getattr(self, n) + extra_layers * (getattr(one_more, n) - getattr(self, n))
+                for n in names
+            }
+        )
+
+
+def abstract_tree(tree, shardings):
+    """``tree``'s leaves as ShapeDtypeStructs carrying ``shardings`` (a list in leaf order, or
+    a tree of shardings matching ``tree``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not isinstance(shardings, list):
+        shardings = jax.tree.leaves(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )
+    out = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(leaves, shardings, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def on_slots(tree, mesh):
+    """``tree`` (abstract) laid out like the rollout state: slots over data x fsdp."""
+    return abstract_tree(tree, slot_shardings(tree, mesh))
+
+
+def abstract_model_params(cfg: ModelConfig, mesh):
+    return abstract_tree(abstract_params(cfg), param_shardings(cfg, mesh))
+
+
+def sds(shape, dtype, sharding=None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@contextlib.contextmanager
+def shape_checks_off():
+    """Runtime shape checks (jaxtyping's, on in the tests) reject ShapeDtypeStruct leaves in
+    the rollout's typed dataclasses; the abstract inputs are built and lowered without them."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def shaped(cls, *fields, **static):
+    """``cls(*arrays, **static)`` with a ShapeDtypeStruct per (shape, dtype) of ``fields``."""
+    return cls(*(jax.ShapeDtypeStruct(s, d) for s, d in fields), **static)
+
+
+def abstract_ppo_batch(rows: int, prompt: int, response: int, mesh) -> PPOBatch:
+    """A PPOBatch of ShapeDtypeStructs for ``rows`` sequences, sharded as the update takes it."""
+    shapes = {f.name: ((rows, response), jnp.float32) for f in dataclasses.fields(PPOBatch)}
+    shapes.update(
+        tokens=((rows, prompt + response), jnp.int32),
+        prompt_len=((rows,), jnp.int32),
+        mask=((rows, response), jnp.bool_),
+        scores=((rows,), jnp.float32),
+    )
+    sh = batch_shardings(mesh)
+    return PPOBatch(**{n: sds(*s, getattr(sh, n)) for n, s in shapes.items()})

@@ -116,6 +116,9 @@ def test_sequence_carried_twice_matches_a_full_recompute(monkeypatch):
     temp = _kernels()[0].temperature
     for step in range(6):
         state, result = _step(engine, state, buffer, prompts, step)
+        if buffer.kept is not None:  # the scorers fed each carried row up to the cut, no further
+            fed = np.asarray(buffer.kept.states["reference"].num_fed)[: len(buffer)]
+            np.testing.assert_array_equal(fed, [len(c["response"]) for c in buffer.state()])
         slots, batch = result.slots, result.batch
         rows = result.selection.batch
         mask = np.asarray(batch.mask)

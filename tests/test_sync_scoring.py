@@ -16,6 +16,11 @@ from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.scoring_kernels import (
+    compile_packed_scoring,
+    make_packed_scorer,
+    packed_shapes,
+)
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
@@ -35,6 +40,12 @@ from tests.ppo_fixtures import (
     step_plan,
     tiny_params,
 )
+
+
+def test_packed_shapes_cover_every_width_and_row_bucket():
+    shapes = packed_shapes(16, 528)
+    assert len(shapes) == 7 * 5  # widths 16..512 and 528, rows 1..16
+    assert (16, 528) in shapes and (1, 16) in shapes
 
 
 def test_plan_packing_example():
@@ -129,14 +140,14 @@ def _run(schedule, packed, steps=1, batch=6, delta=0):
         )
         buffer.extend(carried)
         results.append((result, before))
-    return state, results, (actor, reward)
+    return state, results, (actor, reward, critic, engine)
 
 
 def test_sync_step_packed_equals_r_wide_scoring():
     """Same responses; reference log-probs, values, rewards and the step's metrics within
     1e-5 of scoring every slot R wide; and fewer tokens computed for scoring."""
     state_a, [(a, _)], _ = _run("sync", packed=False)
-    state_b, [(b, _)], _ = _run("sync", packed=True)
+    state_b, [(b, _)], (actor, reward, critic, engine) = _run("sync", packed=True)
     assert len(set(a.response_len.tolist())) > 1
     np.testing.assert_array_equal(a.responses, b.responses)
     for name in ("ref_logp", "old_values", "scores", "advantages", "returns"):
@@ -149,12 +160,23 @@ def test_sync_step_packed_equals_r_wide_scoring():
     wide, packed = a.work, b.work
     assert packed.computed["scoring"] < wide.computed["scoring"]
     assert packed.efficiency("scoring") > wide.efficiency("scoring")
+    # A warm-up at the step's packed shape hits the step's own compilations (no new one).
+    rows = b.selection.batch
+    shape = plan_packing(b.slots.prompt_len[rows] + b.response_len, P + R).seq.shape
+    assert shape in packed_shapes(len(rows), P + R)
+    specs, slots = engine.kernels.scorer_specs, len(b.slots.prompt_len)
+    roles = ("reference", "critic", "reward")
+    kernels = [make_packed_scorer(getattr(specs, role), 0, slots) for role in roles]
+    before = [f._cache_size() for f in kernels]
+    params = {"reference": actor, "critic": critic, "reward": reward}
+    compile_packed_scoring(engine, params, len(rows), slots, shape)
+    assert [f._cache_size() for f in kernels] == before
 
 
 def test_inter_scores_carried_sequences_whole_when_they_enter_a_batch():
     """Without streaming, carried rows are scored once, whole, in the step that takes them:
     equal to a full recompute (reference, reward model, this step's critic)."""
-    _, results, (ref, reward) = _run("inter", packed=True, steps=3, batch=4, delta=3)
+    _, results, (ref, reward, _, _) = _run("inter", packed=True, steps=3, batch=4, delta=3)
     checked = 0
     for result, critic in results:
         batch, rows = result.batch, result.selection.batch

@@ -8,10 +8,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from oppo_jax.pipeline.placement import move
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
-from oppo_jax.scoring.packed import PackedBatch, PackPlan, plan_packing, score_packed
+from oppo_jax.scoring.packed import (
+    MIN_WIDTH,
+    PackedBatch,
+    PackPlan,
+    plan_packing,
+    pow2_at_least,
+    score_packed,
+)
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import to_host, with_rules
 
@@ -44,6 +53,12 @@ def make_batch_sequences(pad_id: int):
     return jax.jit(run)
 
 
+def _replicated(place) -> NamedSharding:
+    """Where packed scoring's inputs live: replicated over the scoring mesh (the same layout
+    in a step and in a warm-up, so both hit one compilation)."""
+    return NamedSharding(place.scoring_mesh, PartitionSpec())
+
+
 def packed_inputs(sequences, response_len, prompt_len, plan: PackPlan) -> PackedBatch:
     """A PackedBatch from device sequences and a host plan (the plan's arrays go to the
     sequences' devices)."""
@@ -72,14 +87,45 @@ def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, in
     plan = plan_packing(lengths, r.prompt_width + r.max_response_len)
     prompts = np.asarray(slots.context[:, : r.prompt_width])
     made = make_batch_sequences(r.pad_id)(decoding, rows, prompts, slots.prompt_len)
-    sequences, response_len = place.to_scoring(made)
+    on_scoring = _replicated(place)
+    sequences, response_len = move(made, on_scoring)
     batch = packed_inputs(sequences, response_len, prompt_len, plan)
-    on_scoring = jax.device_put(rows, getattr(sequences, "sharding", None))
+    on_scoring = jax.device_put(rows, on_scoring)
     out = {}
     for role in scorers.roles:
         kernel = make_packed_scorer(getattr(k.scorer_specs, role), r.pad_id, slots.num_slots)
         out[role] = scorers._dispatch("score", role, kernel, batch, on_scoring)
     return out, plan.computed_tokens, plan.real_tokens
+
+
+def packed_shapes(batch_size: int, max_width: int) -> list[tuple[int, int]]:
+    """Every (rows, width) ``plan_packing`` can pick for ``batch_size`` sequences of at most
+    ``max_width`` tokens: what a warm-up compiles so that no measured step does."""
+    widths = {min(pow2_at_least(n, MIN_WIDTH), max_width) for n in range(1, max_width + 1)}
+    rows = {pow2_at_least(n) for n in range(1, batch_size + 1)}
+    return [(n, w) for w in sorted(widths) for n in sorted(rows)]
+
+
+def compile_packed_scoring(engine, params: dict, batch_size: int, num_slots: int, shape) -> None:
+    """Run every scorer's packed kernel of ``engine`` (a StepEngine) once at ``shape`` =
+    (rows, width) on padding-only inputs (``params``: role -> parameters where the scorers
+    run)."""
+    kernels, on_scoring = engine.kernels, _replicated(engine.placement)
+    r, (rows, width) = kernels.rollout, shape
+    ones = np.ones(batch_size, np.int32)
+    zeros = np.zeros(batch_size, np.int32)
+    seqs = np.zeros((batch_size, r.prompt_width + r.max_response_len), np.int32)
+    plan = PackPlan(np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.int32),
+                    zeros, zeros)  # fmt: skip
+    seqs, response_len = jax.device_put((seqs, ones), on_scoring)
+    batch = packed_inputs(seqs, response_len, ones, plan)
+    outputs = [
+        make_packed_scorer(getattr(kernels.scorer_specs, role), r.pad_id, num_slots)(
+            params[role], batch, jax.device_put(np.arange(batch_size, dtype=np.int32), on_scoring)
+        )
+        for role in kernels.scorer_specs.present()
+    ]
+    jax.block_until_ready(outputs)
 
 
 @functools.cache

@@ -13,6 +13,12 @@ sequence, so every quantity equals that of the sequence's own forward (up to flo
     value   (critic):     head(h[j])[0]            both at the position before a response token
     score   (reward):     head(h)[0] at the sequence's last token
 
+Why packed rather than every row at the bucketed width of the step's longest response: with
+long-tailed lengths the longest of B responses is usually near the cap, so that width saves
+little. Token accounting over 2,000 sampled batches of configs/bench_longtail_cpu.yaml's lengths
+(B 16, prompts 5-10, responses lognormal median 56 / p99 448 capped at 512), tokens computed per
+real token: R wide 5.91, bucketed width 4.41, packed 1.44 (efficiency 0.69); attention score
+pairs relative to R wide: 0.62 bucketed, 0.19 packed.
 Dimension letters: B sequences, L sequence width (P + R), N packed rows, T packed width.
 """
 

@@ -175,6 +175,7 @@ def run_step(
         from_buffer = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(from_buffer) if kept is not None else 0
         scorers.admit(on_scoring, kept, used)
+        kept = None  # its rows live on in the scorers' states only (memory: Δ_max rows once)
         decoding = _decode(
             k,
             timeline,

@@ -23,24 +23,15 @@ from tqdm.auto import tqdm
 
 from oppo_jax.bench_bounds import ideal_bound, pooled_efficiency, stage_shares
 from oppo_jax.config import Config, to_dict
-from oppo_jax.pipeline.carry import (
-    AdmitRule,
-    Carried,
-    CarryBuffer,
-    admit,
-    carried_bucket,
-    prefix_bucket,
-)
+from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
-from oppo_jax.pipeline.step import device_admission
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
 from oppo_jax.sim.trace import step_trace
 from oppo_jax.train import train_step
 
 MOVING_AVERAGE = 5  # steps in the gold score's moving average (time to target)
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
 NO_GOLD = (
     "no gold score: these models have no hidden gold rule (random weights or user models); "
     "time to target needs the demo task"
@@ -75,65 +66,12 @@ def _lanes(cfg: Config, ctx: RunContext, state, seeds: int) -> list[_Lane]:
 
 
 def compile_admissions(lane: _Lane) -> int:
-    """Compile, before anything is measured, every admission shape a carrying lane can meet:
-    context width P + each prefix bucket (16, 32, ... R) by each bucket of leading carried
-    rows (4, 8, ... up to Δ_max's), for the actor and the three scorers. Left to the measured
-    steps, a long-tailed run meets the widest buckets only now and then, and each first time
-    stalls that step (and the lane's time to target) for the compilations. Returns how many
-    shapes were run."""
-    cfg, engine = lane.ctx.cfg, lane.ctx.engine
-    k, place, r = engine.kernels, engine.placement, engine.kernels.rollout
-    plan = lane.host.plan(cfg)
-    slots = place.num_slots(plan.reserved)
-    rule = AdmitRule(plan.batch_size + plan.overcommit, slots, True, engine.max_deferrals)
-    widths = sorted({prefix_bucket(n, r.max_response_len) for n in range(1, r.max_response_len)})
-    rows = sorted({carried_bucket(n, slots) for n in range(1, slots - plan.batch_size + 1)})
-    critic = place.critic_for_scoring(k.spec.critic, lane.state.critic_params)
-    params = {"reference": engine.ref_params, "critic": critic, "reward": engine.reward_params}
-    prompt = [r.pad_id + 2] * 2
-    count = 0
-    for width in widths:
-        for n in rows:
-            carried = [Carried(10**9 + i, prompt, [r.pad_id + 2] * width, [0.0] * width,
-                               [0] * width, 1) for i in range(n)]  # fmt: skip
-            fresh = _Prompts([(i, prompt) for i in range(rule.num_sequences)])
-            slot_batch = admit(CarryBuffer(carried), fresh, rule, r.prompt_width,
-                               r.max_response_len, r.pad_id)  # fmt: skip
-            admission = device_admission(slot_batch)
-            outputs = [k.admit(lane.state.actor_params, admission, engine.sample_key)]
-            on_scoring = place.to_scoring(admission)
-            for role in k.scorer_specs.present():
-                outputs.append(k.scorer_admit(role)(params[role], on_scoring))
-            jax.block_until_ready(outputs)
-            count += 1
-    return count
-
-
-class _Compiles:
-    """Counts XLA compilations (and their seconds) from its creation, through jax.monitoring,
-    so that a measured step that compiled is a number in bench.json, not a mystery."""
-
-    def __init__(self):
-        import jax.monitoring
-
-        self.count, self.seconds = 0, 0.0
-
-        def listen(event, duration, **_):
-            if event == COMPILE_EVENT:
-                self.count, self.seconds = self.count + 1, self.seconds + duration
-
-        jax.monitoring.register_event_duration_secs_listener(listen)
-
-
-class _Prompts:
-    """A fixed list of (prompt_id, tokens) with ``take(k)``, for the warm-up's admissions."""
-
-    def __init__(self, pairs):
-        self.pairs = list(pairs)
-
-    def take(self, k: int):
-        taken, self.pairs = self.pairs[:k], self.pairs[k:]
-        return taken
+    """Compile, before anything is measured, every admission shape a carrying lane can meet
+    (``pipeline.warmup.compile_admissions``, which ``train``'s warm-up runs too). Left to the
+    measured steps, a long-tailed run meets the widest buckets only now and then, and each
+    first time stalls that step (and the lane's time to target) for the compilations. Returns
+    how many shapes were run."""
+    return warm.compile_admissions(lane.ctx, lane.host, lane.state)
 
 
 def _moving_average(xs: list[float], window: int = MOVING_AVERAGE) -> np.ndarray:
@@ -197,31 +135,29 @@ def run_bench(
 ) -> dict:
     """Run the four schedules interleaved and write ``bench.json`` and plots to ``out_dir``.
 
-    ``precompile`` compiles every carried-admission shape before measuring
-    (``compile_admissions``); off, shapes compile when first met, inside measured steps (each
-    record's ``compiles`` says which), which saves start-up time where compiling is slow."""
+    ``precompile`` compiles every shape each schedule can meet before measuring
+    (``pipeline.warmup.warm_up``, as ``train`` does); off, shapes compile when first met,
+    inside measured steps (each record's ``compiles`` says which), which saves start-up time
+    where compiling is slow."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx, state = prepare_run(cfg, progress)
     lanes, timeline = _lanes(cfg, ctx, state, seeds), Timeline()
-    carrying = next(lane for lane in lanes if lane.schedule.carry)
-    if precompile and carrying.host.deltas.slots_needed > 0:
-        if progress:
-            print("Compiling the admission shapes of carried sequences (before measuring)")
-        compile_admissions(carrying)
-    compiles = _Compiles()
+    if precompile:  # every shape of every schedule (one seed's lanes): ``train``'s warm-up
+        for lane in lanes[: len(SCHEDULES)]:
+            warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
+    compiles = warm.CompileCounter()
     bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
     for step in range(warmup + steps):
         rotation = step % len(SCHEDULES)  # who goes first rotates, against order effects
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             carrying = lane.host.deltas.slots_needed > 0
-            before = (compiles.count, compiles.seconds)
+            compiles.take()  # from here: this step's compilations
             lane.state, record, result = train_step(
                 lane.ctx, lane.schedule, lane.host, lane.state, timeline
             )
-            record["compiles"] = compiles.count - before[0]
-            record["compile_s"] = compiles.seconds - before[1]
+            record["compiles"], record["compile_s"] = compiles.take()
             if step >= warmup:  # the first steps compile
                 record["trace"] = step_trace(result, carried, cfg.rollout.max_prompt_len, carrying)
                 lane.records.append(record)

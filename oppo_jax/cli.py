@@ -1,12 +1,16 @@
-"""The ``oppo-jax`` command: train, bench, export, sim, memory, sft, rm."""
+"""The oppo-jax command: train, bench, export, sim, memory, sft, rm."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 from pathlib import Path
+
+# Where JAX's persistent compilation cache goes: auto (on for GPU/TPU, off on the CPU), on, off
+COMPILATION_CACHE_ENV = "OPPO_JAX_COMPILATION_CACHE"
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +33,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oppo-jax", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="oppo-jax",
+        description=__doc__,
+        epilog="Each command's options: oppo-jax COMMAND --help",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run PPO-RLHF (with no CONFIG: the embedded CPU demo)")
     _config_args(train)
@@ -49,12 +57,33 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="delete the run in --out first, then start anew"
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the warm-up that compiles every shape before step 0 (it briefly holds a "
+        "second copy of the train state); steps then compile shapes when they first meet them",
+    )
     bench = sub.add_parser("bench", help="sync, intra, inter and oppo side by side, one process")
     _config_args(bench)
-    bench.add_argument("--out", default="runs/bench", help="output directory")
-    bench.add_argument("--steps", type=int, default=None, help="measured steps per schedule")
-    bench.add_argument("--seeds", type=int, default=1, help="seeds per schedule")
-    bench.add_argument("--warmup", type=int, default=2, help="unmeasured first steps")
+    bench.add_argument(
+        "--out", default="runs/bench", help="output directory (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="measured steps per schedule (default: the config's train.steps)",
+    )
+    bench.add_argument(
+        "--seeds", type=int, default=1, help="seeds per schedule (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="unmeasured first steps per schedule (default: %(default)s)",
+    )
     bench.add_argument("--target-gold", type=float, default=None,
                        help="gold score for time-to-target (default: 70%% of the way to the "
                        "worst schedule's final gold)")  # fmt: skip
@@ -62,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-precompile",
         dest="precompile",
         action="store_false",
-        help="compile carried-admission shapes when first met, not up front",
+        help="compile shapes when first met, not in a warm-up up front (default: up front)",
     )
     export = sub.add_parser("export", help="a run's actor in Hugging Face format")
     export.add_argument("run", help="run directory (holds config.yaml and checkpoints/)")
@@ -124,6 +153,42 @@ def _start_runtime(cfg) -> None:
     multihost_initialize(force=cfg.mesh.multihost)
 
 
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' "PyTorch was not found" notice: oppo_jax reads weights without
+    torch, so the notice said nothing about a run, on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def quiet_torch_notice() -> None:
+    """Install ``_NoTorchNotice`` on transformers' logger (before transformers is imported:
+    it logs the notice at import)."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNotice) for f in logger.filters):
+        logger.addFilter(_NoTorchNotice())
+
+
+def compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache in ``<cache>/xla`` (``OPPO_JAX_CACHE``, by
+    default ~/.cache/oppo_jax) as ``$OPPO_JAX_COMPILATION_CACHE`` says: ``auto`` (default) on
+    GPU and TPU and off on the CPU, where reading the PPO update's executable back crashed
+    XLA:CPU; ``on``; ``off``. Returns the directory, or None when off."""
+    import jax
+
+    from oppo_jax.errors import InputError
+    from oppo_jax.run_setup import cache_dir
+
+    setting = os.environ.get(COMPILATION_CACHE_ENV, "auto").strip().lower() or "auto"
+    if setting not in ("auto", "on", "off"):
+        raise InputError(f"{COMPILATION_CACHE_ENV}={setting!r}: use auto, on or off")
+    if setting == "off" or (setting == "auto" and jax.default_backend() == "cpu"):
+        return None
+    path = str(cache_dir() / "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def _default_out(args, cfg) -> str:
     """runs/<config name>-YYYYmmdd-HHMMSS: a new directory for every run."""
     from oppo_jax.errors import InputError
@@ -151,7 +216,11 @@ def _train(args) -> int:
 
     if args.overwrite and jax.process_index() == 0:  # one process clears the shared directory
         clear_run_dir(args.out)
-    summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
+    cache = compilation_cache()
+    if cache and not args.quiet:
+        print(f"Compilation cache: {cache} ({COMPILATION_CACHE_ENV}=off turns it off)")
+    warmup = None if args.warmup else False  # None: on unless OPPO_JAX_WARMUP=off
+    summary = train(cfg, args.out, args.resume, not args.quiet, warmup=warmup)
     print(f"\nRun directory: {args.out}")
     for key, value in summary.items():
         print(f"  {key:>22}: {value:.4g}" if isinstance(value, float) else f"  {key:>22}: {value}")
@@ -207,6 +276,7 @@ def bench_summary_lines(result: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``oppo-jax`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet_torch_notice()
     if argv[:1] == ["sim"]:  # its own parser; numpy only, never imports JAX
         from oppo_jax.sim.cli import main as sim_main
 

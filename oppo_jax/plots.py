@@ -1,4 +1,5 @@
-"""Plots of benchmark results: reward against wall time, step times, and step Gantt charts."""
+"""Plots of a run (reward, gold, KL, lengths and step time against the step) and of benchmark
+results (reward against wall time, step times, step Gantt charts)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,45 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# plots/<name>.png of a training run: (title, y label, metrics.jsonl keys drawn)
+RUN_PLOTS = {
+    "reward": ("reward-model score", "mean reward", ("reward",)),
+    "gold": ("gold score (demo task)", "mean gold", ("gold",)),
+    "kl": ("KL to the reference", "KL", ("kl",)),
+    "lengths": ("response lengths", "tokens", ("response_len_mean", "response_len_max")),
+    "step_time": ("step time", "seconds", ("step_time_s", "compile_time_s")),
+}
+
+
+def plot_run(metrics_path: Path, out: Path) -> list[Path]:
+    """Write one ``<name>.png`` per ``RUN_PLOTS`` entry that the records hold into ``out``
+    (a run without a gold score gets no gold plot); returns the files written."""
+    from oppo_jax.run_log import read_metrics
+
+    records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
+    if not records:
+        return []
+    plt, written = _pyplot(), []
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in records]
+    for name, (title, ylabel, keys) in RUN_PLOTS.items():
+        present = [k for k in keys if any(r.get(k) is not None for r in records)]
+        if not present:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in present:  # null (a skipped step's NaN) leaves a gap
+            ys = [np.nan if r.get(key) is None else r[key] for r in records]
+            ax.plot(steps, ys, label=key, marker="." if len(steps) < 30 else None)
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        if len(present) > 1:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+        written.append(out / f"{name}.png")
+    return written
 
 
 def plot_bench(result: dict, events: dict, out: Path) -> None:

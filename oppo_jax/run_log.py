@@ -48,7 +48,11 @@ class RunLog:
             self._tb = SummaryWriter(str(out_dir / "tensorboard"))
         except ImportError:  # optional: the run does not depend on it
             self._tb = None
-        self._bar = tqdm(total=total_steps, initial=start_step, disable=not progress, unit="step")
+        # smoothing=0: the ETA is the mean pace since the start, which ``write`` moves forward
+        # by each step's compile time, so a step that compiled does not inflate it
+        self._bar = tqdm(
+            total=total_steps, initial=start_step, disable=not progress, unit="step", smoothing=0
+        )
 
     def _truncate_after(self, step: int) -> None:
         """Keep only records of steps < ``step`` (a resume rewrites what came after)."""
@@ -77,6 +81,8 @@ class RunLog:
         if record.get("update_skipped"):
             shown["skipped"] = record.get("nonfinite_total", 1)
         self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        if record.get("compile_time_s") and hasattr(self._bar, "start_t"):
+            self._bar.start_t += record["compile_time_s"]  # ETAs exclude compile time
         self._bar.update(1)
 
     def close(self) -> None:
@@ -102,6 +108,7 @@ RUN_ENTRIES = frozenset(
         "tensorboard",
         "processes",
         "plots",
+        "warmup.json",
     }
 )
 # Keys a resumed run may change: none alters the steps already taken.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -15,10 +18,12 @@ from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult, run_step
 from oppo_jax.pipeline.timeline import Timeline, TraceWriter
+from oppo_jax.pipeline.warmup import CompileCounter, warm_up
 from oppo_jax.preemption import StopOnSignal
 from oppo_jax.run_log import RunLog, read_metrics
 from oppo_jax.run_setup import RunContext, prepare_run
 
+WARMUP_ENV = "OPPO_JAX_WARMUP"  # off: no warm-up unless train(warmup=True)
 # Update metrics copied into metrics.jsonl under the same name.
 _UPDATE_KEYS = (
     "policy_loss",
@@ -97,8 +102,19 @@ def _files_dir(out: Path) -> Path:
     return out if i == 0 else out / "processes" / str(i)
 
 
-def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
-    """Run ``cfg.train.steps`` PPO steps, writing the run directory; returns a summary."""
+def train(
+    cfg: Config,
+    out_dir: str | Path,
+    resume: bool = False,
+    progress: bool = True,
+    warmup: bool | None = None,
+) -> dict:
+    """Run ``cfg.train.steps`` PPO steps, writing the run directory; returns a summary.
+
+    ``warmup`` compiles every shape the run can meet before its first step
+    (``pipeline.warmup``; its report goes to ``warmup.json`` and the summary), so that each
+    record's ``compiles`` is 0; off, a step that meets a new shape compiles it. None: on
+    unless ``$OPPO_JAX_WARMUP`` is ``off`` (the test suite's default)."""
     ckpt_dir, out = Path(out_dir) / "checkpoints", _files_dir(Path(out_dir))
     out.mkdir(parents=True, exist_ok=True)
     ctx, train_state = prepare_run(cfg, progress)
@@ -111,6 +127,12 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
         host.restore(extra["host"], ctx.prompt_iterator(extra["host"]["prompts"]))
         host.restore_arrays(ckpt.restore_arrays(host.step), ctx.engine.placement)
         print(f"Resuming at step {host.step} from {ckpt.directory / str(host.step)}", flush=True)
+    report = {}
+    if warmup is None:
+        warmup = os.environ.get(WARMUP_ENV, "on").strip().lower() != "off"
+    if warmup and host.step < cfg.train.steps:
+        report = warm_up(ctx, schedule, host, train_state, progress)
+        (out / "warmup.json").write_text(json.dumps(report, indent=2))
     log = RunLog(out, cfg.train.steps, host.step, progress)
     evaluate = make_evaluator(ctx, out, host.step)  # eval.*: held-out decoding (no-op when off)
     trace = TraceWriter(out / "trace.json")
@@ -122,9 +144,22 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
         ckpt.wait()
         ckpt.close()
         log.close()
+        _plot(out)  # at the end and on preemption alike
     summary = summarize(out / "metrics.jsonl")
     summary.update(nonfinite_skipped=host.nonfinite_total, prompts_truncated=ctx.prompts_truncated)
+    summary.update({k: v for k, v in report.items() if k in ("warmup_s", "warmup_compiles")})
     return summary
+
+
+def _plot(out: Path) -> None:
+    """``plots/`` from metrics.jsonl; a plot that fails warns and never hides the run's own
+    outcome (this runs in a ``finally``)."""
+    from oppo_jax.plots import plot_run
+
+    try:
+        plot_run(out / "metrics.jsonl", out / "plots")
+    except Exception as e:  # plots are a convenience; metrics.jsonl is the record
+        warnings.warn(f"could not write {out / 'plots'}: {e}", stacklevel=2)
 
 
 def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, stop) -> None:
@@ -134,7 +169,7 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
     after ``train.max_nonfinite_in_a_row`` skipped updates in a row.
     """
     cfg, (ckpt, log, trace, evaluate) = ctx.cfg, outputs
-    timeline, saved = Timeline(), host.step
+    timeline, saved, compiles = Timeline(), host.step, CompileCounter()
     while host.step < cfg.train.steps:
         if stop.received:
             if saved != host.step:
@@ -142,7 +177,9 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
             ckpt.wait()
             raise Preempted(host.step, stop.received, str(ckpt.directory))
         evaluate(host.step, state)  # at step 0 and every eval.every steps
+        compiles.take()  # from here: this step's compilations only (not the checkpoint's)
         state, record, result = train_step(ctx, schedule, host, state, timeline)
+        record["compiles"], record["compile_time_s"] = compiles.take()
         trace.add_step(record["step"], result.events, result.wall_s)
         log.write(record)
         limit = cfg.train.max_nonfinite_in_a_row
@@ -167,10 +204,12 @@ def _nonfinite_where(record: dict) -> str:
 
 
 def summarize(metrics_path: Path, window: int = 5) -> dict:
-    """First and last ``window``-step means of the key metrics, and timing."""
+    """Means over the first and last ``window`` steps of the key metrics (fewer in a short run,
+    so the two never share a step), and timing."""
     records = read_metrics(metrics_path)
     if not records:
         return {}
+    window = max(1, min(window, len(records) // 2))
     summary = {
         "steps": len(records),
         "mean_step_time_s": np.mean([r["step_time_s"] for r in records]),

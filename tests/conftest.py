@@ -1,12 +1,20 @@
 """Test set-up: eight fake CPU devices (so meshes can be built) and float32 matmuls."""
 
+import contextlib
 import gc
+import getpass
 import os
+import tempfile
+from pathlib import Path
 
 # Must happen before jax is imported anywhere in the test process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OPPO_JAX_COMPILATION_CACHE", "off")  # see below; the CLI reads it
+# No warm-up unless a test asks for it (tests/test_warmup.py): each module's runs meet a few
+# shapes, and compiling every shape a run could meet would add minutes to the suite.
+os.environ.setdefault("OPPO_JAX_WARMUP", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -19,6 +27,36 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # inside XLA:CPU's executable deserialization (abort / segfault in
 # compilation_cache.get_executable_and_time) in two full-suite runs. Every test compiles what
 # it runs, in memory only, and nothing is written to the system temp directory.
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temp_files_under_basetemp(tmp_path_factory):
+    """Point ``tempfile`` (and, through TMPDIR, every subprocess) at a directory under pytest's
+    basetemp, so that a test or library writing a temporary file leaves nothing in the system
+    temp directory: the basetemp goes when the session passes (``tmp_path_retention_policy``)."""
+    tmp = tmp_path_factory.mktemp("tmp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp))
+        mp.setattr(tempfile, "tempdir", str(tmp))
+        yield tmp
+
+
+def pytest_unconfigure(config):
+    """After pytest removed a passing session's basetemp: remove ``pytest-of-<user>`` too when
+    no other session's directory is left in it (other sessions may run at the same time)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    basetemp = getattr(factory, "_basetemp", None)
+    if basetemp is None or basetemp.exists() or factory._given_basetemp is not None:
+        return  # a failed session keeps its directory; --basetemp is the user's own
+    parent = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    if basetemp.parent != parent:
+        return
+    current = parent / "pytest-current"
+    if current.is_symlink() and not current.exists():  # it pointed at our removed basetemp
+        with contextlib.suppress(OSError):
+            current.unlink()
+    with contextlib.suppress(OSError):
+        parent.rmdir()  # only when empty: rmdir never removes another session's files
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,9 @@
 from oppo_jax.config import Config, load_config
 from oppo_jax.run_log import read_metrics
 
-# Wall-clock metrics: everything else in metrics.jsonl must reproduce bit for bit.
-TIMING_KEYS = {"step_time_s", "stage_time_s", "busy_fraction"}
+# Wall-clock metrics, and compilations (they depend on what the process compiled before):
+# everything else in metrics.jsonl must reproduce bit for bit.
+TIMING_KEYS = {"step_time_s", "stage_time_s", "busy_fraction", "compiles", "compile_time_s"}
 
 # Small demo assets (the real demo trains them longer); the `demo_cache` fixture holds them.
 DEMO_TEST_STEPS = ("train.sft_steps=40", "train.rm_steps=40")

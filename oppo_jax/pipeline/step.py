@@ -208,8 +208,11 @@ def run_step(
     scored = place.to_generation(scorers.outputs())
     if fn_rewards is not None:  # score = reward.model_weight x RM + sum weight x function
         scored = fn_rewards.combine(scored, decoding, selection.batch)
-    # Only the prompt columns: one compilation for every admission width.
-    prompts_only = admission.replace(context=jnp.asarray(slots.context[:, : rollout.prompt_width]))
+    # Only the prompt columns, and no carried-row bucket (static, unused here): one compilation
+    # for every admission width and bucket.
+    prompts_only = admission.replace(
+        context=jnp.asarray(slots.context[:, : rollout.prompt_width]), carried_rows=None
+    )
     rows = jnp.asarray(selection.batch, jnp.int32)
     batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
     timeline.track("build batch", GENERATION, stats["reward"])

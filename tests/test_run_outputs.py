@@ -1,0 +1,108 @@
+"""What a run shows its user: plots (at the end and on preemption), the summary, the progress
+ETA, help texts, and the command's switches (compilation cache, transformers' torch notice)."""
+
+import json
+import logging
+import signal
+
+import matplotlib.image
+import pytest
+
+import oppo_jax.train as train_module
+from oppo_jax import cli
+from oppo_jax.errors import InputError, Preempted
+from oppo_jax.plots import RUN_PLOTS, plot_run
+from oppo_jax.run_log import RunLog
+from oppo_jax.train import summarize, train
+from tests.run_fixtures import small_demo_config
+
+
+def _write_metrics(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _record(step, **values):
+    base = {"step": step, "reward": 0.1 * step, "kl": 0.01, "response_len_mean": 5.0 + step,
+            "response_len_max": 9 + step, "step_time_s": 0.3, "compile_time_s": 0.0}  # fmt: skip
+    return {**base, **values}
+
+
+def test_run_plots_one_png_per_quantity_present(tmp_path):
+    rows = [_record(i) for i in range(6)]
+    rows[2]["reward"] = None  # a skipped step's NaN is a gap, not an error
+    written = plot_run(_write_metrics(tmp_path / "metrics.jsonl", rows), tmp_path / "plots")
+    names = sorted(p.name for p in written)
+    assert names == ["kl.png", "lengths.png", "reward.png", "step_time.png"]  # no gold here
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == names
+    for path in written:
+        assert matplotlib.image.imread(path).ndim == 3  # a real image
+    rows = [_record(i, gold=0.01 * i) for i in range(3)]
+    written = plot_run(_write_metrics(tmp_path / "m2.jsonl", rows), tmp_path / "p2")
+    assert {p.stem for p in written} == set(RUN_PLOTS)
+    assert plot_run(tmp_path / "missing.jsonl", tmp_path / "p3") == []
+
+
+def test_summary_start_and_end_never_share_a_step(tmp_path):
+    rows = [_record(i, reward=float(i)) for i in range(5)]
+    summary = summarize(_write_metrics(tmp_path / "metrics.jsonl", rows))
+    assert summary["reward_start"] == 0.5 and summary["reward_end"] == 3.5  # 2 steps each
+    rows = [_record(i, reward=float(i)) for i in range(20)]
+    summary = summarize(_write_metrics(tmp_path / "metrics.jsonl", rows))
+    assert summary["reward_start"] == 2.0 and summary["reward_end"] == 17.0  # 5 steps each
+
+
+def test_progress_eta_leaves_compile_time_out(tmp_path):
+    log = RunLog(tmp_path, total_steps=10, start_step=0, progress=True)
+    start = log._bar.start_t
+    log.write(_record(0, compile_time_s=40.0))  # a step that compiled for 40 s
+    assert log._bar.start_t == start + 40.0  # its pace counts the running time only
+    log.write(_record(1))
+    assert log._bar.start_t == start + 40.0
+    log.close()
+
+
+def test_plots_are_written_when_the_run_is_preempted(demo_cache, tmp_path, monkeypatch):
+    real = train_module.run_step
+
+    def run_step(*args):  # a SIGTERM during the first step
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(train_module, "run_step", run_step)
+    with pytest.raises(Preempted, match="steps 0-0 are done"):
+        train(small_demo_config("train.steps=3"), tmp_path, progress=False, warmup=False)
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert plots == ["gold.png", "kl.png", "lengths.png", "reward.png", "step_time.png"]
+
+
+def test_help_texts_are_plain_and_bench_states_its_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "``" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: runs/bench)", "(default: 1)", "(default: 2)", "train.steps"):
+        assert default in text
+
+
+def test_transformers_torch_notice_is_dropped_and_other_warnings_kept(caplog):
+    cli.quiet_torch_notice()
+    cli.quiet_torch_notice()  # idempotent
+    logger = logging.getLogger("transformers")
+    assert sum(isinstance(f, cli._NoTorchNotice) for f in logger.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        logger.warning("PyTorch was not found. Models won't be available ...")
+        logger.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+
+
+def test_compilation_cache_setting(monkeypatch):
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "off")
+    assert cli.compilation_cache() is None
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "auto")
+    assert cli.compilation_cache() is None  # the CPU: off (XLA:CPU crashed reading it back)
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "maybe")
+    with pytest.raises(InputError, match="OPPO_JAX_COMPILATION_CACHE='maybe'"):
+        cli.compilation_cache()

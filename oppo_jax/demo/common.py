@@ -168,6 +168,9 @@ def run_training(
         # The next batch is sampled on the host while the previous step runs on the device.
         state, loss = train_step(state, np.float32(schedule(i)), *next(batches))
         losses.append(loss)
+        if i == 0:  # the first step compiles: restart the bar's clock so its ETA leaves it out
+            jax.block_until_ready(loss)
+            bar.reset()
         bar.update(1)
         if progress and (i % 100 == 99 or i == steps - 1):
             bar.set_postfix(loss=f"{float(loss):.4f}")  # syncing only every 100 steps

@@ -225,7 +225,7 @@ def run_step(
     # 6. Update: PPO epochs x minibatches over the batch, one jitted call. The packed update
     #    plans its rows from the batch's lengths: the decode has finished (finish_step was
     #    read), so reading its lengths here does not wait on the experience kernel.
-    generated = np.asarray(to_host(outputs[2]))
+    generated = np.asarray(to_host(outputs[2]))  # read once: the carry below reuses it
     lengths = (slots.prompt_len[selection.batch], generated[selection.batch])
     train_state, update_metrics = k.update(
         train_state, batch, plan.update_key, kl_coef, lengths=lengths
@@ -233,7 +233,7 @@ def run_step(
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
     # 7. Carry: sequences not taken keep the tokens they had at the cut (read while the
     #    update runs).
-    host = _read_rollout(outputs, finish_step)
+    host = _read_rollout(outputs[:2], generated, finish_step)
     lengths = (host.num_generated, slots.prefix_len)
     fed = 0 if scorers.packed else len(scorers.roles)  # packed scoring recorded its own
     add_rollout(work, decode_slots, int(decode_steps), plan.chunk_size, lengths, fed)
@@ -306,12 +306,12 @@ def _decode(
             return state
 
 
-def _read_rollout(outputs: tuple, finish_step: np.ndarray) -> HostRollout:
-    """(tokens, logprobs, num_generated) of every slot, read to the host."""
-    tokens, logprobs, num_generated = to_host(outputs)
-    return HostRollout(
-        np.asarray(tokens), np.asarray(logprobs), np.asarray(num_generated), finish_step
-    )
+def _read_rollout(
+    outputs: tuple, num_generated: np.ndarray, finish_step: np.ndarray
+) -> HostRollout:
+    """Every slot's (tokens, logprobs), read to the host, with its lengths (read already)."""
+    tokens, logprobs = to_host(outputs)
+    return HostRollout(np.asarray(tokens), np.asarray(logprobs), num_generated, finish_step)
 
 
 class _Scorers:

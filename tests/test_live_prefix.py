@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import ModelConfig, Transformer, init_cache, init_params
 from oppo_jax.models.kv_cache import MIN_LIVE_WIDTH, live_width, live_widths
+from oppo_jax.pipeline.accounting import WorkLedger, decode_keys
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
     Kernels,
@@ -26,6 +28,7 @@ from oppo_jax.pipeline.kernels import (
 )
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
@@ -152,13 +155,20 @@ def test_a_width_below_the_live_context_changes_the_result():
 
 @dataclasses.dataclass(frozen=True)
 class _WidthSpy(Kernels):
-    """Kernels that record the live width of every decode chunk dispatched."""
+    """Kernels that record the live width and the slots of every decode chunk dispatched."""
 
     seen: list = dataclasses.field(default_factory=list)
+    slots: list = dataclasses.field(default_factory=list)
 
     def decode(self, chunk_size, kv_width=None):
         self.seen.append(kv_width)
-        return super().decode(chunk_size, kv_width)
+        kernel = super().decode(chunk_size, kv_width)
+
+        def spied(params, state, rule):
+            self.slots.append(state.tokens.shape[0])
+            return kernel(params, state, rule)
+
+        return spied
 
 
 def _run(kernels: Kernels, overcommit: int, chunk: int, steps: int = 3):
@@ -188,13 +198,15 @@ def _run(kernels: Kernels, overcommit: int, chunk: int, steps: int = 3):
     chunk=st.sampled_from([4, 8]),
 )
 def test_steps_with_carrying_equal_full_cache_steps(median, overcommit, chunk):
-    """Whole OPPO steps with Δ carried sequences: same batches, responses, carried work,
-    behaviour/reference log-probs, values and scores as reading the whole cache."""
+    """Whole OPPO steps with Δ carried sequences, decoding the live prefix and compacting the
+    slots: same batches, responses, carried work, behaviour/reference log-probs, values and
+    scores as reading the whole cache of every slot to the end."""
     base = _kernels(median)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Kernels)}
-    spy = _WidthSpy(**fields)
+    spy = _WidthSpy(**{**fields, "compact_slots": True})
     live = _run(spy, overcommit, chunk)
-    full = _run(dataclasses.replace(base, live_prefix=False), overcommit, chunk)
+    plain = dataclasses.replace(base, live_prefix=False, compact_slots=False)
+    full = _run(plain, overcommit, chunk)
     for (a, carried_a), (b, carried_b) in zip(live, full, strict=True):
         assert a.selection.batch.tolist() == b.selection.batch.tolist()
         np.testing.assert_array_equal(a.rollout.tokens, b.rollout.tokens)
@@ -205,8 +217,14 @@ def test_steps_with_carrying_equal_full_cache_steps(median, overcommit, chunk):
                 getattr(a.batch, key), getattr(b.batch, key), atol=1e-5, rtol=0, err_msg=key
             )
     # Few compiled widths: all from the listed buckets (here 16 and 32), and narrower ones used.
+    # The work ledger: the same live keys, fewer keys read.
+    for (a, _), (b, _) in zip(live, full, strict=True):
+        assert a.work.keys[1] == b.work.keys[1]
+        assert a.work.keys[0] <= b.work.keys[0]
     assert set(spy.seen) <= set(live_widths(P + R))
     assert min(spy.seen) < P + R
+    # Compacted chunks run over power-of-two buckets below the B + Δ slots admitted.
+    assert all(n == 4 + overcommit or (n < 4 + overcommit and n & (n - 1) == 0) for n in spy.slots)
 
 
 @given(capacity=st.integers(1, 40_000), longest=st.integers(0, 50_000))
@@ -265,3 +283,66 @@ def test_compiled_chunk_reads_a_slice_and_copies_no_cache():
         temps[width] = memory.temp_size_in_bytes
     layer_bytes = cache_bytes // cfg.num_layers  # one layer's keys and values, full width
     assert temps[128] < layer_bytes / 4 < temps[None]
+
+
+def _rollout_compacting(kernels: Kernels, admission: Admission, targets, chunk: int):
+    """``_rollout`` that gathers the running slots into a smaller bucket whenever they fit in
+    half of it (``SlotMap``), and scatters every row back into the full layout at the end."""
+    actor, critic, reward = _params()
+    params = {"reference": actor, "critic": critic, "reward": reward}
+    s = len(targets)
+    state, _ = kernels.admit(actor, admission, jax.random.key(0))
+    state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
+    scorers = types.SimpleNamespace(
+        states={r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
+    )
+    rule = CutRule(admission.active, admission.must_finish, jnp.int32(s))
+    longest = int(np.max(np.asarray(admission.context_len)))
+    slot_map, sizes = SlotMap(s), []
+    for i in range(R + 1):
+        width = kernels.chunk_width(longest, chunk, i)
+        sizes.append(state.tokens.shape[0])
+        state, tokens = kernels.decode(chunk, width)(actor, state, rule)
+        for r in ROLES:
+            kernel = kernels.scorer_chunk(r, width)
+            scorers.states[r] = kernel(params[r], scorers.states[r], tokens)[0]
+        if int(tokens.running) < 0:  # ready
+            break
+        running = int(tokens.running)
+        state, _, rule = slot_map.maybe_compact(
+            running, tokens.finished, state, tokens, rule, scorers
+        )
+    state = slot_map.restore(state, scorers)
+    return state, scorers.states, sizes
+
+
+@FEW
+@given(
+    data=st.data(),
+    chunk=st.sampled_from([2, 5]),
+    seed=st.integers(0, 3),
+)
+def test_compacted_rollout_equals_the_uncompacted_one(data, chunk, seed):
+    """Slots gathered into smaller buckets as they finish: identical tokens, log-probs and
+    streamed scores within 1e-5 (keys travel with the slots), on the original slot layout."""
+    slots = 8
+    prompt_lens = data.draw(st.lists(st.integers(1, P), min_size=slots, max_size=slots))
+    targets = data.draw(st.lists(st.integers(1, R), min_size=slots, max_size=slots))
+    targets[seed % slots] = R  # one long sequence, so the others finish first
+    admission = _admission(prompt_lens, [0] * slots, seed)
+    kernels = _kernels(8.0)
+    compacted = _rollout_compacting(kernels, admission, targets, chunk)
+    _assert_same_rollout(compacted, _rollout(kernels, admission, targets, chunk))
+    assert min(compacted[2]) < slots  # it did compact
+
+
+def test_decode_keys_on_hand_counted_cases():
+    # chunks of 8 over 8 slots reading 16 then 32 columns; 12 steps: 8 + 4 steps run
+    assert decode_keys([8, 8], [16, 32], 12, 8, ([2], [0], [0]))[0] == 8 * 8 * 16 + 8 * 4 * 32
+    # prompt 2, 3 new tokens at response indices 0..2 need 3, 4 and 5 keys
+    assert decode_keys([1], [16], 3, 8, ([2], [0], [3]))[1] == 3 + 4 + 5
+    # a carried prefix of 1: the new tokens sit at indices 1..3 (4, 5 and 6 keys)
+    assert decode_keys([1], [16], 3, 8, ([2], [1], [4]))[1] == 4 + 5 + 6
+    ledger = WorkLedger()
+    ledger.keys = (100, 40)
+    assert ledger.to_record()["decode_keys"] == {"computed": 100, "real": 40, "efficiency": 0.4}

@@ -36,6 +36,8 @@ class WorkLedger:
 
     computed: dict[str, int] = dataclasses.field(default_factory=dict)
     real: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The decode's attention, in cache keys read: (computed, real); see ``decode_keys``.
+    keys: tuple[int, int] | None = None
 
     def add(self, stage: str, computed: int, real: int = 0) -> None:
         """Add a dispatch's tokens to ``stage`` (a stage may be added to many times)."""
@@ -53,11 +55,16 @@ class WorkLedger:
         """``{"tokens_computed": {...}, "tokens_real": {...}, "efficiency": {...}}`` over the
         stages this step ran (JSON-ready)."""
         stages = [s for s in STAGES if s in self.computed]
-        return {
+        record = {
             "tokens_computed": {s: self.computed[s] for s in stages},
             "tokens_real": {s: self.real[s] for s in stages},
             "efficiency": {s: self.efficiency(s) for s in stages},
         }
+        if self.keys is not None:  # {"computed", "real", "efficiency"} of the decode's keys
+            computed, real = self.keys
+            ratio = real / computed if computed else None
+            record["decode_keys"] = {"computed": computed, "real": real, "efficiency": ratio}
+        return record
 
 
 def token_count(tokens) -> int:
@@ -96,6 +103,31 @@ def decode_computed(slots_per_chunk: list[int], steps: int, chunk_size: int) -> 
         s * int(np.clip(steps - j * chunk_size, 0, chunk_size))
         for j, s in enumerate(slots_per_chunk)
     )
+
+
+def decode_keys(
+    slots_per_chunk: list[int],
+    widths: list[int],
+    steps: int,
+    chunk_size: int,
+    lengths: tuple,
+) -> tuple[int, int]:
+    """(computed, real) cache keys the decode's attention read. Computed: chunk j reads
+    ``widths[j]`` cache columns (its live width, or the capacity) per slot per step it ran.
+    Real: a token sampled at response index t of a slot with prompt length p is fed at
+    position p + t and needs the p + t + 1 keys up to it; ``lengths`` is (prompt_len,
+    prefix_len, num_generated) per slot. Example: [8, 8], widths [16, 32], 12 steps, C 8 ->
+    computed 8·8·16 + 8·4·32 = 2048; one slot, prompt 2, prefix 0, 3 tokens -> real 3+4+5 = 12.
+    """
+    computed = sum(
+        s * w * int(np.clip(steps - j * chunk_size, 0, chunk_size))
+        for j, (s, w) in enumerate(zip(slots_per_chunk, widths, strict=True))
+    )
+    prompt, first, end = (np.asarray(x, np.int64) for x in lengths)
+    # sum over t in [first, end) of (prompt + t + 1)
+    n = np.maximum(end - first, 0)
+    real = int(np.sum(n * (prompt + 1) + (first + end - 1) * n // 2))
+    return computed, real
 
 
 def generated(num_generated, prefix_len) -> int:

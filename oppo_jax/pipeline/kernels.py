@@ -104,6 +104,9 @@ class Kernels:
     update: Callable
     # decode and streamed scoring read the cache's live prefix only (False: the whole P + R)
     live_prefix: bool = True
+    # gather the running decode slots into smaller buckets as others finish (pipeline.slot_map);
+    # None: the backend's default (slot_map.compaction_default: on for the CPU)
+    compact_slots: bool | None = None
 
     def admit(self, params, admission, base_key):
         """The actor's admission prefill: (DecodeState, marker)."""

@@ -27,6 +27,7 @@ from oppo_jax.pipeline.accounting import (
     add_update,
     admission_computed,
     admission_real,
+    decode_keys,
     token_count,
 )
 from oppo_jax.pipeline.carry import (
@@ -45,6 +46,7 @@ from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION, Placement
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
+from oppo_jax.pipeline.slot_map import SlotMap, full_chunk, step_compaction
 from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, DecodeState
@@ -165,12 +167,15 @@ def run_step(
         "frozen": admission_real(*lens, trained=0, frozen=1),
     }
     decode_slots: list[int] = []  # slots of each decode chunk dispatched (accounting)
+    decode_widths: list[int | None] = []  # and the cache columns it reads (None: all)
     # Reward functions run on host threads: each sequence is scored as soon as it ends.
     fn_rewards = engine.rewards.start(slots) if engine.rewards is not None else None
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
     chunking = (cut_rule, plan.chunk_size, longest)
+    # None: every slot decodes to the end (Kernels.compact_slots; None there: the backend's)
+    compaction = step_compaction(k.compact_slots, place.num_slots(1), slots.num_slots, scorers)
     if schedule.stream:
         from_buffer = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(from_buffer) if kept is not None else 0
@@ -184,12 +189,16 @@ def run_step(
             chunking,
             lambda chunk, width: (
                 scorers.feed(place.to_scoring(chunk), width),
-                fn_rewards and fn_rewards.feed(chunk),  # read on the reward thread
+                fn_rewards and fn_rewards.feed(full_chunk(compaction, chunk)),  # reward thread
             ),
-            dispatched=decode_slots,
+            dispatched=(decode_slots, decode_widths),
+            compaction=compaction,
         )
     else:
-        decoding = _decode(k, timeline, actor, decoding, chunking, dispatched=decode_slots)
+        dispatched = (decode_slots, decode_widths)
+        decoding = _decode(
+            k, timeline, actor, decoding, chunking, dispatched=dispatched, compaction=compaction
+        )
         if not engine.packed_scoring:  # every slot's responses past its prefix, R wide
             scorers.admit(on_scoring)
             scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
@@ -237,6 +246,10 @@ def run_step(
     lengths = (host.num_generated, slots.prefix_len)
     fed = 0 if scorers.packed else len(scorers.roles)  # packed scoring recorded its own
     add_rollout(work, decode_slots, int(decode_steps), plan.chunk_size, lengths, fed)
+    capacity = rollout.prompt_width + rollout.max_response_len
+    read = [capacity if w is None else w for w in decode_widths]
+    per_slot = (slots.prompt_len, slots.prefix_len, host.num_generated)
+    work.keys = decode_keys(decode_slots, read, int(decode_steps), plan.chunk_size, per_slot)
     in_batch = slots.prompt_len[selection.batch] + host.num_generated[selection.batch]
     # Each PPO epoch passes over the batch once in each trained model (actor and critic);
     # one pass computes the packed rows (or the padded [B, P + R] batch) the update reports.
@@ -278,32 +291,46 @@ def _decode(
     state: DecodeState,
     chunking: tuple[CutRule, int, int],
     on_chunk: Callable[[ChunkTokens, int | None], None] | None = None,
-    dispatched: list[int] | None = None,
+    dispatched: tuple[list, list] | None = None,
+    compaction: tuple[SlotMap, Any] | None = None,
 ) -> DecodeState:
     """Decode until the cut rule allows the cut; ``on_chunk`` receives each chunk's tokens and
-    the live width they fit in; ``dispatched`` gets the slot count of each chunk dispatched
-    (accounting). ``chunking`` is (cut rule, C, the longest context admitted).
+    the live width they fit in; ``dispatched`` gets the slot count and the live width of each
+    chunk dispatched (accounting). ``chunking`` is (cut rule, C, the longest context admitted).
 
     Chunk i reads the cache's live prefix, sized on the host from the admitted lengths and i
-    alone (``Kernels.chunk_width``): no device read beyond the loop's one boolean."""
+    alone (``Kernels.chunk_width``). With ``compaction`` (a SlotMap and the scorers), the rows
+    still running move into smaller slot buckets as the others finish (``pipeline.slot_map``),
+    decided from their count, which the loop's one read per chunk carries; the state comes
+    back in the admission's layout."""
     rule, chunk_size, longest = chunking
-    dispatched = [] if dispatched is None else dispatched
+    slot_counts, widths = ([], []) if dispatched is None else dispatched
 
-    def dispatch(i, state):
+    def dispatch(i, state, rule):
         width = kernels.chunk_width(longest, chunk_size, i)
-        dispatched.append(state.tokens.shape[0])
+        slot_counts.append(state.tokens.shape[0])
+        widths.append(width)
         state, chunk = kernels.decode(chunk_size, width)(params, state, rule)
         timeline.track("decode", GENERATION, chunk.count)
         return state, chunk, width
 
-    state, chunk, width = dispatch(0, state)
+    state, chunk, width = dispatch(0, state, rule)
     for i in itertools.count(1):
         if on_chunk is not None:
             on_chunk(chunk, width)
-        ready = chunk.ready
-        state, chunk, width = dispatch(i, state)  # dispatched before the host reads `ready`
-        if jax.device_get(ready):  # the loop's only host read (explicit, one boolean)
-            return state
+        last = chunk
+        state, chunk, width = dispatch(i, state, rule)  # dispatched before the host reads
+        if compaction is None:
+            if jax.device_get(last.ready):  # the loop's only host read (explicit, one boolean)
+                return state
+            continue
+        slot_map, scorers = compaction
+        running = int(jax.device_get(last.running))  # the only read: -1 once ready
+        if running < 0:
+            return slot_map.restore(state, scorers)
+        state, chunk, rule = slot_map.maybe_compact(
+            running, last.finished, state, chunk, rule, scorers
+        )
 
 
 def _read_rollout(

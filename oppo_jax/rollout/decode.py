@@ -193,6 +193,10 @@ class ChunkTokens:
     start: Int[Array, " S"]  # response index of tokens[:, 0]
     count: Int[Array, " S"]  # valid new tokens per slot (0 once a slot has finished)
     ready: Bool[Array, ""]  # the rollout can be cut (see CutRule) at the end of this chunk
+    # for slot compaction: which slots had finished at the end of the chunk, and how many
+    # had not (-1 once ``ready``: the host's one read per chunk then says both)
+    finished: Bool[Array, " S"] | None = None
+    running: Int[Array, ""] | None = None
 
 
 @flax.struct.dataclass
@@ -240,6 +244,9 @@ def decode_chunk_emit(
 
     _, state = jax.lax.while_loop(going, step, (jnp.int32(0), constrain_slots(state, mesh)))
     chunk = tokens_since(state, start, chunk_size, rule.ready(state.finished))
+    ready = chunk.ready
+    running = jnp.where(ready, -1, jnp.sum(~state.finished)).astype(jnp.int32)
+    chunk = chunk.replace(finished=state.finished | False, running=running)  # state: donated
     return state, constrain_slots(chunk, mesh)
 
 

@@ -1,0 +1,100 @@
+"""The host side of slot compaction (``rollout.compaction``) during one step's decode loop.
+
+When the running slots fit in half of the slot bucket, the decode state, the chunk about to be
+streamed, the cut rule and the scorers' states are gathered into the smaller bucket; the host
+keeps which original slot each row holds (``slot_of``, an index array it holds for the
+scatter back) and the last full-layout states
+(``parked``) to scatter the rows back into when the rollout ends, so everything after the
+decode loop (the cut, scoring, experience, carry) sees the admission's slot layout unchanged.
+The decision needs one number, the running slots after a chunk, which the loop's one read per
+chunk carries (``ChunkTokens.running``, -1 once the rollout may be cut); which rows to keep is
+computed on the device from the same chunk's flags. The chunk is read one chunk late, so a
+slot counted as running may have finished since, never the reverse.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from oppo_jax.rollout.compaction import compact_bucket, compact_rows, put_slots, take_slots
+from oppo_jax.rollout.decode import ChunkTokens, CutRule
+
+
+def compaction_default(backend: str | None = None) -> bool:
+    """Whether a backend compacts by default: on the CPU a decode step costs in proportion to
+    its slots (measured: 24 -> 16 demo-sized slots cut a 32-step chunk by a third), so
+    dropping finished ones pays; on GPU/TPU a decode step over a few dozen slots is bound by
+    reading the weights, the gathers and the extra compiled slot buckets would not pay."""
+    return (backend or jax.default_backend()) == "cpu"
+
+
+class SlotMap:
+    """Original slot of each row of a compacting rollout, and the states to scatter back."""
+
+    def __init__(self, slots: int, minimum: int = 1):
+        self.slots = slots  # S, the admission's slots
+        self.slot_of = jnp.arange(slots, dtype=jnp.int32)  # [N] original slot of each row
+        self.minimum = minimum  # smallest bucket (the generation mesh's batch shards)
+        self.parked = None  # full-layout (decode state, scorer states), once compacted
+
+    def maybe_compact(
+        self, running: int, finished, state, chunk: ChunkTokens, rule: CutRule, scorers
+    ):
+        """Gather the ``running`` rows (flagged by the device array ``finished`` [N], of the
+        same chunk) when they fit in half the bucket: returns (state, chunk, rule), and sets
+        ``scorers.states`` likewise."""
+        n = int(self.slot_of.shape[0])
+        bucket = compact_bucket(running, n, self.minimum)
+        if bucket is None:
+            return state, chunk, rule
+        rows = compact_rows(finished, bucket)
+        now = (state, scorers.states)  # the kernels get the gathered copies: not donated
+        self.parked = now if self.parked is None else put_slots(self.parked, now, self.slot_of)
+        state, scorers.states = take_slots(now, rows, n)
+        chunk = take_slots(chunk, rows, n)
+        # Rows left behind have finished; those holding a sequence leave the rule's count.
+        kept = take_slots(rule, rows, n)
+        done = jnp.sum(rule.active) - jnp.sum(kept.active)
+        rule = kept.replace(target=rule.target - done.astype(rule.target.dtype))
+        self.slot_of = self.slot_of[rows]
+        return state, chunk, rule
+
+    def full_chunk(self, chunk: ChunkTokens) -> ChunkTokens:
+        """The chunk in the admission's layout (rows not held: no new tokens), for consumers
+        that index by slot (reward functions)."""
+        if self.parked is None:
+            return chunk
+        s = self.slots
+        empty = ChunkTokens(
+            jnp.full((s, chunk.tokens.shape[1]), 0, chunk.tokens.dtype),
+            jnp.zeros((s,), jnp.int32),
+            jnp.zeros((s,), jnp.int32),
+            chunk.ready,
+            None if chunk.finished is None else jnp.ones((s,), bool),
+            chunk.running,
+        )
+        return put_slots(empty, chunk, self.slot_of)
+
+    def restore(self, state, scorers):
+        """Scatter the rows back into the full layout: the decode state, and the scorers'."""
+        if self.parked is None:
+            return state
+        state, scorers.states = put_slots(self.parked, (state, scorers.states), self.slot_of)
+        self.parked = None
+        return state
+
+
+def step_compaction(compact: bool | None, shards: int, slots: int, scorers):
+    """(SlotMap, scorers) for a step whose decode compacts (``compact``; None: the backend's
+    default), else None. Buckets stay multiples of the generation mesh's ``shards`` (batch
+    shards), so only a power-of-two shard count compacts."""
+    compact = compaction_default() if compact is None else compact
+    if not compact or shards & (shards - 1):
+        return None
+    return SlotMap(slots, minimum=shards), scorers
+
+
+def full_chunk(compaction: tuple[SlotMap, object] | None, chunk: ChunkTokens) -> ChunkTokens:
+    """The chunk in the admission's slot layout (for consumers that index by slot)."""
+    return chunk if compaction is None else compaction[0].full_chunk(chunk)

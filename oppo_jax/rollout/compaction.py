@@ -1,0 +1,100 @@
+"""Slot compaction: move the still-running slots of a rollout into a smaller slot bucket.
+
+Once most slots of a step have finished, a decode chunk still computes every slot (a finished
+slot is frozen, not removed). Gathering the running ones into the next smaller power-of-two
+bucket makes a chunk cost what its running slots cost. The host keeps the slot -> row map
+(``rows[j]`` is the original slot of compact row j), so nothing about a slot changes: its
+prompt id, sample index and position travel with it, and so do its sampling keys (a token's
+key depends on (seed, prompt id, sample index, position) only).
+
+The state pytrees (``DecodeState``, ``ScorerState``, ``ChunkTokens``, ``CutRule``) keep the
+slot axis first in every per-slot leaf except the KV cache's keys and values ([L, S, ...]);
+``take_slots`` / ``put_slots`` gather and scatter along that axis and pass other leaves (the
+lockstep clock, the sampling key, static fields) through. Dimension letters: S slots, N rows
+kept.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from oppo_jax.models.kv_cache import KVCache
+
+
+def slot_bucket(n: int, minimum: int = 1) -> int:
+    """The power-of-two slot count that holds ``n`` rows (at least ``minimum``).
+
+    Example: 5 -> 8, 8 -> 8, 0 -> 1.
+    """
+    return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def compact_bucket(running: int, slots: int, minimum: int = 1) -> int | None:
+    """The smaller slot bucket for ``running`` rows when they fit in half of the bucket of
+    ``slots``; None when compacting would not shrink it.
+
+    Example: 8 slots: 2 running -> 2, 3 running -> 4, 5 running -> None; 24 slots (bucket 32):
+    13 running -> 16, 17 -> None.
+    """
+    bucket = slot_bucket(running, minimum)
+    if bucket > slot_bucket(slots, minimum) // 2 or bucket >= slots:
+        return None
+    return bucket
+
+
+def compact_rows(finished: Bool[Array, " S"], bucket: int) -> Int[Array, " N"]:
+    """The ``bucket`` slots to keep: the running ones (ascending), then finished ones to fill
+    the bucket. Computed on the device from the flags, so the host reads only a count.
+
+    Example: finished [T, F, T, F], bucket 2 -> [1, 3]; finished [F, T, T, T], 2 -> [0, 1].
+    """
+    return jnp.argsort(finished, stable=True)[:bucket].astype(jnp.int32)
+
+
+def _axis(path, leaf) -> int:
+    """The slot axis of a leaf: 1 for a KV cache's keys and values, else 0."""
+    name = getattr(path[-1], "name", None) if path else None
+    return 1 if name in ("k", "v") and leaf.ndim == 5 else 0
+
+
+def _per_slot(leaf, slots: int, axis: int) -> bool:
+    return hasattr(leaf, "ndim") and leaf.ndim > axis and leaf.shape[axis] == slots
+
+
+def take_slots(tree, rows, slots: int):
+    """Gather the ``rows`` of every per-slot leaf of ``tree`` (S slots) along its slot axis;
+    other leaves pass through unchanged."""
+    rows = jnp.asarray(rows, jnp.int32)
+
+    def take(path, leaf):
+        axis = _axis(path, leaf)
+        return jnp.take(leaf, rows, axis=axis) if _per_slot(leaf, slots, axis) else leaf
+
+    return jax.tree_util.tree_map_with_path(take, tree)
+
+
+def put_slots(full, part, rows):
+    """Scatter ``part`` (N rows) back into ``full`` (S slots) at ``rows``: the inverse of
+    ``take_slots`` for the kept rows; non-slot leaves come from ``part`` (they moved on)."""
+    rows = jnp.asarray(rows, jnp.int32)
+    slots = _slot_count(full)
+
+    def put(path, f, p):
+        axis = _axis(path, f)
+        if not _per_slot(f, slots, axis):
+            return p
+        index = (slice(None),) * axis + (rows,)
+        return f.at[index].set(p)
+
+    return jax.tree_util.tree_map_with_path(put, full, part)
+
+
+def _slot_count(tree) -> int:
+    """S of a state pytree: its cache's slot count, or the leading size of its first
+    per-slot leaf."""
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)):
+        if isinstance(leaf, KVCache):
+            return leaf.num_slots
+    return next(x.shape[0] for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0) >= 1)

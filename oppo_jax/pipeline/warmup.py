@@ -132,7 +132,7 @@ def _admission(ctx, host, width: int, rows: int):
 def _scorer_params(ctx, state) -> dict:
     engine = ctx.engine
     k, place = engine.kernels, engine.placement
-    critic = place.critic_for_scoring(k.spec.critic, state.critic_params)
+    critic = place.critic_for_scoring(k.spec.critic, state.critic_model_params)
     return {"reference": engine.ref_params, "critic": critic, "reward": engine.reward_params}
 
 
@@ -141,7 +141,7 @@ def compile_admission(ctx, host, state, width: int, rows: int) -> None:
     rows), so that the first step meeting that shape finds it compiled."""
     k, place = ctx.engine.kernels, ctx.engine.placement
     admission = _admission(ctx, host, width, rows)
-    outputs = [k.admit(state.actor_params, admission, ctx.engine.sample_key)]
+    outputs = [k.admit(state.actor_model_params, admission, ctx.engine.sample_key)]
     on_scoring, params = place.to_scoring(admission), _scorer_params(ctx, state)
     for role in k.scorer_specs.present():
         outputs.append(k.scorer_admit(role)(params[role], on_scoring))
@@ -180,9 +180,9 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
     k, place = engine.kernels, engine.placement
     width = () if kv_width is None else (kv_width,)  # kernels without live widths take C only
     admission = _admission(ctx, host, 0, 0)
-    decoding, _ = k.admit(state.actor_params, admission, engine.sample_key)
+    decoding, _ = k.admit(state.actor_model_params, admission, engine.sample_key)
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
-    decoding, chunk = k.decode(chunk_size, *width)(state.actor_params, decoding, rule)
+    decoding, chunk = k.decode(chunk_size, *width)(state.actor_model_params, decoding, rule)
     outputs = [decoding, chunk]
     if schedule.stream:
         on_scoring, params = place.to_scoring(admission), _scorer_params(ctx, state)

@@ -26,6 +26,7 @@ from oppo_jax.config import Config, to_dict
 from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
+from oppo_jax.pipeline.slot_map import compacts
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
 from oppo_jax.sim.trace import step_trace
@@ -153,13 +154,16 @@ def run_bench(
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             carrying = lane.host.deltas.slots_needed > 0
+            compacted = compacts(lane.ctx.kernels.compact_slots, lane.ctx.placement.num_slots(1))
             compiles.take()  # from here: this step's compilations
             lane.state, record, result = train_step(
                 lane.ctx, lane.schedule, lane.host, lane.state, timeline
             )
             record["compiles"], record["compile_s"] = compiles.take()
             if step >= warmup:  # the first steps compile
-                record["trace"] = step_trace(result, carried, cfg.rollout.max_prompt_len, carrying)
+                record["trace"] = step_trace(
+                    result, carried, cfg.rollout.max_prompt_len, carrying, compacted
+                )
                 lane.records.append(record)
                 lane.events = result.events
             bar.update(1)

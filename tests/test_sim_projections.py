@@ -181,8 +181,14 @@ MUST_SHOW = pytest.mark.xfail(
 )
 
 
-@MUST_SHOW
-@pytest.mark.parametrize(("spec", "config", "given"), SETTINGS)
+# Met since the live-prefix decode joined BUILT: 7B on GH200 in the labelled setting (1.29x).
+SYNC_MET = {("qwen2.5-7b:gh200", None)}
+
+
+@pytest.mark.parametrize(
+    ("spec", "config", "given"),
+    [pytest.param(*s, marks=() if s[:2] in SYNC_MET else MUST_SHOW) for s in SETTINGS],
+)
 def test_built_sync_within_1_3x_of_active(spec, config, given):
     p = build_projection(spec, config, (), {**given, "steps": 40})
     built, active = sync_vs_oppo(p, BUILT), sync_vs_oppo(p, ACTIVE)

@@ -89,10 +89,16 @@ def step_compaction(compact: bool | None, shards: int, slots: int, scorers):
     """(SlotMap, scorers) for a step whose decode compacts (``compact``; None: the backend's
     default), else None. Buckets stay multiples of the generation mesh's ``shards`` (batch
     shards), so only a power-of-two shard count compacts."""
-    compact = compaction_default() if compact is None else compact
-    if not compact or shards & (shards - 1):
+    if not compacts(compact, shards):
         return None
     return SlotMap(slots, minimum=shards), scorers
+
+
+def compacts(compact: bool | None, shards: int) -> bool:
+    """Whether a run's decode compacts: ``compact`` (None: the backend's default) and a
+    power-of-two count of the generation mesh's batch ``shards``."""
+    compact = compaction_default() if compact is None else compact
+    return bool(compact) and not shards & (shards - 1)
 
 
 def full_chunk(compaction: tuple[SlotMap, object] | None, chunk: ChunkTokens) -> ChunkTokens:

@@ -93,8 +93,17 @@ class Engine:
 PADDED = Engine("padded", decode_to_cut=False)
 FIXED = Engine("fixed")
 # This engine as built: the #13 features that landed (see the docstring): the packed update
-# (624cce5), sync scoring at real widths and the frozen scorers' kept caches (d8a8bca).
-BUILT = Engine("built", packed_update=True, real_width_scoring=True, kept_scorer_caches=True)
+# (624cce5), sync scoring at real widths and the frozen scorers' kept caches (d8a8bca), decode
+# over the live prefix (a952db9). Slot compaction (78de8d3) is on by default only on the CPU
+# (``pipeline.slot_map.compaction_default``), so the accelerator projections leave it off and
+# a recorded trace stamps what its run did (``trace.step_trace``).
+BUILT = Engine(
+    "built",
+    packed_update=True,
+    real_width_scoring=True,
+    live_prefix_decode=True,
+    kept_scorer_caches=True,
+)
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 

@@ -12,6 +12,8 @@ the scores it waits for arrived), and the times of the stages the host's delays 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from oppo_jax.pipeline.carry import leading_carried_rows, prefix_bucket
@@ -20,10 +22,13 @@ from oppo_jax.sim.engines import BUILT
 GENERATION = "generation"
 
 
-def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool) -> dict:
+def step_trace(
+    result, carried_in: list[int], prompt_width: int, carrying: bool, compacted: bool = False
+) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).
-    ``engine`` stamps the engine that ran it (``engines.BUILT``: what the calibration fits)."""
+    ``engine`` stamps the engine that ran it (``engines.BUILT``, with ``compacted``: whether
+    its decode compacted slots; what the calibration fits)."""
     finish = np.asarray(result.rollout.finish_step)
     slots, capacity = finish.size, int(np.asarray(result.rollout.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
@@ -40,7 +45,7 @@ def step_trace(result, carried_in: list[int], prompt_width: int, carrying: bool)
         "lengths": [int(n) for n in result.response_len],
         "cut": int(result.selection.cut),
         "events": [[e.stage, e.group, round(e.start, 7), round(e.end, 7)] for e in result.events],
-        "engine": BUILT.to_dict(),
+        "engine": dataclasses.replace(BUILT, compact_slots=compacted).to_dict(),
     }
 
 

@@ -7,6 +7,7 @@ of C, the update over [B, P + R]), not from the ledger's own helpers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -44,13 +45,18 @@ def _kernels():
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, EOS, lengths=LengthSpec(median=5.0, p99=20.0)
     )
-    return spec, build_kernels(spec, rollout, reward_model=CRITIC)
+    kernels = build_kernels(spec, rollout, reward_model=CRITIC)
+    # Slot compaction (on by default on the CPU) makes a chunk's slot count depend on when the
+    # others finished; the exact count below is for the whole slot batch, and
+    # test_compaction_only_lowers_the_decode_count covers the compacting run.
+    return spec, dataclasses.replace(kernels, compact_slots=False)
 
 
 @functools.cache
-def _steps(mode: str, chunk: int, batch: int, delta: int, steps: int):
+def _steps(mode: str, chunk: int, batch: int, delta: int, steps: int, compact: bool = False):
     """[(plan, StepResult)] of ``steps`` steps (cached: the tests share the runs)."""
     spec, kernels = _kernels()
+    kernels = dataclasses.replace(kernels, compact_slots=compact)
     actor, critic = tiny_params(seed=5)
     reward = init_params(CRITIC, jax.random.key(11))
     place = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
@@ -132,6 +138,20 @@ def test_ledger_matches_an_independent_count(name):
         carried += int((result.slots.prefix_len > 0).sum())
     if delta:
         assert carried > 0, "no carried prefix was admitted; the carried rows went untested"
+
+
+def test_compaction_only_lowers_the_decode_count():
+    """With slot compaction a chunk runs over fewer slots once others finished: the decode's
+    computed tokens fall below S x cut (and stay >= its real tokens); nothing else changes."""
+    plain, compacted = _steps(*RUNS["sync"]), _steps(*RUNS["sync"], compact=True)
+    fewer = 0
+    for (_, a), (_, b) in zip(plain, compacted, strict=True):
+        assert b.work.real == a.work.real
+        assert b.work.real["decode"] <= b.work.computed["decode"] <= a.work.computed["decode"]
+        fewer += b.work.computed["decode"] < a.work.computed["decode"]
+        for stage in set(STAGES) - {"decode"}:
+            assert b.work.computed[stage] == a.work.computed[stage], stage
+    assert fewer > 0, "no step compacted; the compacting count went untested"
 
 
 def test_step_record_carries_tokens_and_efficiency_per_stage():

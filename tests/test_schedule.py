@@ -115,8 +115,9 @@ def test_chunk_loop_reads_the_device_only_once_per_chunk(monkeypatch):
     decodes = sum(e.stage == "decode" for e in result.events)
     assert decodes >= 3
     # One "ready to cut?" flag per decode chunk but the last; then, after the loop, the
-    # finish positions (to choose the batch), the slots' lengths and the update key's
-    # permutations [epochs, B] (the packed update plans its rows from them), and, once the
-    # update is dispatched, the slots' tokens and log-probs.
-    assert reads.count(()) == decodes - 1
+    # finish positions (to choose the batch) fetched together with the decode's step count (a
+    # scalar, for the work ledger; one transfer, no extra wait), the slots' lengths and the
+    # update key's permutations [epochs, B] (the packed update plans its rows from them), and,
+    # once the update is dispatched, the slots' tokens and log-probs.
+    assert reads.count(()) == (decodes - 1) + 1
     assert sorted(r for r in reads if r != ()) == [(1, 8), (8,), (8,), (8, R), (8, R)]

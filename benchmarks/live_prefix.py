@@ -37,7 +37,8 @@ from oppo_jax.config import OptimConfig, PPOConfig  # noqa: E402
 from oppo_jax.models import ModelConfig, init_params  # noqa: E402
 from oppo_jax.pipeline.kernels import Kernels, build_kernels  # noqa: E402
 from oppo_jax.pipeline.slot_map import SlotMap  # noqa: E402
-from oppo_jax.ppo.update import UpdateSpec, make_optimizer  # noqa: E402
+from oppo_jax.ppo.optimizer import make_optimizer  # noqa: E402
+from oppo_jax.ppo.update import UpdateSpec  # noqa: E402
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig  # noqa: E402
 from oppo_jax.rollout.decode import CutRule  # noqa: E402
 from oppo_jax.rollout.lengths import LengthSpec  # noqa: E402

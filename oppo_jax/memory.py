@@ -38,9 +38,9 @@ from oppo_jax.memory_abstract import (
 )
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
+from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import (
     UpdateSpec,
-    make_optimizer,
     make_sharded_update,
 )
 from oppo_jax.rollout.admission import Admission

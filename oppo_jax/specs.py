@@ -12,10 +12,10 @@ from oppo_jax.config import Config
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import (
     UpdateSpec,
     batch_shardings,
-    make_optimizer,
     make_sharded_update,
 )
 from oppo_jax.rollout.lengths import LengthSpec

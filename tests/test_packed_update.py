@@ -22,6 +22,7 @@ from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.experience import ScoredRollout, build_batch
+from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update, packed_actor_loss, packed_critic_loss
 from oppo_jax.ppo.packing import (
     bucket_up,
@@ -35,7 +36,6 @@ from oppo_jax.ppo.update import (
     actor_loss,
     critic_loss,
     init_train_state,
-    make_optimizer,
 )
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.sharding import make_device_groups, make_mesh

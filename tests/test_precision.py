@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.config import OptimConfig, PPOConfig, load_config
-from oppo_jax.ppo.update import UpdateSpec, init_train_state, make_optimizer, ppo_update
+from oppo_jax.ppo.optimizer import make_optimizer
+from oppo_jax.ppo.update import UpdateSpec, init_train_state, ppo_update
 from oppo_jax.specs import update_spec
 from oppo_jax.trained_params import initial_params
 from tests.ppo_fixtures import ACTOR, CRITIC, random_batch, tiny_params

@@ -16,10 +16,10 @@ import pytest
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.memory import abstract_ppo_batch
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import (
     UpdateSpec,
     init_train_state,
-    make_optimizer,
     make_sharded_update,
 )
 from oppo_jax.sharding import abstract_params, make_mesh, per_device_bytes

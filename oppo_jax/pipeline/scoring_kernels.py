@@ -77,7 +77,7 @@ def packed_inputs(sequences, response_len, prompt_len, plan: PackPlan) -> Packed
 
 def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, int, int]:
     """Every scorer's output over the batch ``rows``, their real tokens packed; dispatched
-    through ``scorers`` (pipeline.step._Scorers). Returns (role -> [S, R] or [S] output,
+    through ``scorers`` (pipeline.step_scorers.StepScorers). Returns (role -> [S, R] or [S] output,
     tokens computed per scorer, real tokens per scorer)."""
     k, place = scorers.kernels, scorers.place
     r = k.rollout

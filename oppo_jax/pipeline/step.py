@@ -28,7 +28,6 @@ from oppo_jax.pipeline.accounting import (
     admission_computed,
     admission_real,
     decode_keys,
-    token_count,
 )
 from oppo_jax.pipeline.carry import (
     AdmitRule,
@@ -45,13 +44,12 @@ from oppo_jax.pipeline.carry import (
 from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION, Placement
 from oppo_jax.pipeline.schedule import Schedule
-from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
 from oppo_jax.pipeline.slot_map import SlotMap, full_chunk, step_compaction
+from oppo_jax.pipeline.step_scorers import StepScorers
 from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, DecodeState
-from oppo_jax.scoring.kept import FROZEN, KeptCaches, kept_bucket, row_ids
-from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
+from oppo_jax.scoring.kept import row_ids
 from oppo_jax.sharding import to_host
 
 
@@ -155,7 +153,7 @@ def run_step(
     work.add("admission", admission_computed(shape, admission.carried_rows, rollout.prompt_width))
     # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
     #    actor decodes the next. Not streaming: they score whole responses afterwards.
-    scorers = _Scorers(engine, train_state.critic_model_params, timeline, work)
+    scorers = StepScorers(engine, train_state.critic_model_params, timeline, work)
     frozen = len([r for r in scorers.roles if r != "critic"])  # reference, reward model
     trained = 1 + len(scorers.roles) - frozen  # the actor, and the critic
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
@@ -339,80 +337,3 @@ def _read_rollout(
     """Every slot's (tokens, logprobs), read to the host, with its lengths (read already)."""
     tokens, logprobs = to_host(outputs)
     return HostRollout(np.asarray(tokens), np.asarray(logprobs), num_generated, finish_step)
-
-
-class _Scorers:
-    """The streaming consumers (reference, critic, reward) of one rollout, on their group."""
-
-    def __init__(self, engine: StepEngine, critic_params, timeline: Timeline, work: WorkLedger):
-        k, place = engine.kernels, engine.placement
-        self.kernels, self.timeline, self.group = k, timeline, place.scoring_group
-        self.place = place
-        self.work, self.prompt_width = work, k.rollout.prompt_width
-        self.admit_real = {"critic": 0, "frozen": 0}  # set by run_step from host lengths
-        self.roles = k.scorer_specs.present()
-        self.params = ScorerParams(
-            reference=engine.ref_params,
-            critic=place.critic_for_scoring(k.spec.critic, critic_params),
-            reward=engine.reward_params if "reward" in self.roles else None,
-        )
-        self.states: ScorerStates | None = None
-        self.packed: ScorerOutputs | None = None  # non-streaming: the packed scoring's outputs
-
-    def _dispatch(self, stage: str, role: str, kernel: Callable, *args):
-        state, marker = kernel(getattr(self.params, role), *args)
-        self.timeline.track(f"{stage} {role}", self.group, marker)
-        return state
-
-    def admit(self, admission: Admission, kept: KeptCaches | None = None, used: int = 0) -> None:
-        """Prefill every scorer with the prompts and carried prefixes; the frozen ones take
-        the first ``used`` slots from ``kept`` instead and prefill only the prompts."""
-        prompts = admission.replace(context=admission.context[:, : self.prompt_width])
-        states = {}
-        for role in self.roles:
-            reuse = used > 0 and role in FROZEN and role in kept.states
-            a = prompts.replace(carried_rows=0) if reuse else admission
-            shape, rows = a.context.shape, a.carried_rows
-            real = self.admit_real["critic" if role == "critic" else "frozen"]
-            self.work.add("admission", admission_computed(shape, rows, self.prompt_width), real)
-            state = self._dispatch("prefill", role, self.kernels.scorer_admit(role), a)
-            states[role] = restore_rows(state, kept.states[role], used) if reuse else state
-        self.states = ScorerStates(**states)
-
-    def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots: SlotBatch) -> None:
-        """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
-        out, computed, real = packed_outputs(self, decoding, rows, slots)
-        self.work.add("scoring", computed * len(self.roles), real * len(self.roles))
-        self.packed = ScorerOutputs(out["reference"], out["critic"], out.get("reward"))
-
-    def keep(self, slots: list[int], plan: StepPlan) -> KeptCaches | None:
-        """The frozen scorers' states of the carried ``slots`` (None when none is carried)."""
-        if not slots:
-            return None
-        bucket = kept_bucket(len(slots), plan.reserved - plan.batch_size)
-        frozen = {r: getattr(self.states, r) for r in self.roles if r in FROZEN}
-        return keep_rows(frozen, slots, bucket, [])
-
-    def feed(self, chunk: ChunkTokens, kv_width: int | None = None) -> None:
-        """Prefill every scorer with the chunk's new tokens (attending over the first
-        ``kv_width`` cache columns; None: all)."""
-        self.work.add("scoring", len(self.roles) * token_count(chunk.tokens))
-        self.states = ScorerStates(
-            **{
-                role: self._dispatch(
-                    "score",
-                    role,
-                    self.kernels.scorer_chunk(role, kv_width),
-                    getattr(self.states, role),
-                    chunk,
-                )
-                for role in self.roles
-            }
-        )
-
-    def outputs(self) -> ScorerOutputs:
-        return self.packed if self.packed is not None else self.states.outputs()
-
-    def close(self) -> None:
-        """Let go of the scorers' caches and of this step's critic copy."""
-        self.states = self.params = None

@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh
 
 from oppo_jax import offload
-from oppo_jax.config import OptimConfig, PPOConfig
+from oppo_jax.config import PPOConfig
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.advantages import kl_estimate
@@ -116,24 +116,6 @@ class UpdateLayout:
         """(actor, critic) gradient trees laid out like the parameters they belong to."""
         targets = (self.state.actor_params, self.state.critic_params)
         return jax.lax.with_sharding_constraint(grads, targets)
-
-
-def make_optimizer(optim: OptimConfig, lr: float, total_updates: int):
-    """AdamW with global-norm clipping and a warm-up then constant/cosine/linear schedule."""
-    warmup = max(optim.warmup_steps, 0)
-    decay_steps = max(total_updates - warmup, 1)
-    after = {
-        "constant": optax.constant_schedule(lr),
-        "cosine": optax.cosine_decay_schedule(lr, decay_steps),
-        "linear": optax.linear_schedule(lr, 0.0, decay_steps),
-    }[optim.schedule]
-    schedule = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
-    return optax.chain(
-        optax.clip_by_global_norm(optim.max_grad_norm),
-        optax.adamw(
-            schedule, optim.adam_b1, optim.adam_b2, optim.adam_eps, weight_decay=optim.weight_decay
-        ),
-    )
 
 
 def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainState:

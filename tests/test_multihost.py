@@ -195,7 +195,7 @@ def test_train_command_joins_the_runtime_first(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(sh, "multihost_initialize", lambda **kw: seen.append(kw))
 
-    def fake_train(cfg, out, resume, progress):
+    def fake_train(cfg, out, resume, progress, warmup=True):
         seen.append("train")
         return {}
 

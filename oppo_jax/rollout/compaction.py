@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, Bool, Int
 
 from oppo_jax.models.kv_cache import KVCache
@@ -63,6 +64,19 @@ def _per_slot(leaf, slots: int, axis: int) -> bool:
     return hasattr(leaf, "ndim") and leaf.ndim > axis and leaf.shape[axis] == slots
 
 
+def _rows_beside(rows: Array, leaf) -> Array:
+    """``rows`` replicated on the devices that hold ``leaf``: the decode state and the scorer
+    states may live on different device groups (disaggregated placement), and the row indices
+    are computed beside the decode state. A few int32s, copied device to device."""
+    target = getattr(leaf, "sharding", None)
+    source = getattr(rows, "sharding", None)
+    if target is None or source is None or target.device_set == source.device_set:
+        return rows
+    if isinstance(target, NamedSharding):
+        return jax.device_put(rows, NamedSharding(target.mesh, PartitionSpec()))
+    return jax.device_put(rows, SingleDeviceSharding(next(iter(target.device_set))))
+
+
 def take_slots(tree, rows, slots: int):
     """Gather the ``rows`` of every per-slot leaf of ``tree`` (S slots) along its slot axis;
     other leaves pass through unchanged."""
@@ -70,7 +84,9 @@ def take_slots(tree, rows, slots: int):
 
     def take(path, leaf):
         axis = _axis(path, leaf)
-        return jnp.take(leaf, rows, axis=axis) if _per_slot(leaf, slots, axis) else leaf
+        if not _per_slot(leaf, slots, axis):
+            return leaf
+        return jnp.take(leaf, _rows_beside(rows, leaf), axis=axis)
 
     return jax.tree_util.tree_map_with_path(take, tree)
 
@@ -85,7 +101,7 @@ def put_slots(full, part, rows):
         axis = _axis(path, f)
         if not _per_slot(f, slots, axis):
             return p
-        index = (slice(None),) * axis + (rows,)
+        index = (slice(None),) * axis + (_rows_beside(rows, f),)
         return f.at[index].set(p)
 
     return jax.tree_util.tree_map_with_path(put, full, part)

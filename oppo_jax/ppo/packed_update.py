@@ -26,9 +26,8 @@ import numpy as np
 from oppo_jax.models import lora
 from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
 from oppo_jax.models.transformer import Transformer
-from oppo_jax.ppo.advantages import kl_estimate
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.losses import aggregate, policy_loss, value_loss
+from oppo_jax.ppo.losses import value_loss
 from oppo_jax.ppo.packing import (
     PackedMicrobatch,
     PackIndices,
@@ -41,6 +40,7 @@ from oppo_jax.ppo.update import (
     Losses,
     UpdateLayout,
     UpdateSpec,
+    actor_objective,
     all_finite,
     batch_shardings,
     finish_update,
@@ -70,24 +70,7 @@ def packed_actor_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicroba
     logp, entropy = token_logprobs_and_entropy(
         spec.actor, params, hidden, mb.targets, spec.temperature, VOCAB_BLOCK
     )
-    is_clip = ppo.importance_clip if ppo.importance_correction else None
-    pg, aux = policy_loss(
-        logp,
-        mb.old_logp,
-        mb.advantages,
-        mb.mask,
-        ppo.cliprange,
-        ppo.loss_agg,
-        behaviour_logp=mb.behaviour_logp if is_clip else None,
-        is_clip=is_clip,
-        segments=segments,
-    )
-    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, segments)
-    loss = pg - ppo.entropy_coef * mean_entropy
-    if not ppo.kl_in_reward:
-        kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)
-        loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, segments)
-    return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
+    return actor_objective(ppo, logp, entropy, mb, kl_coef, segments)
 
 
 def packed_critic_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicrobatch):

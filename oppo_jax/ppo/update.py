@@ -131,10 +131,14 @@ def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainStat
 
 def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
     """Clipped surrogate (+ entropy bonus, + KL-in-loss) on one microbatch; returns (loss, aux)."""
-    ppo = spec.ppo
     logp, entropy = policy_logprobs(
         spec.actor, params, mb.tokens, mb.prompt_len, mb.response_len, spec.temperature
     )
+    return actor_objective(spec.ppo, logp, entropy, mb, kl_coef)
+
+
+def actor_objective(ppo, logp, entropy, mb, kl_coef, segments=None):
+    """The actor's loss from per-token log-probs, padded or packed (``segments``)."""
     is_clip = ppo.importance_clip if ppo.importance_correction else None
     pg, aux = policy_loss(
         logp,
@@ -145,12 +149,13 @@ def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
         ppo.loss_agg,
         behaviour_logp=mb.behaviour_logp if is_clip else None,
         is_clip=is_clip,
+        segments=segments,
     )
-    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg)
+    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, segments)
     loss = pg - ppo.entropy_coef * mean_entropy
     if not ppo.kl_in_reward:
-        kl = aggregate(kl_estimate(logp, mb.ref_logp, ppo.kl_estimator), mb.mask, ppo.loss_agg)
-        loss = loss + kl_coef * kl
+        kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)
+        loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, segments)
     return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
 
 

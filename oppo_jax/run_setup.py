@@ -264,7 +264,10 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
     if not cfg.reward.model_weight:  # (random models are built in pairs; drop the reward one)
         reward = None
     engine = StepEngine(
-        kernels=build_kernels(spec, rollout, reward_model=reward and reward.config, update=update),
+        kernels=dataclasses.replace(
+            build_kernels(spec, rollout, reward_model=reward and reward.config, update=update),
+            compact_slots=cfg.pipeline.compact_slots,
+        ),
         placement=placement,
         ref_params=placement.scoring_params(actor.config, actor.params),
         reward_params=reward and placement.scoring_params(reward.config, reward.params),

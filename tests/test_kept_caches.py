@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import oppo_jax.pipeline.step as step_module
+import oppo_jax.pipeline.step_scorers as step_module
 from oppo_jax.checkpoint import RunCheckpointer
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params

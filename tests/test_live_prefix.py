@@ -346,3 +346,21 @@ def test_decode_keys_on_hand_counted_cases():
     ledger = WorkLedger()
     ledger.keys = (100, 40)
     assert ledger.to_record()["decode_keys"] == {"computed": 100, "real": 40, "efficiency": 0.4}
+
+
+def test_take_slots_keeps_uncommitted_leaves_on_the_rows_mesh():
+    """Rows computed on a two-device mesh gather an uncommitted leaf (the cut rule's flags, made
+    by jnp) onto that mesh, not onto one device: a later kernel over the mesh takes both."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from oppo_jax.rollout.compaction import take_slots
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    rows = jax.device_put(jnp.array([1, 3], jnp.int32), NamedSharding(mesh, PartitionSpec()))
+    flags = jnp.array([True, False, True, False])  # uncommitted, on the default device
+    placed = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, PartitionSpec()))
+    kept_flags, kept_values = take_slots((flags, placed), rows, 4)
+    assert kept_flags.tolist() == [False, False] and kept_values.tolist() == [1.0, 3.0]
+    assert kept_flags.sharding.device_set == set(jax.devices()[:2])
+    both = jax.jit(lambda a, b: jnp.where(a, b, 0.0))(kept_flags, kept_values)
+    assert both.tolist() == [0.0, 0.0]

@@ -151,8 +151,11 @@ def small_demo_assets(demo_cache):
 
 @pytest.mark.slow  # two JAX processes joined through a coordinator
 def test_two_processes_train_equals_one_process(small_demo_assets, tmp_path):
+    # No slot compaction: a multi-process run never compacts (slot_map.compacts), and the
+    # ledger of a compacting one-process run would count fewer decode tokens.
     overrides = small_demo_args(*OPPO_WITH_CARRYING, "pipeline.adaptive_overcommit=false",
-                                "train.steps=2", "mesh.fsdp=2")  # fmt: skip
+                                "train.steps=2", "mesh.fsdp=2",
+                                "pipeline.compact_slots=false")  # fmt: skip
     cli = [sys.executable, "-m", "oppo_jax.cli", "train", "--quiet"]
     cli += [f"--set={item}" for item in overrides]
     cache = {"OPPO_JAX_CACHE": str(small_demo_assets)}

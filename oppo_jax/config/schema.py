@@ -138,6 +138,9 @@ class PipelineConfig:
     max_deferrals: int = 2  # steps a sequence may be carried before it must finish
     # device roles: colocated (all share the mesh) | disaggregated (scorers on own devices)
     placement: str = "colocated"
+    # gather the still-running decode slots into a smaller slot bucket once they fit in half of
+    # it (one more compiled bucket each); null: on for the CPU, off for GPU/TPU
+    compact_slots: bool | None = None
 
 
 @dataclass(frozen=True)

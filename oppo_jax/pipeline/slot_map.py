@@ -96,9 +96,11 @@ def step_compaction(compact: bool | None, shards: int, slots: int, scorers):
 
 def compacts(compact: bool | None, shards: int) -> bool:
     """Whether a run's decode compacts: ``compact`` (None: the backend's default) and a
-    power-of-two count of the generation mesh's batch ``shards``."""
+    power-of-two count of the generation mesh's batch ``shards``, in a single-process run: the
+    kept rows' indices are computed beside the decode state, and moving them to another
+    process's devices is a cross-host transfer (the CPU backend has none)."""
     compact = compaction_default() if compact is None else compact
-    return bool(compact) and not shards & (shards - 1)
+    return bool(compact) and not shards & (shards - 1) and jax.process_count() == 1
 
 
 def full_chunk(compaction: tuple[SlotMap, object] | None, chunk: ChunkTokens) -> ChunkTokens:

@@ -72,6 +72,11 @@ def _rows_beside(rows: Array, leaf) -> Array:
     source = getattr(rows, "sharding", None)
     if target is None or source is None or target.device_set == source.device_set:
         return rows
+    # An uncommitted leaf (made by jnp on the default device, e.g. the cut rule's flags) follows
+    # the rows; moving the rows to it instead would commit the result to one device and a
+    # later kernel on the whole mesh would refuse it. (jax has no public name for the flag.)
+    if not getattr(leaf, "_committed", True):
+        return rows
     if isinstance(target, NamedSharding):
         return jax.device_put(rows, NamedSharding(target.mesh, PartitionSpec()))
     return jax.device_put(rows, SingleDeviceSharding(next(iter(target.device_set))))

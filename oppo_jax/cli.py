@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from oppo_jax.help_text import plain
+
 # Where JAX's persistent compilation cache goes: auto (on for GPU/TPU, off on the CPU), on, off
 COMPILATION_CACHE_ENV = "OPPO_JAX_COMPILATION_CACHE"
 
@@ -35,7 +37,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oppo-jax",
-        description=__doc__,
+        description=plain(__doc__),
         epilog="Each command's options: oppo-jax COMMAND --help",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import jax
 
 from oppo_jax.config import ConfigError
+from oppo_jax.help_text import plain
 from oppo_jax.memory import (
     KERNELS,
     Lowering,
@@ -112,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from oppo_jax.config import devices_needed, load_config
 
-    parser = argparse.ArgumentParser(prog="oppo-jax memory", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="oppo-jax memory", description=plain(__doc__.splitlines()[0])
+    )
     parser.add_argument("config", help="config name or YAML file (needs model.preset)")
     parser.add_argument(
         "--set",

@@ -77,9 +77,11 @@ def test_plots_are_written_when_the_run_is_preempted(demo_cache, tmp_path, monke
 
 
 def test_help_texts_are_plain_and_bench_states_its_defaults(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["--help"])
-    assert "``" not in capsys.readouterr().out
+    for command in ([], ["train"], ["bench"], ["export"], ["sim"], ["memory"], ["sft"], ["rm"]):
+        with pytest.raises(SystemExit):
+            cli.main([*command, "--help"])
+        text = capsys.readouterr().out
+        assert "usage: oppo-jax" in text and "``" not in text, command
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())

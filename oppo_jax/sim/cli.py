@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from oppo_jax.errors import ConfigError
+from oppo_jax.help_text import plain
 from oppo_jax.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, Engine, recorded_engine
 from oppo_jax.sim.events import PLACEMENTS, SCHEDULES, Workload, compare, recommend
 from oppo_jax.sim.fitting import bench_records, calibrate, calibrate_from_bench
@@ -40,7 +41,7 @@ __all__ = ["demo_lengths", "longtail_lengths", "main", "read_lengths"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="oppo-jax sim", description=__doc__)
+    p = argparse.ArgumentParser(prog="oppo-jax sim", description=plain(__doc__))
     src = p.add_mutually_exclusive_group()
     src.add_argument("--bench", help="bench.json of `oppo-jax bench` (with per-step timelines)")
     src.add_argument("--metrics", help="metrics.jsonl of a run (its config.yaml is read too)")

@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
 from oppo_jax.models.lora import LoraDense
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.query_blocks import attention
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -126,16 +127,9 @@ class Attention(nn.Module):
             width = mask.shape[-1]
             keys, values = read_layer(k_all, layer, width), read_layer(v_all, layer, width)
             kv = (k_all, v_all, layer)
-        # GQA is native (no repeated kv-heads). implementation=None lets jax pick the kernel
-        # (XLA in jax 0.10: scores in float32, softmax in float32, on every backend).
-        out = jax.nn.dot_product_attention(
-            q,
-            keys.astype(q.dtype),
-            values.astype(q.dtype),
-            mask=mask,
-            is_causal=causal,
-            implementation=None,
-        )
+        # GQA is native (no repeated kv-heads). XLA's kernel (jax 0.10: scores and softmax in
+        # float32) over query blocks whose scores fit a budget (models.query_blocks).
+        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, causal)
         out = out.reshape(s, t, q_width)
         return _dense(cfg, cfg.hidden_size, ("heads", "embed"), cfg.o_bias, "o_proj")(out), kv
 

@@ -142,7 +142,8 @@ def _load_models(cfg: Config, mesh, progress: bool):
             "must both be 'demo', both 'random', or neither"
         )
     if m.actor_path == RANDOM_MODELS:
-        return *_random_models(cfg, mesh), None, None, None
+        actor, reward = (_with_attention(x, m.attention) for x in _random_models(cfg, mesh))
+        return actor, reward, None, None, None
     prompts = gold_fn = None
     actor_dir, reward_dir = Path(m.actor_path), Path(m.reward_path)
     if m.actor_path == "demo":
@@ -153,7 +154,16 @@ def _load_models(cfg: Config, mesh, progress: bool):
     if cfg.reward.model_weight:
         reward = load_hf_model(reward_dir, trust_remote_code=m.trust_remote_code, **options)
     _check_models(actor, reward, actor_dir, reward_dir)
+    actor, reward = _with_attention(actor, m.attention), _with_attention(reward, m.attention)
     return actor, reward, actor_dir, prompts, gold_fn
+
+
+def _with_attention(model: HFModel | None, kernel: str) -> HFModel | None:
+    """``model`` whose architecture runs attention on ``kernel`` (``model.attention``): a
+    choice of the run, not of the checkpoint, so it is set after loading."""
+    if model is None:
+        return None
+    return dataclasses.replace(model, config=model.config.replace(attention=kernel))
 
 
 def prompt_format(cfg: Config) -> PromptFormat:

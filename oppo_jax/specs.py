@@ -90,7 +90,8 @@ def preset_models(cfg: Config) -> tuple[ModelConfig, ModelConfig]:
     """Actor (lm head) and critic (score head) architectures of a config's ``model.preset``."""
     if cfg.model.preset is None:
         raise ValueError("model.preset is not set; abstract checks need an architecture")
-    dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
+    m = cfg.model
+    dtypes = {"dtype": m.dtype, "param_dtype": m.param_dtype, "attention": m.attention}
     return preset(cfg.model.preset, **dtypes), preset(cfg.model.preset, head="score", **dtypes)
 
 

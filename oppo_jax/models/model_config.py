@@ -19,6 +19,9 @@ Remat = Literal["none", "full", "dots"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
+# Attention kernels (oppo_jax.models.attention): auto picks cuDNN on a GPU, splash on a TPU.
+ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -45,6 +48,7 @@ class ModelConfig:
     dtype: str = "float32"  # activation dtype
     param_dtype: str = "float32"  # parameter dtype
     remat: Remat = "none"  # per-layer rematerialisation in the backward pass (see Remat)
+    attention: str = "auto"  # attention kernel: auto | xla | cudnn | splash (models.attention)
     lora_rank: int = 0  # r, rank of the LoRA adapters (0 = no adapters; see models.lora)
     lora_alpha: float = 16.0  # adapters scale by lora_alpha / lora_rank
     lora_targets: tuple[str, ...] = lora.ALL_TARGETS  # projections that carry an adapter
@@ -60,6 +64,8 @@ class ModelConfig:
             raise ValueError(f"head={self.head!r}: expected 'lm' or 'score'")
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}: expected 'none', 'full' or 'dots'")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION_KERNELS}")
         unknown = set(self.lora_targets) - set(lora.ALL_TARGETS)
         if self.lora_rank < 0 or unknown:
             raise ValueError(

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from oppo_jax.models.attention import attend
 from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
 from oppo_jax.models.lora import LoraDense
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.models.query_blocks import attention
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -89,23 +89,15 @@ def attention_mask_for_cache(
     return k_pos[None, None, None, :] <= positions[:, None, :, None]
 
 
-def segment_mask(segment_ids: Int[Array, "S T"]) -> Bool[Array, "S 1 T T"]:
-    """Tokens attend only within their own segment (packed sequences).
-
-    Example: segment_ids [[0, 0, 1]] -> [[[[T, T, F], [T, T, F], [F, F, T]]]]; the causal
-    part is applied separately.
-    """
-    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary positions, reading and writing the KV cache."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, kv):
+    def __call__(self, x, context, kv):
         cfg = self.cfg
+        positions, segment_ids, mask = context
         s, t, _ = x.shape
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q = _dense(cfg, q_width, ("embed", "heads"), cfg.qkv_bias, "q_proj")(x)
@@ -127,9 +119,12 @@ class Attention(nn.Module):
             width = mask.shape[-1]
             keys, values = read_layer(k_all, layer, width), read_layer(v_all, layer, width)
             kv = (k_all, v_all, layer)
-        # GQA is native (no repeated kv-heads). XLA's kernel (jax 0.10: scores and softmax in
-        # float32) over query blocks whose scores fit a budget (models.query_blocks).
-        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, causal)
+        # GQA is native (no repeated kv-heads). The call's form, not a mask, goes to the kernel
+        # (models.attention): a decode step's keys are those up to its own position.
+        kv_lengths = positions[:, 0] + 1 if not causal and t == 1 else None
+        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        out = attend(q, keys, values, implementation=cfg.attention, causal=causal,
+                     segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask)  # fmt: skip
         out = out.reshape(s, t, q_width)
         return _dense(cfg, cfg.hidden_size, ("heads", "embed"), cfg.o_bias, "o_proj")(out), kv
 
@@ -151,7 +146,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block as a scan body: carry (x, kv) -> (x', kv'), no scanned output.
 
-    ``kv`` is None (no cache) or (keys [L S K Tc Dh], values, this layer's index).
+    ``kv`` is None (no cache) or (keys [L S K Tc Dh], values, this layer's index); ``context``
+    (the same for every layer) is (positions [S T], segment ids [S T] or None, the cache mask
+    [S 1 T Tc] or None).
     """
 
     cfg: ModelConfig
@@ -159,9 +156,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, carry, context):
         x, kv = carry
-        positions, mask = context
         attn_out, kv = Attention(self.cfg, name="self_attn")(
-            RMSNorm(self.cfg, name="input_layernorm")(x), positions, mask, kv
+            RMSNorm(self.cfg, name="input_layernorm")(x), context, kv
         )
         x = x + attn_out
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="post_attention_layernorm")(x))
@@ -233,15 +229,14 @@ class Transformer(nn.Module):
         if cache is None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
-            mask = None if segment_ids is None else segment_mask(segment_ids)
-            kv = None
+            mask = kv = None  # causal by index; segments (if any) go to attention as they are
         else:
             if positions is not None or segment_ids is not None:
                 raise ValueError("positions and segment_ids are for the cache-less forward only")
             positions = write_positions(cache.length, t)
             mask = attention_mask_for_cache(positions, _kv_width(kv_width, cache.capacity))
             kv = (cache.k, cache.v, jnp.zeros((), jnp.int32))
-        (x, kv), _ = _layers(cfg)((x, kv), (positions, mask))
+        (x, kv), _ = _layers(cfg)((x, kv), (positions, segment_ids, mask))
         x = RMSNorm(cfg, name="norm")(x)
         out = x if return_hidden else self._head(embed, x)
         if cache is None:

@@ -3,7 +3,10 @@
 # Qwen2.5-0.5B-shaped random bf16 models and long-tailed lengths up to 1024 tokens
 # (configs/bench_longtail_gpu.yaml). Budget: 8 minutes, compilation included.
 #
-#   benchmarks/gpu_bench.sh [--smoke] [--out DIR] [--steps N] [--warmup N]
+#   benchmarks/gpu_bench.sh [--smoke] [--out DIR] [--steps N] [--warmup N] [--attention K]
+#
+# --attention: model.attention (default auto: cuDNN flash attention on the GPU for the bf16
+# models; xla runs XLA's kernel instead, e.g. to compare, or where cuDNN rejects a shape).
 #
 # Needs nothing downloaded: the models are random weights built from the preset, the prompts
 # random token ids. The project is not installed: the script puts the repository on
@@ -28,13 +31,15 @@ SMOKE=0
 OUT=""
 STEPS=""
 WARMUP=""
+ATTENTION=auto
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --smoke) SMOKE=1; shift ;;
     --out) OUT="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
     --warmup) WARMUP="$2"; shift 2 ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --attention) ATTENTION="$2"; shift 2 ;;
+    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -58,11 +63,11 @@ if [[ -n "$missing" ]]; then
 fi
 
 CONFIG="$ROOT/configs/bench_longtail_gpu.yaml"
-SET=()
+SET=(model.attention="$ATTENTION")
 if [[ $SMOKE == 1 ]]; then
   # Same config and code path on the CPU: tiny preset, short responses, a few steps.
   export JAX_PLATFORMS=cpu
-  SET=(model.preset=tiny model.dtype=float32 model.param_dtype=float32 model.remat=none
+  SET+=(model.preset=tiny model.dtype=float32 model.param_dtype=float32 model.remat=none
        rollout.batch_size=4 rollout.max_prompt_len=16 rollout.max_response_len=64
        rollout.length_median=8 rollout.length_p99=56 data.random_prompt_len=[4,16]
        ppo.grad_accum_steps=1 pipeline.chunk_size=8 pipeline.overcommit=4

@@ -23,7 +23,8 @@ from oppo_jax.models.kv_cache import KVCache, init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
 from oppo_jax.rollout.layout import gather_response, response_tokens
-from oppo_jax.sharding import constrain_slots
+from oppo_jax.rollout.prefill_chunks import chunked_prefill, prefill_chunk
+from oppo_jax.sharding import batch_shards, constrain_slots
 
 
 @flax.struct.dataclass
@@ -109,9 +110,16 @@ def _prefill_rows(cfg, params, context, context_len, prefix_len, prefix_fn, rows
     capacity, response_len, mesh = rows_spec
     # Born sharded along the slots: a replicated [L, S, K, P + R, Dh] buffer would not fit.
     cache = constrain_slots(init_cache(cfg, context.shape[0], capacity), mesh)
-    hidden, cache = prefill_hidden(cfg, params, cache, context, context_len)
-    last = jnp.maximum(context_len - 1, 0)
-    last_hidden = gather_rows(hidden, last[:, None])[:, 0]
+    chunk = prefill_chunk(_rows_per_device(context.shape[0], mesh), context.shape[1])
+    if chunk < context.shape[1]:  # sequence chunks into the cache: one chunk's activations
+        keep = prefix_fn is not None  # carried rows' heads read hidden states along the row
+        last_hidden, hidden, cache = chunked_prefill(
+            cfg, params, cache, context, context_len, chunk, keep, mesh
+        )
+    else:
+        hidden, cache = prefill_hidden(cfg, params, cache, context, context_len)
+        last = jnp.maximum(context_len - 1, 0)
+        last_hidden = gather_rows(hidden, last[:, None])[:, 0]
     if prefix_fn is None:
         return cache, last_hidden, jnp.zeros((context.shape[0], response_len), jnp.float32)
     prompt_len = context_len - prefix_len
@@ -135,7 +143,9 @@ def admission_prefill(
     prefilled at the full width W and yield ``prefix_fn`` of their hidden states (zeros when
     ``prefix_fn`` is None: a consumer that needs no per-token quantity); the rest, which
     carry no prefix, only at the prompt width P, and yield zeros. Prefill cost is then about
-    K·W + (S − K)·P tokens, not S·W, and no head runs over a whole row.
+    K·W + (S − K)·P tokens, not S·W, and no head runs over a whole row. Each part runs in
+    sequence chunks when its rows per device times its width exceed
+    ``prefill_chunks.PREFILL_TOKEN_BUDGET``, so its activations are one chunk's.
 
     Returns (cache, hidden state at each slot's last context token [S, D], prefix quantities
     [S, R]), laid out along the slots over ``mesh`` when one is given.
@@ -155,6 +165,12 @@ def admission_prefill(
     # Caches share the capacity P + R, so the two parts stack along the slot axis.
     stacked = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=_slot_axis(x)), carried, fresh)
     return constrain_slots(stacked, mesh)
+
+
+def _rows_per_device(rows: int, mesh: Mesh | None) -> int:
+    """Rows each device prefills: the slots split over the batch axes when they divide."""
+    shards = 1 if mesh is None else batch_shards(mesh)
+    return rows // shards if rows % shards == 0 else rows
 
 
 def _slot_axis(x) -> int:

@@ -3,15 +3,16 @@ memory analysis. Nothing is allocated.
 
 Every array is a ``jax.ShapeDtypeStruct`` carrying the sharding the run gives it. Each kernel
 (the PPO update, the actor's admission prefill, a decode chunk, a reference-scorer chunk) is
-jitted as the run jits it (same donation), lowered with those inputs and compiled for the CPU
-backend on fake CPU devices, one per mesh device; ``compiled.memory_analysis()`` then gives one
-device's argument, output, aliased (donated) and temporary bytes.
+jitted as the run jits it (same donation), lowered with those inputs and compiled for fake CPU
+devices (or, ``Lowering.target``, for a deviceless TPU v5p topology), one per mesh device;
+``compiled.memory_analysis()`` then gives one device's argument, output, aliased (donated) and
+temporary bytes.
 
-The CPU backend is not the target: XLA:CPU computes bfloat16 arithmetic in float32, so kernel
-temporaries of a bf16 model are upper bounds (arguments and state keep their dtypes), and its
-fusion and scheduling differ from GPU/TPU. A kernel's "with resident" adds its temporaries and
-new outputs (output − aliased) to everything a step keeps resident: trained and frozen
-parameters, optimizer state, the four KV caches and the PPO batch.
+XLA:CPU computes bfloat16 arithmetic in float32, so kernel temporaries of a bf16 model are
+upper bounds there (arguments and state keep their dtypes; ``memory_target``). A kernel's
+"with resident" adds its temporaries and new outputs (output − aliased) to everything a step
+keeps resident: trained and frozen parameters, optimizer state, the four KV caches and the PPO
+batch; "with live" adds them to what the step holds while that kernel runs (``live_during``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from oppo_jax.memory_abstract import (
     shape_checks_off,
     shaped,
 )
+from oppo_jax.memory_target import target_devices, target_note
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.ppo.optimizer import make_optimizer
@@ -60,10 +62,6 @@ from oppo_jax.sharding import (
 from oppo_jax.trained_params import abstract_train_state
 
 KERNELS = ("update", "admission", "decode_chunk", "score_chunk")
-CPU_NOTE = (
-    "lowered for the CPU backend on fake devices: XLA:CPU computes bf16 in f32, so kernel "
-    "temporaries of a bf16 model are upper bounds; state bytes keep their dtypes"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,17 +230,12 @@ class _Run:
         }
 
 
-def _meshes(mesh_shape, scoring_shape):
-    """(training/generation mesh, scoring mesh) on fake CPU devices; the scoring mesh is the
-    same one when ``scoring_shape`` is None (colocated), else on the devices after it."""
+def _meshes(mesh_shape, scoring_shape, target: str = "cpu"):
+    """(training/generation mesh, scoring mesh) on ``target``'s devices (fake CPU ones, or a
+    deviceless TPU topology); the scoring mesh is the same one when ``scoring_shape`` is None
+    (colocated), else on the devices after it."""
     n, extra = math.prod(mesh_shape), math.prod(scoring_shape or (0,))
-    devices = jax.devices("cpu")
-    if len(devices) < n + extra:
-        raise RuntimeError(
-            f"the memory report lowers on {n + extra} CPU devices but this process has "
-            f"{len(devices)}: call jax.config.update('jax_num_cpu_devices', {n + extra}) (or "
-            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n + extra}) before JAX starts"
-        )
+    devices = target_devices(target, n + extra)
     mesh = make_mesh(*mesh_shape, devices[:n])
     return mesh, mesh if scoring_shape is None else make_mesh(
         *scoring_shape, devices[n : n + extra]
@@ -282,6 +275,7 @@ class Lowering:
     # None: full depth. State bytes are exact either way.
     layers: int | None = None
     remat: str | None = None  # the update's per-layer remat (none | full | dots); None: as is
+    target: str = "cpu"  # the compiler: "cpu" (fake devices) or "tpu-v5p" (memory_target)
 
 
 def memory_report(
@@ -300,8 +294,9 @@ def memory_report(
 
     Returns:
         A JSON-ready dict: ``bytes`` (parameters, AdamW moments, KV caches, batch),
-        ``resident`` (their sum) and ``kernels``: per kernel its memory analysis, ``peak``
-        and ``with_resident``.
+        ``resident`` (their sum) and ``kernels``: per kernel its memory analysis, ``peak``,
+        ``with_resident`` (everything resident on top: an upper bound), ``live`` (what the
+        step holds while it runs, ``live_during``) and ``with_live``.
     """
     actor = _model(models.actor, "lm")
     critic = (
@@ -317,15 +312,16 @@ def memory_report(
     txs = [make_optimizer(optim, lr, 1000) for lr in (optim.actor_lr, optim.critic_lr)]
     txs = [offload.offloaded(tx) if optim.offload else tx for tx in txs]
     spec = UpdateSpec(*trained, ppo, sampling.temperature, *txs)
-    meshes = _meshes(mesh, scoring_mesh)
+    meshes = _meshes(mesh, scoring_mesh, lowering.target)
     run = _Run(spec, optim.master_dtype, actor, reward, shapes, sampling, *meshes)
     state = run.resident()
     device = {k: v for k, v in state.items() if k != "host"}
     resident = sum(v if isinstance(v, int) else sum(v.values()) for v in device.values())
     depth = actor.num_layers
     cut = layers is not None and layers < depth
-    note = CPU_NOTE + (
+    note = target_note(lowering.target) + (
         f"; kernels lowered at {layers} and {layers + 1} layers, extrapolated linearly to {depth}"
+        " (an estimate: XLA's buffer packing is not linear in depth)"
         if cut
         else ""
     )
@@ -342,17 +338,36 @@ def memory_report(
         "resident": resident,
         "kernels": {},
     }
+    kept_fraction = (shapes.slots - shapes.batch_size) / run.slots  # Δ_max of the slots
     for name in lowering.kernels:
         if cut:
             shallow = run.at_depth(layers).kernel(name)
             mem = shallow.extrapolate(run.at_depth(layers + 1).kernel(name), depth - layers)
         else:
             mem = run.kernel(name)
+        live = live_during(name, resident, state["kv_caches"], kept_fraction)
         report["kernels"][name] = dataclasses.asdict(mem) | {
             "peak": mem.peak,
             "with_resident": resident + mem.temp + mem.output - mem.alias,
+            "live": live,
+            "with_live": live + mem.temp + mem.output - mem.alias,
         }
     return report
+
+
+def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) -> int:
+    """Bytes a step holds on a device while ``kernel`` runs, in ``pipeline.step``'s order.
+
+    The actor's admission runs before any of this step's KV caches exists (it returns the
+    actor's, counted as its output) and the update after the step has dropped all four; both
+    see only the frozen scorers' kept rows of carried sequences (at most Δ_max of the slots:
+    ``kept_fraction`` of the reference's and reward model's caches). Decode and scorer chunks
+    run with all four caches resident.
+    """
+    if kernel not in ("update", "admission"):
+        return resident
+    kept = kept_fraction * (caches["reference"] + caches["reward"])
+    return resident - sum(caches.values()) + int(kept)
 
 
 def _describe(cfg: ModelConfig) -> dict:

@@ -22,11 +22,16 @@ from oppo_jax.memory import (
     RunShapes,
     memory_report,
 )
+from oppo_jax.memory_target import TARGETS
 from oppo_jax.rollout.sampling import SamplingConfig
 
 
 def config_memory_report(
-    cfg, kernels: Sequence[str] = KERNELS, layers: int | None = None, remat: str | None = None
+    cfg,
+    kernels: Sequence[str] = KERNELS,
+    layers: int | None = None,
+    remat: str | None = None,
+    target: str = "cpu",
 ) -> dict:
     """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
     ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
@@ -67,7 +72,7 @@ def config_memory_report(
         cfg.optim,
         SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy),
     )
-    lowering = Lowering(tuple(kernels), layers, remat or cfg.model.remat)
+    lowering = Lowering(tuple(kernels), layers, remat or cfg.model.remat, target)
     report = memory_report(ReportModels(actor, critic), shapes, settings, lowering)
     return {"preset": cfg.model.preset, **report}
 
@@ -97,12 +102,20 @@ def format_table(report: dict) -> str:
         "|---|---|",
         *(f"| {name} | {fmt(n)} |" for name, n in rows),
         "",
-        "| kernel | arguments | outputs | aliased | temporaries | peak | with resident |",
-        "|---|---|---|---|---|---|---|",
+        "| kernel | arguments | outputs | aliased | temporaries | peak | with resident "
+        "| with live |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, k in report["kernels"].items():
-        cells = (k[f] for f in ("argument", "output", "alias", "temp", "peak", "with_resident"))
+        fields = ("argument", "output", "alias", "temp", "peak", "with_resident", "with_live")
+        cells = (k[f] for f in fields)
         lines.append(f"| {name} | " + " | ".join(map(fmt, cells)) + " |")
+    lines += [
+        "",
+        "with resident: a kernel's temporaries and new outputs on top of everything resident "
+        "(an upper bound); with live: on top of what the step holds while it runs (the "
+        "admission before, the update after the KV caches but the frozen scorers' kept rows).",
+    ]
     return "\n".join(lines)
 
 
@@ -127,16 +140,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="override config keys (give CONFIG first)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--layers", type=int, help="lower at this depth and extrapolate")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="lower at this depth and one more and extrapolate linearly (a fast estimate, up to "
+        "14%% below a full-depth lowering of the 7B LoRA config; the default lowers all layers)",
+    )
     parser.add_argument("--remat", choices=("none", "full", "dots"), help="override model remat")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="cpu",
+        help="compile for XLA:CPU (bf16 computed in f32: upper bounds) or TPU v5p (needs libtpu)",
+    )
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:  # only possible before JAX has started its backends; _meshes says so otherwise
         jax.config.update("jax_num_cpu_devices", devices_needed(cfg))
     except RuntimeError:
         pass
-    report = config_memory_report(cfg, args.kernels, args.layers, args.remat)
+    report = config_memory_report(cfg, args.kernels, args.layers, args.remat, args.target)
     print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
 

@@ -68,6 +68,14 @@ def test_kernels_are_compiled_with_positive_temporaries():
         assert k["temp"] > 0, name
         assert k["peak"] == k["argument"] + k["output"] - k["alias"] + k["temp"]
         assert k["with_resident"] == report["resident"] + k["temp"] + k["output"] - k["alias"]
+        assert k["with_live"] == k["live"] + k["temp"] + k["output"] - k["alias"]
+    # The admission and the update run without the rollout's KV caches, but for the frozen
+    # scorers' kept rows: Δ_max = 2 of the 12 padded slots of the reference and reward caches.
+    caches = report["bytes"]["kv_caches"]
+    kept = int(2 / 12 * (caches["reference"] + caches["reward"]))
+    for name in ("admission", "update"):
+        assert kernels[name]["live"] == report["resident"] - sum(caches.values()) + kept
+    assert kernels["decode_chunk"]["live"] == kernels["score_chunk"]["live"] == report["resident"]
     b = report["bytes"]
     state = b["actor_params"] + b["critic_params"] + b["optimizer"] + 4  # + the step counter
     assert kernels["update"]["alias"] == state  # the train state is donated, updated in place
@@ -140,3 +148,38 @@ def test_lora_trains_adapters_over_shared_bases_and_offload_moves_moments_to_the
         ReportModels(lora_model), SHAPES, settings(OptimConfig(master_dtype="bfloat16")), none
     )["bytes"]
     assert 2 * half["actor_params"] == b["actor_params"]
+
+
+def test_unknown_memory_target_is_refused():
+    from oppo_jax.memory_target import target_devices
+
+    with pytest.raises(ValueError, match="unknown memory target 'gpu'"):
+        target_devices("gpu", 1)
+
+
+# Weights (25 MiB of MLP in bf16) that outweigh a TPU's tile padding of the small buffers.
+BF16 = MODEL.replace(
+    dtype="bfloat16", param_dtype="bfloat16", hidden_size=256, intermediate_size=8192, head_dim=64
+)
+
+
+def test_tpu_target_keeps_bf16_where_the_cpu_makes_float32_copies():
+    """XLA:CPU converts a bf16 model's stacked weights to float32 copies (its temporaries hold
+    more than the weights themselves); the TPU compiler (deviceless v5p, with libtpu) keeps
+    them bf16. Without libtpu the target says what to install."""
+    import importlib.util
+
+    lowering = lambda target: Lowering(("decode_chunk",), target=target)  # noqa: E731
+    report = lambda target: memory_report(  # noqa: E731
+        ReportModels(BF16), SHAPES, ReportSettings((1, 1, 1)), lowering(target)
+    )
+    cpu = report("cpu")
+    weights = cpu["bytes"]["reference_params"]  # the bf16 weights the decode chunk reads
+    assert cpu["kernels"]["decode_chunk"]["temp"] > weights  # the float32 copies
+    if importlib.util.find_spec("libtpu") is None:
+        with pytest.raises(RuntimeError, match="libtpu"):
+            report("tpu-v5p")
+        return
+    tpu = report("tpu-v5p")
+    assert "TPU v5p" in tpu["note"]
+    assert tpu["kernels"]["decode_chunk"]["temp"] < weights / 2

@@ -45,7 +45,7 @@ def test_chunked_prefill_equals_one_call(width):
     n_valid = jnp.asarray([width, 1, 0, width // 2], jnp.int32)
     cache = init_cache(ACTOR, 4, width + 8)
     hidden, want = prefill_hidden(ACTOR, params, cache, tokens, n_valid)
-    last, got_hidden, got = chunked_prefill(ACTOR, params, cache, tokens, n_valid, 4, True)
+    last, got_hidden, got = chunked_prefill(ACTOR, params, cache, tokens, n_valid, 4, 4)
     np.testing.assert_array_equal(got.length, n_valid)
     _assert_caches_close(want, got)
     valid = np.arange(width)[None, :] < np.asarray(n_valid)[:, None]

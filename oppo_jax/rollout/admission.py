@@ -9,11 +9,9 @@ O head outputs.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
@@ -104,29 +102,67 @@ def prefill(
     return out.astype(jnp.float32), cache
 
 
-def _prefill_rows(cfg, params, context, context_len, prefix_len, prefix_fn, rows_spec):
-    """Prefill rows into a fresh cache: (cache, hidden state at the last context token,
-    prefix quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
-    capacity, response_len, mesh = rows_spec
-    # Born sharded along the slots: a replicated [L, S, K, P + R, Dh] buffer would not fit.
-    cache = constrain_slots(init_cache(cfg, context.shape[0], capacity), mesh)
-    chunk = prefill_chunk(_rows_per_device(context.shape[0], mesh), context.shape[1])
-    if chunk < context.shape[1]:  # sequence chunks into the cache: one chunk's activations
-        keep = prefix_fn is not None  # carried rows' heads read hidden states along the row
-        last_hidden, hidden, cache = chunked_prefill(
-            cfg, params, cache, context, context_len, chunk, keep, mesh
-        )
-    else:
-        hidden, cache = prefill_hidden(cfg, params, cache, context, context_len)
-        last = jnp.maximum(context_len - 1, 0)
-        last_hidden = gather_rows(hidden, last[:, None])[:, 0]
-    if prefix_fn is None:
-        return cache, last_hidden, jnp.zeros((context.shape[0], response_len), jnp.float32)
+def _feed(cfg, params, cache, tokens, n_valid, keep_rows, mesh, filled=0):
+    """Append rows' tokens to ``cache`` in one call, or in sequence chunks when rows per device
+    x width exceed the budget: (hidden state at each row's last valid token, every hidden
+    state of the first ``keep_rows`` rows or None, cache)."""
+    chunk = prefill_chunk(_rows_per_device(tokens.shape[0], mesh), tokens.shape[1])
+    if chunk < tokens.shape[1]:  # one chunk's activations at a time
+        return chunked_prefill(cfg, params, cache, tokens, n_valid, chunk, keep_rows, mesh, filled)
+    hidden, cache = prefill_hidden(cfg, params, cache, tokens, n_valid)
+    last = gather_rows(hidden, jnp.maximum(n_valid - 1, 0)[:, None])[:, 0]
+    return last, hidden[:keep_rows] if keep_rows else None, cache
+
+
+def _prefix_quantities(hidden, context, context_len, prefix_len, prefix_fn, response_len):
+    """``prefix_fn`` at each carried prefix token [rows, R] from the rows' hidden states
+    [rows, W, D], zero past each prefix."""
     prompt_len = context_len - prefix_len
     before = gather_response(hidden, prompt_len, response_len)
     prefix = response_tokens(context, prompt_len, response_len)
     in_prefix = jnp.arange(response_len)[None, :] < prefix_len[:, None]
-    return cache, last_hidden, jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
+    return jnp.where(in_prefix, prefix_fn(before, prefix), 0.0)
+
+
+def _prefill_rows(cfg, params, context, context_len, prefix_len, prefix_fn, rows_spec):
+    """Prefill rows into a fresh cache: (cache, hidden state at the last context token,
+    prefix quantities [rows, R], zero past each prefix; all zero when ``prefix_fn`` is None)."""
+    capacity, response_len, mesh = rows_spec
+    rows = context.shape[0]
+    # Born sharded along the slots: a replicated [L, S, K, P + R, Dh] buffer would not fit.
+    cache = constrain_slots(init_cache(cfg, rows, capacity), mesh)
+    keep = rows if prefix_fn is not None else 0  # heads read hidden states along the rows
+    last_hidden, hidden, cache = _feed(cfg, params, cache, context, context_len, keep, mesh)
+    if prefix_fn is None:
+        return cache, last_hidden, jnp.zeros((rows, response_len), jnp.float32)
+    c = (context, context_len, prefix_len)
+    return cache, last_hidden, _prefix_quantities(hidden, *c, prefix_fn, response_len)
+
+
+def _carried_tail(cfg, params, head, a: Admission, k: int, prefix_fn, shape, mesh):
+    """Continue the first ``k`` (carried) rows past the prompt width P into ``head`` = (cache,
+    last hidden states, the k rows' hidden states over the first P columns), written back in
+    place; returns (cache, last hidden states [S, D], the k rows' prefix quantities [k, R])."""
+    (cache, last_hidden, head_hidden), (prompt_width, response_len) = head, shape
+    rows = KVCache(k=cache.k[:, :k], v=cache.v[:, :k], length=cache.length[:k])
+    tail_len = a.context_len[:k] - rows.length
+    keep = k if prefix_fn is not None else 0
+    tail_last, tail_hidden, rows = _feed(
+        cfg, params, rows, a.context[:k, prompt_width:], tail_len, keep, mesh, prompt_width
+    )
+    # A k-row update of the whole cache's buffers: written in place, never a second cache.
+    cache = KVCache(
+        k=cache.k.at[:, :k].set(rows.k),
+        v=cache.v.at[:, :k].set(rows.v),
+        length=cache.length.at[:k].set(rows.length),
+    )
+    last_k = jnp.where((tail_len > 0)[:, None], tail_last, last_hidden[:k])
+    last_hidden = last_hidden.at[:k].set(last_k)
+    if prefix_fn is None:
+        return cache, last_hidden, jnp.zeros((k, response_len), jnp.float32)
+    hidden = jnp.concatenate([head_hidden, tail_hidden], axis=1)  # [k, W, D]
+    c = (a.context[:k], a.context_len[:k], a.prefix_len[:k])
+    return cache, last_hidden, _prefix_quantities(hidden, *c, prefix_fn, response_len)
 
 
 def admission_prefill(
@@ -142,10 +178,12 @@ def admission_prefill(
     ``shape`` is (P, R). The first ``admission.carried_rows`` slots (all when None) are
     prefilled at the full width W and yield ``prefix_fn`` of their hidden states (zeros when
     ``prefix_fn`` is None: a consumer that needs no per-token quantity); the rest, which
-    carry no prefix, only at the prompt width P, and yield zeros. Prefill cost is then about
-    K·W + (S − K)·P tokens, not S·W, and no head runs over a whole row. Each part runs in
-    sequence chunks when its rows per device times its width exceed
-    ``prefill_chunks.PREFILL_TOKEN_BUDGET``, so its activations are one chunk's.
+    carry no prefix, only at the prompt width P, and yield zeros: every slot's first P columns
+    go into the one cache, then the carried rows continue from column P. Prefill cost is then
+    about K·W + (S − K)·P tokens, not S·W, no head runs over a whole row, and no second cache
+    is built to be concatenated. Each call runs in sequence chunks when its rows per device
+    times its width exceed ``prefill_chunks.PREFILL_TOKEN_BUDGET``, so its activations are
+    one chunk's.
 
     Returns (cache, hidden state at each slot's last context token [S, D], prefix quantities
     [S, R]), laid out along the slots over ``mesh`` when one is given.
@@ -153,26 +191,28 @@ def admission_prefill(
     prompt_width, response_len = shape
     a, slots = admission, admission.num_slots
     k = slots if a.carried_rows is None else min(a.carried_rows, slots)
-    rows = functools.partial(
-        _prefill_rows, cfg, params, rows_spec=(prompt_width + response_len, response_len, mesh)
-    )
+    capacity = prompt_width + response_len
     if k == slots:
-        return constrain_slots(rows(a.context, a.context_len, a.prefix_len, prefix_fn), mesh)
-    fresh = rows(a.context[k:, :prompt_width], a.prompt_len[k:], 0 * a.prefix_len[k:], None)
-    if k == 0:
-        return constrain_slots(fresh, mesh)
-    carried = rows(a.context[:k], a.context_len[:k], a.prefix_len[:k], prefix_fn)
-    # Caches share the capacity P + R, so the two parts stack along the slot axis.
-    stacked = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=_slot_axis(x)), carried, fresh)
-    return constrain_slots(stacked, mesh)
+        every = (a.context, a.context_len, a.prefix_len, prefix_fn)
+        rows = _prefill_rows(cfg, params, *every, (capacity, response_len, mesh))
+        return constrain_slots(rows, mesh)
+    # Every slot's first P columns into one cache of all S slots; then only the carried rows
+    # go on from column P. One cache buffer: two caches concatenated would hold a second one.
+    cache = constrain_slots(init_cache(cfg, slots, capacity), mesh)
+    head_len = jnp.minimum(a.context_len, prompt_width)
+    keep = k if prefix_fn is not None else 0
+    last_hidden, head_hidden, cache = _feed(
+        cfg, params, cache, a.context[:, :prompt_width], head_len, keep, mesh
+    )
+    quantities = jnp.zeros((slots, response_len), jnp.float32)
+    if k == 0 or a.context.shape[1] == prompt_width:  # nothing is carried past P
+        return constrain_slots((cache, last_hidden, quantities), mesh)
+    head = (cache, last_hidden, head_hidden)
+    cache, last_hidden, carried = _carried_tail(cfg, params, head, a, k, prefix_fn, shape, mesh)
+    return constrain_slots((cache, last_hidden, quantities.at[:k].set(carried)), mesh)
 
 
 def _rows_per_device(rows: int, mesh: Mesh | None) -> int:
     """Rows each device prefills: the slots split over the batch axes when they divide."""
     shards = 1 if mesh is None else batch_shards(mesh)
     return rows // shards if rows % shards == 0 else rows
-
-
-def _slot_axis(x) -> int:
-    """Slot axis of an admission output: 1 for cache keys/values [L, S, ...], else 0."""
-    return 1 if x.ndim == 5 else 0

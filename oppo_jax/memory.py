@@ -295,7 +295,8 @@ def memory_report(
     Returns:
         A JSON-ready dict: ``bytes`` (parameters, AdamW moments, KV caches, batch),
         ``resident`` (their sum) and ``kernels``: per kernel its memory analysis, ``peak``,
-        ``with_resident`` (everything resident on top: an upper bound), ``live`` (what the
+        ``with_resident`` (everything resident on top, the admission's output cache being the
+        resident actor cache: an upper bound), ``live`` (what the
         step holds while it runs, ``live_during``) and ``with_live``.
     """
     actor = _model(models.actor, "lm")
@@ -346,9 +347,11 @@ def memory_report(
         else:
             mem = run.kernel(name)
         live = live_during(name, resident, state["kv_caches"], kept_fraction)
+        # The admission's output cache is the actor's resident one: counted once.
+        own = state["kv_caches"]["actor"] if name == "admission" else 0
         report["kernels"][name] = dataclasses.asdict(mem) | {
             "peak": mem.peak,
-            "with_resident": resident + mem.temp + mem.output - mem.alias,
+            "with_resident": resident + mem.temp + mem.output - mem.alias - own,
             "live": live,
             "with_live": live + mem.temp + mem.output - mem.alias,
         }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -85,9 +87,28 @@ def ensure_demo_assets(
     ``model_sizes`` overrides ``demo_model_config``'s size arguments (tests use a smaller model).
     """
     cache = Path(cache_dir)
-    actor_dir, reward_dir = cache / "actor", cache / "reward"
     configs = [demo_model_config(spec, head, **(model_sizes or {})) for head in ("lm", "score")]
     recipe = _recipe(spec, sft_steps, rm_steps, seed, configs)
+    with _build_lock(cache):
+        return _ensure_built(cache, recipe, spec, sft_steps, rm_steps, seed, progress, configs)
+
+
+@contextlib.contextmanager
+def _build_lock(cache: Path):
+    """Hold an exclusive lock on ``<cache>/.lock`` while the cache is checked and built: two
+    processes sharing a cache directory (two runs, or parallel test workers) would otherwise
+    delete each other's half-built models; the second waits and then finds them built."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ensure_built(cache, recipe, spec, sft_steps, rm_steps, seed, progress, configs):
+    actor_dir, reward_dir = cache / "actor", cache / "reward"
     complete = all((d / "model.safetensors").is_file() for d in (actor_dir, reward_dir))
     if complete and _cached_recipe(cache) == recipe:
         return actor_dir, reward_dir

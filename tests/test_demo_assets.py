@@ -128,6 +128,7 @@ def test_length_stats_describe_the_sampled_responses(trained):
     assert stats["p99"] > stats["median"] >= 2  # the corpus has no one-token responses
 
 
+@pytest.mark.slow
 def test_ensure_demo_assets_caches_and_rebuilds(tmp_path, monkeypatch):
     calls = []
     for name in ("train_sft", "train_reward_model"):

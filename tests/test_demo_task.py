@@ -2,6 +2,7 @@
 
 import doctest
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -201,15 +202,14 @@ def test_load_prompt_file_errors(tmp_path):
         load_prompt_file(missing)
 
 
-def test_load_parquet_without_pyarrow_says_install(tmp_path):
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        (tmp_path / "p.parquet").write_bytes(b"PAR1")
-        with pytest.raises(ImportError, match="pip install pyarrow"):
-            load_prompt_file(tmp_path / "p.parquet")
-    else:
-        pytest.skip("pyarrow is installed")
+def test_load_parquet_without_pyarrow_says_install(tmp_path, monkeypatch):
+    # A None entry in sys.modules makes `import pyarrow` raise ImportError, as if absent (the
+    # test extras install it, so CI would otherwise never see this path).
+    for name in ("pyarrow", "pyarrow.parquet"):
+        monkeypatch.setitem(sys.modules, name, None)
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        load_prompt_file(tmp_path / "p.parquet")
 
 
 def test_tokenize_prompts_truncate_and_reject(tokenizer_dir):

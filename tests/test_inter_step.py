@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
@@ -65,6 +66,7 @@ def _run(chunk, steps=3, observe=None):
     return trace
 
 
+@pytest.mark.slow
 def test_results_do_not_depend_on_chunk_size_with_overcommit():
     small, large = _run(4), _run(32)
     assert any(len(carried) for _, carried in small)
@@ -79,6 +81,7 @@ def test_results_do_not_depend_on_chunk_size_with_overcommit():
             np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_carried_sequences_match_a_full_recompute_with_current_parameters():
     checked = []
 

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import oppo_jax.pipeline.step_scorers as step_module
 from oppo_jax.checkpoint import RunCheckpointer
@@ -100,6 +101,7 @@ def test_kept_rows_are_used_only_for_their_own_sequences():
     assert kept.usable_rows([]) == 0
 
 
+@pytest.mark.slow
 def test_sequence_carried_twice_matches_a_full_recompute(monkeypatch):
     """Reference log-probs and reward of a sequence carried twice (two steps on kept caches)
     equal one full forward pass within 1e-5; the kept rows were really used."""
@@ -136,6 +138,7 @@ def test_sequence_carried_twice_matches_a_full_recompute(monkeypatch):
     assert buffer.kept is not None and len(buffer.kept.ids) == len(buffer)
 
 
+@pytest.mark.slow
 def test_resume_with_kept_caches_is_bit_identical(tmp_path):
     """Steps 0..3 in one go equal steps 0..1, a checkpoint (train state, buffer JSON, kept
     caches as orbax arrays), a restore into fresh objects, and steps 2..3."""

@@ -157,6 +157,7 @@ def _same(a, b):
         np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_oppo_without_overcommit_equals_sync_and_ignores_chunk_size():
     (sync,), sync_state = _steps("sync", 4, 8, 0, 1)
     (oppo,), oppo_state = _steps("oppo", 4, 8, 0, 1)
@@ -169,6 +170,7 @@ def test_oppo_without_overcommit_equals_sync_and_ignores_chunk_size():
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_overcommit_is_chunk_size_independent_and_carried_sequences_keep_their_length():
     small, _ = _steps("oppo", 4, 4, 3, 4)
     large, _ = _steps("oppo", 32, 4, 3, 4)

@@ -75,6 +75,7 @@ def lora_run(demo_cache, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_lora_run_checkpoints_adapters_only_and_resumes_bit_identically(lora_run, tmp_path):
     full = metric_values(lora_run / "metrics.jsonl")
     assert full[1]["carried"] > 0  # sequences in flight at the step-2 checkpoint
@@ -115,6 +116,7 @@ def test_one_base_serves_actor_and_reference(demo_cache):
     assert np.max(np.abs(np.asarray(actor) - np.asarray(want))) > 1e-3
 
 
+@pytest.mark.slow
 def test_export_merges_adapters_and_transformers_reloads_them(lora_run, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

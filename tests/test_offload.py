@@ -40,7 +40,7 @@ def _run(spec, mesh, steps: int = 3):
     return state, kinds
 
 
-@pytest.mark.parametrize("fsdp", [1, 2])
+@pytest.mark.parametrize("fsdp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_offloaded_moments_give_the_same_update(fsdp):
     if not offload.host_memory_supported():
         pytest.skip("this backend has no pinned_host memory")

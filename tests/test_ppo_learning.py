@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.pipeline.carry import CarryBuffer
@@ -29,6 +30,7 @@ def fraction_good(tokens, prompt_len, seq_len):
     return jnp.sum(good, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
 
 
+@pytest.mark.slow
 def test_ppo_raises_a_fixed_reward():
     spec = make_spec(PPOConfig(ppo_epochs=2, num_minibatches=2, kl_coef=0.01), lr=3e-3,
                      temperature=1.0)  # fmt: skip

@@ -52,6 +52,7 @@ def test_sharded_update_equals_single_device(shape):
         np.testing.assert_allclose(metrics[name], expected_metrics[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_update_changes_parameters_and_jit_equals_eager():
     # A smaller schedule than PPO keeps the eager (op-by-op) run short.
     spec, batch, state, expected, metrics = _reference(PPOConfig(num_minibatches=2, ppo_epochs=1))

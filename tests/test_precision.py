@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from oppo_jax.config import OptimConfig, PPOConfig, load_config
 from oppo_jax.ppo.optimizer import make_optimizer
@@ -51,6 +52,7 @@ def _layer_kernels(params) -> np.ndarray:
     return np.concatenate([np.asarray(x, np.float32).ravel() for x in leaves if x.ndim == 3])
 
 
+@pytest.mark.slow
 def test_small_updates_move_bf16_served_weights_like_the_float32_reference():
     actor32, critic32 = tiny_params(seed=5)
     # Start every run from bf16-representable weights, so the runs differ only in precision.

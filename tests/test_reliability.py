@@ -149,6 +149,7 @@ def _actor_params(run_dir, step, abstract_state):
         return ckpt.restore(step, abstract_state["state"])[0].actor_params
 
 
+@pytest.mark.slow
 def test_a_nonfinite_step_is_skipped_counted_and_the_run_goes_on(
     demo_cache, tmp_path, monkeypatch, abstract_state
 ):
@@ -207,6 +208,7 @@ def _preempt_cfg():
 @pytest.mark.parametrize(
     "stop_during, sig", [(0, signal.SIGTERM), (2, signal.SIGINT), (3, signal.SIGTERM)]
 )
+@pytest.mark.slow
 def test_signal_checkpoints_then_resume_equals_uninterrupted(
     uninterrupted, tmp_path, monkeypatch, stop_during, sig
 ):

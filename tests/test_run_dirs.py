@@ -139,6 +139,7 @@ _CALLS = st.lists(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(calls=_CALLS)
+@pytest.mark.slow
 def test_no_sequence_of_calls_mixes_two_runs(tmp_path_factory, calls):
     tmp = tmp_path_factory.mktemp("seq")
     out = tmp / "run"

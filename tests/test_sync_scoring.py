@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,6 +144,7 @@ def _run(schedule, packed, steps=1, batch=6, delta=0):
     return state, results, (actor, reward, critic, engine)
 
 
+@pytest.mark.slow
 def test_sync_step_packed_equals_r_wide_scoring():
     """Same responses; reference log-probs, values, rewards and the step's metrics within
     1e-5 of scoring every slot R wide; and fewer tokens computed for scoring."""
@@ -173,6 +175,7 @@ def test_sync_step_packed_equals_r_wide_scoring():
     assert [f._cache_size() for f in kernels] == before
 
 
+@pytest.mark.slow
 def test_inter_scores_carried_sequences_whole_when_they_enter_a_batch():
     """Without streaming, carried rows are scored once, whole, in the step that takes them:
     equal to a full recompute (reference, reward model, this step's critic)."""

@@ -12,6 +12,7 @@ from tests.run_fixtures import metric_values as _values
 from tests.run_fixtures import small_demo_config as _cfg
 
 
+@pytest.mark.slow
 def test_run_directory_and_metrics(demo_cache, tmp_path):
     train(_cfg(), tmp_path, progress=False)
     records = read_metrics(tmp_path / "metrics.jsonl")

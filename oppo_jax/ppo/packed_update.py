@@ -34,6 +34,8 @@ from oppo_jax.ppo.packing import (
     gather_microbatch,
     host_lengths,
     microbatch_rows,
+    packed_shapes,
+    padding_indices,
     plan_packing,
 )
 from oppo_jax.ppo.update import (
@@ -157,6 +159,25 @@ class PackedUpdate:
             ppo.pack_granule,
             self.row_multiple,
         )
+
+    def _per_microbatch(self, num_rows: int) -> tuple[tuple[int, int, int], int]:
+        """(E, M, A) and m, the sequences of one microbatch, for a batch of ``num_rows``."""
+        ppo = self.spec.ppo
+        m = num_rows // (ppo.num_minibatches * ppo.grad_accum_steps)
+        return (ppo.ppo_epochs, ppo.num_minibatches, ppo.grad_accum_steps), m
+
+    def all_shapes(self, num_rows: int, full_width: int, response_width: int) -> list:
+        """Every packed shape (Rp, W, N) a batch of ``num_rows`` sequences, L = ``full_width``
+        and R = ``response_width`` can take (``packing.packed_shapes``)."""
+        _, m = self._per_microbatch(num_rows)
+        granule = self.spec.ppo.pack_granule
+        return packed_shapes(m, full_width, response_width, granule, self.row_multiple)
+
+    def compile_shape(self, state, batch: PPOBatch, shape: tuple[int, int, int], kl_coef):
+        """Run the jitted update once at ``shape`` on a plan of padding only, so that a step
+        meeting that shape finds it compiled. ``state`` is donated: pass a throwaway copy."""
+        outer, m = self._per_microbatch(batch.tokens.shape[0])
+        return self.jitted(state, batch, padding_indices(outer, shape, m), kl_coef)
 
     def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
         plan = self.plan(batch, key, lengths)

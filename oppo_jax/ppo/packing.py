@@ -15,8 +15,11 @@ width, N response slots):
   output at ``resp_at[k]`` (the position before its token) and carries the token's per-token
   PPO quantities; unused slots have segment m and are masked out.
 
-The shape (Rp, W, N) is one per step, taken from small bucket sets (``bucket_up``), so the
-update compiles a bounded number of programs: at most |W buckets| x |Rp buckets| x |N buckets|.
+The shape (Rp, W, N) is one per step, from a small set fixed by the config
+(``packed_shapes``), so a warm-up compiles every program the update can run: the width W is
+the padded width L = P + R rounded up to the granule (every sequence fits a row), the rows Rp
+come from a bucket set (``bucket_up``, at most a third of the rows wasted), and the response
+slots N = min(Rp · W, m · R) follow from them (a row's responses never outnumber its slots).
 The plan is a pure function of the step's data (never of which shapes compiled before): a
 resumed run packs exactly as the uninterrupted one, so resume stays bit-identical.
 """
@@ -105,14 +108,10 @@ class PackPlan:
     tokens_computed: int  # token slots they compute: microbatches x Rp x W
 
 
-def _widths(max_len: int, full: int, granule: int) -> list[int]:
-    """Candidate packed widths: the buckets from the longest sequence up, and the padded width
-    ``full`` (a sequence never needs more)."""
-    out, w = [], bucket_up(max_len, granule)
-    while w < full:
-        out.append(w)
-        w = bucket_up(w + 1, granule)
-    return [*out, full]
+def packed_width(full_width: int, granule: int) -> int:
+    """W: the padded width L rounded up to a multiple of ``granule`` (the longest sequence fits
+    one row). Example: L 48, granule 16 -> 48; L 50 -> 64."""
+    return -(-full_width // granule) * granule
 
 
 def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
@@ -120,17 +119,27 @@ def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
     return min(multiple * bucket_up(-(-rows // multiple)), cap)
 
 
-def _choose_shape(lengths, micro, full, granule, multiple):
-    """(W, Rp, rows of every microbatch) with the fewest token slots Rp · W over the candidate
-    widths, the narrower on ties (attention's cost grows with W). ``micro``: [K, m] rows."""
-    cap = -(-micro.shape[-1] // multiple) * multiple  # one sequence per row at most
-    best = None
-    for width in _widths(int(lengths.max()), full, granule):
-        bins = [first_fit_decreasing(lengths[mb], width) for mb in micro]
-        rows = _rows_bucket(max(len(b) for b in bins), cap, multiple)
-        if best is None or rows * width < best[0] * best[1]:
-            best = (width, rows, bins)
-    return best
+def _row_cap(num_seqs: int, multiple: int) -> int:
+    return -(-num_seqs // multiple) * multiple  # one sequence per row at most
+
+
+def _slots(rows: int, width: int, num_seqs: int, response_width: int, multiple: int) -> int:
+    """N for Rp = ``rows``: every token slot could hold a response token, and a microbatch has
+    at most m · R of them (a multiple of the shards)."""
+    return min(rows * width, -(-num_seqs * response_width // multiple) * multiple)
+
+
+def packed_shapes(
+    num_seqs: int, full_width: int, response_width: int, granule: int = 16, row_multiple: int = 1
+) -> list[tuple[int, int, int]]:
+    """Every (Rp, W, N) ``plan_packing`` can pick for microbatches of ``num_seqs`` (m)
+    sequences: what a warm-up compiles so that no measured step does.
+
+    Example: m 8, L 48, R 32, granule 16: W 48, Rp in {1, 2, 3, 4, 6, 8}, N = min(48 Rp, 256).
+    """
+    width, cap = packed_width(full_width, granule), _row_cap(num_seqs, row_multiple)
+    rows = sorted({_rows_bucket(n, cap, row_multiple) for n in range(1, cap + 1)})
+    return [(r, width, _slots(r, width, num_seqs, response_width, row_multiple)) for r in rows]
 
 
 def plan_packing(
@@ -152,11 +161,10 @@ def plan_packing(
     lengths = prompt_len + response_len
     outer, m = micro.shape[:3], micro.shape[-1]
     flat_micro = micro.reshape(-1, m)
-    width, rows, bins = _choose_shape(lengths, flat_micro, full_width, granule, row_multiple)
-    # Response slots: the step's largest microbatch, bucketed; never more than m · R.
-    most = max(int(response_len[mb].sum()) for mb in flat_micro)
-    n_cap = -(-m * response_width // row_multiple) * row_multiple
-    slots = min(-(-bucket_up(most, granule) // row_multiple) * row_multiple, n_cap)
+    width = packed_width(full_width, granule)
+    bins = [first_fit_decreasing(lengths[mb], width) for mb in flat_micro]
+    rows = _rows_bucket(max(len(b) for b in bins), _row_cap(m, row_multiple), row_multiple)
+    slots = _slots(rows, width, m, response_width, row_multiple)
     dims = (rows, width, slots, full_width, response_width)
     arrays = [
         _pack_one(mb, b, prompt_len, response_len, *dims)
@@ -171,6 +179,14 @@ def plan_packing(
         tokens_real=int(lengths[flat_micro].sum()),
         tokens_computed=len(flat_micro) * rows * width,
     )
+
+
+def padding_indices(outer: tuple, shape: tuple[int, int, int], num_seqs: int) -> PackIndices:
+    """A plan of ``shape`` with every slot unused (leading axes ``outer`` = (E, M, A)): the
+    throwaway input of a warm-up that compiles the update at that shape."""
+    rows, width, slots = shape
+    out = _pack_one([0] * num_seqs, [], None, None, rows, width, slots, 0, 0)
+    return PackIndices(**{k: np.broadcast_to(v, outer + v.shape).copy() for k, v in out.items()})
 
 
 def _pack_one(seqs, row_bins, prompt_len, response_len, rows, width, slots, full, resp_w):

@@ -227,16 +227,25 @@ def _placement(cfg: Config) -> Placement:
     return Placement(groups)
 
 
-def _batch_resharded(update: Callable, mesh) -> Callable:
+class _BatchResharded:
     """``update`` that first lays the PPO batch out on its row sharding. jit reshards a
     mismatched argument by itself only when one process holds all of it; with several
-    processes (multi-host) the batch built by the experience kernel must be moved here."""
-    shardings = batch_shardings(mesh)
+    processes (multi-host) the batch built by the experience kernel must be moved here. The
+    wrapped update's other attributes (its packed shapes, for the warm-up) show through."""
 
-    def run(state, batch, key, kl_coef, lengths=None):
-        return update(state, jax.device_put(batch, shardings), key, kl_coef, lengths=lengths)
+    def __init__(self, update: Callable, mesh):
+        self.update, self.shardings = update, batch_shardings(mesh)
 
-    return run
+    def __call__(self, state, batch, key, kl_coef, lengths=None):
+        batch = jax.device_put(batch, self.shardings)
+        return self.update(state, batch, key, kl_coef, lengths=lengths)
+
+    def compile_shape(self, state, batch, shape, kl_coef):
+        batch = jax.device_put(batch, self.shardings)
+        return self.update.compile_shape(state, batch, shape, kl_coef)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["update"], name)
 
 
 def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainState]:
@@ -269,7 +278,7 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     spec = update_spec(cfg, actor.config, critic_cfg)
-    update = _batch_resharded(make_update(spec, mesh), mesh)  # packed unless packed_update=false
+    update = _BatchResharded(make_update(spec, mesh), mesh)  # packed unless packed_update=false
     rollout = rollout_spec(cfg, eos_ids, pad_id, placement)
     if not cfg.reward.model_weight:  # (random models are built in pairs; drop the reward one)
         reward = None

@@ -82,9 +82,9 @@ def test_padded_engine_decodes_whole_chunks():
         # The frozen scorers (reference, reward) keep the carried rows and prefill every
         # slot's prompt at P; the critic re-prefills as the actor does.
         ("kept_scorer_caches", "scorer_admit_tokens", 160 + 2 * 8 * 4),
-        # Sequences 4 + [32, 3, 5, 9, 12, 1] = [36, 7, 9, 13, 16, 5]: width bucket 48 holds
-        # them first-fit decreasing in 2 rows ([36, 9], [16, 13, 7, 5]); 64 and 68 cost more.
-        ("packed_update", "update_tokens", 2 * 48),
+        # Sequences 4 + [32, 3, 5, 9, 12, 1] = [36, 7, 9, 13, 16, 5] in rows of P + R = 68
+        # rounded to the granule, 80: first-fit decreasing in 2 rows ([36, 16, 13, 9, 5], [7]).
+        ("packed_update", "update_tokens", 2 * 80),
         # The same sequences in rows of pow2(36) = 64: 2 rows (a power of two) per scorer.
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).

@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
+from oppo_jax.pipeline.warmup_compaction import compaction_moves
 from oppo_jax.run_log import read_metrics
 from oppo_jax.train import train
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
@@ -47,15 +48,22 @@ def test_chunk_widths_are_every_live_width_a_chunk_can_read():
     assert set(chunk_widths(k, 8)) == brute  # later chunks add no width
 
 
+def test_compaction_moves_are_every_bucket_a_decode_can_move_into():
+    assert compaction_moves(8) == [(8, 1), (8, 2), (8, 4), (4, 1), (4, 2), (2, 1)]
+    assert compaction_moves(24, 2) == [(24, b) for b in (2, 4, 8, 16)] + [
+        (16, 2), (16, 4), (16, 8), (8, 2), (8, 4), (4, 2)
+    ]  # fmt: skip
+    assert compaction_moves(2, 2) == []  # nothing smaller than the shards
+
+
 def _tuned_cfg(*extra):
-    # Chunk sizes tuned among two (a step with each), streamed scoring, the padded update, no
-    # slot compaction (its buckets are not warmed yet: see the xfail below): the decode and
-    # scorer kernels meet a new shape at step 1.
+    # Chunk sizes tuned among two (a step with each), streamed scoring, the packed update and
+    # slot compaction (on for the CPU): the decode, scorer and update kernels meet new shapes
+    # after step 0.
     return small_demo_config(
         "pipeline.mode=intra", "train.steps=4", "train.checkpoint_every=2",
         "pipeline.chunk_tuning=true", "pipeline.chunk_candidates=[4,8]",
-        "pipeline.chunk_tuning_every=2", "ppo.packed_update=false", "pipeline.compact_slots=false",
-        *extra,
+        "pipeline.chunk_tuning_every=2", *extra,
     )  # fmt: skip
 
 
@@ -89,21 +97,25 @@ def test_no_step_compiles_after_the_warmup_and_the_run_is_unchanged(demo_cache, 
     )
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="not yet enumerated by pipeline.warmup.warmup_shapes: the packed update's (Rp, W, N) "
-    "shapes (ppo.packing, one compilation per new shape) and the kept scorer caches' restore "
-    "(scoring.kept buckets and its eager ops) and the compacted slot buckets "
-    "(pipeline.compact_slots, on for the CPU) compile in measured steps",
+@pytest.mark.slow  # two short runs per schedule, each compiling from nothing (~2-4 min of CPU)
+@pytest.mark.parametrize(
+    "schedule", [OPPO_WITH_CARRYING, ("pipeline.mode=sync",)], ids=["oppo_carrying", "sync"]
 )
 def test_carried_sequences_and_the_packed_update_compile_nothing_after_the_warmup(
-    demo_cache, tmp_path
+    demo_cache, tmp_path, schedule
 ):
-    cfg = small_demo_config(
-        *OPPO_WITH_CARRYING, "train.steps=4", "train.checkpoint_every=2",
-    )  # fmt: skip
-    _, warm = _warm_run(cfg, tmp_path)
-    assert warm[1]["carried"] > 0  # carried admissions, buckets of carried rows and widths
+    """Carried admissions, kept scorer caches, every packed update shape and every compacted
+    slot bucket are compiled in the warm-up: no measured step compiles, and the run is the
+    one without a warm-up."""
+    cfg = small_demo_config(*schedule, "train.steps=4", "train.checkpoint_every=2")
+    jax.clear_caches()
+    train(cfg, tmp_path / "cold", progress=False, warmup=False)
+    _, warm = _warm_run(cfg, tmp_path / "warm")
+    if schedule == OPPO_WITH_CARRYING:
+        assert warm[1]["carried"] > 0  # carried admissions, buckets of carried rows and widths
+    report = json.loads((tmp_path / "warm" / "warmup.json").read_text())
+    assert len(report["update_shapes"]) > 1 and report["compaction_moves"]
     assert [r["compiles"] for r in warm] == [0] * 4
+    assert metric_values(tmp_path / "warm" / "metrics.jsonl") == metric_values(
+        tmp_path / "cold" / "metrics.jsonl"
+    )

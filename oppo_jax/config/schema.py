@@ -89,7 +89,7 @@ class PPOConfig:
     importance_clip: float = 2.0  # upper truncation of that importance weight
     # update on the sequences' real tokens packed into rows (False: the padded [B, P + R] update)
     packed_update: bool = True
-    pack_granule: int = 16  # packed widths and response slots are multiples of this, tokens
+    pack_granule: int = 16  # the packed update's row width is P + R rounded up to this, tokens
 
 
 @dataclass(frozen=True)

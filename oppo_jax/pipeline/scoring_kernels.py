@@ -147,5 +147,5 @@ def keep_rows(states: dict, slots: list[int], bucket: int, ids: list) -> KeptCac
 
 def restore_rows(state, kept_state, used: int):
     """``state`` (donated) with its first ``used`` slots taken from the kept block."""
-    use = jnp.arange(kept_state.num_fed.shape[0]) < used
+    use = np.arange(kept_state.num_fed.shape[0]) < used  # host flags: no eager device ops
     return _put()(state, kept_state, use)

@@ -30,9 +30,14 @@ from oppo_jax.pipeline.carry import (
     prefix_bucket,
 )
 from oppo_jax.pipeline.host_state import HostState
+from oppo_jax.pipeline.scoring_kernels import compile_packed_scoring, keep_rows, restore_rows
+from oppo_jax.pipeline.scoring_kernels import packed_shapes as scoring_shapes
+from oppo_jax.pipeline.slot_map import compacts
 from oppo_jax.pipeline.step import device_admission, run_step
 from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.pipeline.warmup_compaction import compaction_moves, compile_compaction, scorer_params
 from oppo_jax.rollout.decode import CutRule
+from oppo_jax.scoring.kept import FROZEN, kept_bucket
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
 _lock = threading.Lock()
@@ -80,23 +85,49 @@ class WarmupShapes:
     chunk_sizes: tuple[int, ...]  # C of every decode chunk (and streamed scorer chunk)
     prefix_widths: tuple[int, ...]  # context room for carried prefixes (admission), tokens
     carried_rows: tuple[int, ...]  # buckets of leading carried rows (admission)
+    update_shapes: tuple[tuple[int, int, int], ...]  # (Rp, W, N) of the packed update
+    kept_rows: tuple[int, ...]  # row buckets of the frozen scorers' kept caches
+    compaction_moves: tuple[tuple[int, int], ...]  # (rows, bucket) of slot compaction
+    packed_scoring: tuple[tuple[int, int], ...]  # (rows, width) of sync's packed scoring
 
 
-def warmup_shapes(ctx, host, carry: bool) -> WarmupShapes:
-    """Every shape bucket the run's controllers and carried sequences (``carry``: the schedule
-    carries) can pick. Kernels that gain a bucket (packed update lengths, live-prefix widths,
-    scoring widths) list it here."""
+def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
+    """Every shape bucket the run's controllers, carried sequences (the schedule carries), kept
+    caches (it streams), packed update and slot compaction can pick. Kernels that gain a
+    bucket list it here."""
     cfg, engine = ctx.cfg, ctx.engine
-    r, chunks = engine.kernels.rollout, host.chunks
+    k, place, chunks = engine.kernels, engine.placement, host.chunks
+    r, plan = k.rollout, host.plan(cfg)
     sizes = {chunks.current, *(chunks.candidates if chunks.tuning else ())}
-    widths, rows = (), ()
-    if carry and host.deltas.slots_needed > 0:
-        plan = host.plan(cfg)
-        slots = engine.placement.num_slots(plan.reserved)
-        longest = r.max_response_len
-        widths = sorted({prefix_bucket(n, longest) for n in range(1, longest + 1)})
-        rows = sorted({carried_bucket(n, slots) for n in range(1, slots - plan.batch_size + 1)})
-    return WarmupShapes(tuple(sorted(sizes)), tuple(widths), tuple(rows))
+    slots = place.num_slots(plan.reserved)
+    widths, rows, kept = (), (), ()
+    if schedule.carry and host.deltas.slots_needed > 0:
+        widths, rows = carried_shapes(ctx, host)
+        if schedule.stream and engine.keep_frozen_caches:
+            carried = range(1, slots - plan.batch_size + 1)
+            kept = sorted({kept_bucket(n, plan.reserved - plan.batch_size) for n in carried})
+    all_shapes = getattr(k.update, "all_shapes", None)  # the padded update has one shape
+    full = r.prompt_width + r.max_response_len
+    update = all_shapes(plan.batch_size, full, r.max_response_len) if all_shapes else ()
+    moves = ()
+    if compacts(k.compact_slots, place.num_slots(1)):
+        moves = compaction_moves(slots, place.num_slots(1))
+    scoring = ()
+    if not schedule.stream and engine.packed_scoring:
+        scoring = scoring_shapes(plan.batch_size, full)
+    return WarmupShapes(
+        tuple(sorted(sizes)), tuple(widths), tuple(rows), tuple(update), tuple(kept),
+        tuple(moves), tuple(scoring),
+    )  # fmt: skip
+
+
+def carried_shapes(ctx, host) -> tuple[list[int], list[int]]:
+    """(prefix widths, carried-row buckets) of the admissions of a carrying run."""
+    r, plan = ctx.engine.kernels.rollout, host.plan(ctx.cfg)
+    slots, longest = ctx.engine.placement.num_slots(plan.reserved), r.max_response_len
+    widths = sorted({prefix_bucket(n, longest) for n in range(1, longest + 1)})
+    rows = sorted({carried_bucket(n, slots) for n in range(1, slots - plan.batch_size + 1)})
+    return widths, rows
 
 
 class _Prompts:
@@ -129,34 +160,51 @@ def _admission(ctx, host, width: int, rows: int):
     return device_admission(slot_batch)
 
 
-def _scorer_params(ctx, state) -> dict:
-    engine = ctx.engine
-    k, place = engine.kernels, engine.placement
-    critic = place.critic_for_scoring(k.spec.critic, state.critic_model_params)
-    return {"reference": engine.ref_params, "critic": critic, "reward": engine.reward_params}
-
-
 def compile_admission(ctx, host, state, width: int, rows: int) -> None:
     """Run the actor's and every scorer's admission prefill once at (prefix width, carried
     rows), so that the first step meeting that shape finds it compiled."""
     k, place = ctx.engine.kernels, ctx.engine.placement
     admission = _admission(ctx, host, width, rows)
     outputs = [k.admit(state.actor_model_params, admission, ctx.engine.sample_key)]
-    on_scoring, params = place.to_scoring(admission), _scorer_params(ctx, state)
+    on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
     for role in k.scorer_specs.present():
         outputs.append(k.scorer_admit(role)(params[role], on_scoring))
+    # The scorers that reuse kept caches prefill the prompt columns alone (an eager slice).
+    outputs.append(on_scoring.context[:, : k.rollout.prompt_width])
     jax.block_until_ready(outputs)
+
+
+def compile_kept(ctx, host, state, rows: int) -> None:
+    """Keep ``rows`` (a kept bucket) of every frozen scorer's state and restore them into a
+    fresh admission's, as a step that carries that many rows and the next one do."""
+    k, place = ctx.engine.kernels, ctx.engine.placement
+    on_scoring, params = place.to_scoring(_admission(ctx, host, 0, 0)), scorer_params(ctx, state)
+    roles = [r for r in k.scorer_specs.present() if r in FROZEN]
+    states = {r: k.scorer_admit(r)(params[r], on_scoring)[0] for r in roles}
+    kept = keep_rows(states, [0], rows, [])
+    fresh = {r: k.scorer_admit(r)(params[r], on_scoring)[0] for r in roles}
+    jax.block_until_ready([restore_rows(fresh[r], kept.states[r], 1) for r in roles])
+
+
+def compile_update(ctx, state, batch, shape) -> None:
+    """The packed update at ``shape`` (Rp, W, N) on a copy of the train state and the
+    throwaway step's batch."""
+    copy = jax.tree.map(jnp.copy, state)  # the update donates it
+    update = ctx.engine.kernels.update
+    jax.block_until_ready(update.compile_shape(copy, batch, shape, jnp.float32(0.0)))
 
 
 def compile_admissions(ctx, host, state) -> int:
     """Compile every carried-admission shape ``warmup_shapes`` lists: context width P + each
     prefix bucket by each bucket of leading carried rows, for the actor and the scorers.
     Returns how many shapes were run."""
-    shapes = warmup_shapes(ctx, host, carry=True)
-    for width in shapes.prefix_widths:
-        for rows in shapes.carried_rows:
+    if host.deltas.slots_needed <= 0:
+        return 0
+    widths, carried = carried_shapes(ctx, host)
+    for width in widths:
+        for rows in carried:
             compile_admission(ctx, host, state, width, rows)
-    return len(shapes.prefix_widths) * len(shapes.carried_rows)
+    return len(widths) * len(carried)
 
 
 def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
@@ -185,7 +233,7 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
     decoding, chunk = k.decode(chunk_size, *width)(state.actor_model_params, decoding, rule)
     outputs = [decoding, chunk]
     if schedule.stream:
-        on_scoring, params = place.to_scoring(admission), _scorer_params(ctx, state)
+        on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
         for role in k.scorer_specs.present():
             scored, _ = k.scorer_admit(role)(params[role], on_scoring)
             feed = k.scorer_chunk(role, *width)
@@ -193,9 +241,10 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
     jax.block_until_ready(outputs)
 
 
-def _throwaway_step(ctx, schedule, state) -> None:
+def _throwaway_step(ctx, schedule, state):
     """One whole step on a copy of the train state, a fresh host state and prompt stream:
-    compiles the update, the experience kernel, sync scoring and the controllers' small ops."""
+    compiles the update, the experience kernel, sync scoring and the controllers' small ops.
+    Returns the step's PPO batch (the other update shapes' throwaway input)."""
     host = HostState.fresh(ctx.cfg, schedule, ctx.prompt_iterator())
     plan, copy = host.plan(ctx.cfg), jax.tree.map(jnp.copy, state)  # the update donates it
     copy, _, result = run_step(ctx.engine, schedule, plan, copy, CarryBuffer(), host.prompts,
@@ -203,29 +252,65 @@ def _throwaway_step(ctx, schedule, state) -> None:
     record = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
     host.observe(plan, {**record, "step_time_s": result.wall_s})
     jax.block_until_ready(copy)
+    return result.batch
 
 
-def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
-    """Compile every shape of ``warmup_shapes`` and one whole step before the run measures
-    anything, with its own progress line. Returns the warm-up's report: seconds, shapes,
-    compilations and their seconds."""
-    shapes = warmup_shapes(ctx, host, schedule.carry)
-    tasks = [("one step", lambda: _throwaway_step(ctx, schedule, state))]
+def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
+    """(label, thunk) of every shape to compile, the whole step first (its batch feeds the
+    update's other shapes)."""
+    k, made = ctx.engine.kernels, {}
+    widths = {c: chunk_widths(k, c) for c in shapes.chunk_sizes}
+    tasks = [("one step", lambda: made.update(batch=_throwaway_step(ctx, schedule, state)))]
     tasks += [
         (f"chunk {c} width {w}", lambda c=c, w=w: compile_chunk(ctx, schedule, host, state, c, w))
-        for c in shapes.chunk_sizes
-        for w in chunk_widths(ctx.engine.kernels, c)
+        for c, ws in widths.items()
+        for w in ws
     ]
     tasks += [
         (f"admission +{w}x{n}", lambda w=w, n=n: compile_admission(ctx, host, state, w, n))
         for w in shapes.prefix_widths
         for n in shapes.carried_rows
     ]
+    tasks += [
+        (f"kept {n}", lambda n=n: compile_kept(ctx, host, state, n)) for n in shapes.kept_rows
+    ]
+    tasks += [
+        (
+            f"update {'x'.join(map(str, sh))}",
+            lambda sh=sh: compile_update(ctx, state, made["batch"], sh),
+        )
+        for sh in shapes.update_shapes
+    ]
+    plan = host.plan(ctx.cfg)
+    slots = ctx.engine.placement.num_slots(plan.reserved)
+    tasks += [
+        (f"packed scoring {n}x{w}", lambda sh=(n, w): compile_packed_scoring(
+            ctx.engine, scorer_params(ctx, state), plan.batch_size, slots, sh))
+        for n, w in shapes.packed_scoring
+    ]  # fmt: skip
+    if shapes.compaction_moves:  # every move and bucket, per chunk size (a throwaway rollout)
+        tasks += [
+            (f"compaction chunk {c}", lambda c=c: compile_compaction(
+                ctx, schedule, host, state, _admission(ctx, host, 0, 0), {c: widths[c]}))
+            for c in shapes.chunk_sizes
+        ]  # fmt: skip
+    return tasks
+
+
+def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
+    """Compile every shape of ``warmup_shapes`` and one whole step before the run measures
+    anything, with its own progress line. Returns the warm-up's report: seconds, shapes,
+    compilations and their seconds (in all and by task)."""
+    shapes = warmup_shapes(ctx, host, schedule)
+    tasks = _tasks(ctx, schedule, host, state, shapes)
     counter, start = CompileCounter(), time.perf_counter()
     bar = tqdm(tasks, desc="warm-up (compiling)", disable=not progress, unit="shape")
+    per_task = CompileCounter()
+    by_task = []  # [label, compilations, their seconds] of each task
     for label, task in bar:
         bar.set_postfix_str(label, refresh=False)
         task()
+        by_task.append([label, *per_task.take()])
     bar.close()
     compiles, seconds = counter.take()
     report = {
@@ -234,6 +319,7 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
         "warmup_compiles": compiles,
         "warmup_compile_time_s": seconds,
         **{k: list(v) for k, v in dataclasses.asdict(shapes).items()},
+        "warmup_by_task": by_task,
     }
     if progress:
         print(

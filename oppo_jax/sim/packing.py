@@ -2,11 +2,11 @@
 the built kernels run at (``engines.BUILT``), not an idealised packing.
 
 - ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): the batch's
-  sequences (prompt + response) first-fit-decreasing into rows of a width from the bucket set
-  ``bucket_up`` (2^k and 1.5·2^k multiples of the 16-token granule, up to P + R), the row count
-  bucketed the same way (at most one sequence per row), the width with the fewest token slots.
-  One packing group per PPO pass: every config here has one minibatch and no accumulation
-  (with more, each microbatch packs on its own and the engine computes a little more).
+  sequences (prompt + response) first-fit-decreasing into rows of one width, P + R rounded up
+  to the 16-token granule, the row count bucketed by ``bucket_up`` (2^k and 1.5·2^k, at most
+  one sequence per row). One packing group per PPO pass: every config here has one minibatch
+  and no accumulation (with more, each microbatch packs on its own and the engine computes a
+  little more).
 - ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the batch's
   sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
   row count rounded up to a power of two; the scorers' admission prefill is skipped.
@@ -59,19 +59,8 @@ def update_tokens(lengths, full: int, granule: int = GRANULE) -> int:
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
-    total, cap = int(lengths.sum()), lengths.size
-    best, width = None, bucket_up(int(lengths.max()), granule)
-    widths = []
-    while width < full:
-        widths.append(width)
-        width = bucket_up(width + 1, granule)
-    for width in [*widths, full]:
-        if best is not None and width * bucket_up(-(-total // width)) >= best:
-            continue  # even a perfect packing at this width costs more
-        rows = min(bucket_up(ffd_rows(lengths, width)), cap)
-        if best is None or rows * width < best:
-            best = rows * width
-    return best
+    width = -(-full // granule) * granule
+    return min(bucket_up(ffd_rows(lengths, width)), lengths.size) * width
 
 
 def score_tokens(lengths, full: int) -> int:

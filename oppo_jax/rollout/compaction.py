@@ -16,6 +16,8 @@ kept.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -82,18 +84,43 @@ def _rows_beside(rows: Array, leaf) -> Array:
     return jax.device_put(rows, SingleDeviceSharding(next(iter(target.device_set))))
 
 
+@functools.partial(jax.jit, static_argnums=(2,))
+def _take_leaves(leaves: list, rows: Array, axes: tuple[int, ...]) -> list:
+    return [jnp.take(x, rows, axis=a) for x, a in zip(leaves, axes, strict=True)]
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _put_leaves(fulls: list, parts: list, rows: Array, axes: tuple[int, ...]) -> list:
+    index = [(slice(None),) * a + (rows,) for a in axes]
+    return [f.at[i].set(p) for f, p, i in zip(fulls, parts, index, strict=True)]
+
+
+def _by_devices(leaves: list, rows: Array) -> list[tuple[list[int], Array]]:
+    """The leaves' indices grouped by the devices that hold them, each group with ``rows``
+    placed beside it (``_rows_beside``): one jitted gather or scatter per group, as one
+    program cannot take arrays committed to different devices."""
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        beside = _rows_beside(rows, leaf)
+        key = frozenset(beside.sharding.device_set) if hasattr(beside, "sharding") else None
+        groups.setdefault(key, ([], beside))[0].append(i)
+    return list(groups.values())
+
+
 def take_slots(tree, rows, slots: int):
     """Gather the ``rows`` of every per-slot leaf of ``tree`` (S slots) along its slot axis;
-    other leaves pass through unchanged."""
+    other leaves pass through unchanged. One jitted program per device group and shapes."""
     rows = jnp.asarray(rows, jnp.int32)
-
-    def take(path, leaf):
-        axis = _axis(path, leaf)
-        if not _per_slot(leaf, slots, axis):
-            return leaf
-        return jnp.take(leaf, _rows_beside(rows, leaf), axis=axis)
-
-    return jax.tree_util.tree_map_with_path(take, tree)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in with_path]
+    axes = [_axis(path, leaf) for path, leaf in with_path]
+    mine = [i for i, leaf in enumerate(leaves) if _per_slot(leaf, slots, axes[i])]
+    for idx, beside in _by_devices([leaves[i] for i in mine], rows):
+        picked = [mine[j] for j in idx]
+        taken = _take_leaves([leaves[i] for i in picked], beside, tuple(axes[i] for i in picked))
+        for i, leaf in zip(picked, taken, strict=True):
+            leaves[i] = leaf
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def put_slots(full, part, rows):
@@ -101,15 +128,18 @@ def put_slots(full, part, rows):
     ``take_slots`` for the kept rows; non-slot leaves come from ``part`` (they moved on)."""
     rows = jnp.asarray(rows, jnp.int32)
     slots = _slot_count(full)
-
-    def put(path, f, p):
-        axis = _axis(path, f)
-        if not _per_slot(f, slots, axis):
-            return p
-        index = (slice(None),) * axis + (_rows_beside(rows, f),)
-        return f.at[index].set(p)
-
-    return jax.tree_util.tree_map_with_path(put, full, part)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(full)
+    fulls = [leaf for _, leaf in with_path]
+    out = treedef.flatten_up_to(part)
+    axes = [_axis(path, leaf) for path, leaf in with_path]
+    mine = [i for i, leaf in enumerate(fulls) if _per_slot(leaf, slots, axes[i])]
+    for idx, beside in _by_devices([fulls[i] for i in mine], rows):
+        picked = [mine[j] for j in idx]
+        put = _put_leaves([fulls[i] for i in picked], [out[i] for i in picked], beside,
+                          tuple(axes[i] for i in picked))  # fmt: skip
+        for i, leaf in zip(picked, put, strict=True):
+            out[i] = leaf
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _slot_count(tree) -> int:

@@ -2,10 +2,13 @@
 the XLA compilations of each step afterwards.
 
 Without it a run compiles whenever a step first meets a shape (a chunk size under tuning, a
-bucket of carried rows or prefix widths), and that step looks like a hang: on the CPU demo
-20-50 s against 0.3 s, on a GPU with 7B models minutes. ``warm_up`` runs each kernel once on
-throwaway inputs of every shape ``warmup_shapes`` lists (the one place to extend when a kernel
-gains a bucket), with the same shardings the run uses, so the run's jits find them compiled.
+bucket of carried rows or prefix widths, a packed update shape, a kept-cache bucket, a smaller
+slot bucket of compaction, a packed scoring shape), and that step looks like a hang: on the
+CPU demo 20-50 s against 0.3 s, on a GPU with 7B models minutes. ``warm_up`` runs each kernel
+once on throwaway inputs of every shape ``warmup_shapes`` lists (the one place to extend when a
+kernel gains a bucket), with the same shardings the run uses, so the run's jits find them
+compiled; eager device ops between kernels compile too, so the step keeps them out of its
+loop (host arrays, jitted gathers) or the warm-up runs the step's own code on them.
 The run's own train state, host state and prompt stream are never touched: the throwaway step
 updates a copy of the train state (for a moment twice its memory; ``train(warmup=False)`` /
 ``--no-warmup`` skip it where that does not fit).

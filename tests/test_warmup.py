@@ -73,7 +73,7 @@ def _warm_run(cfg, out):
     return summary, read_metrics(out / "metrics.jsonl")
 
 
-@pytest.mark.slow  # two short runs, each compiling from nothing (~1-2 min of CPU)
+@pytest.mark.slow  # two short runs from nothing; the warm-up compiles 3 chunk sizes (~4-10 min)
 def test_no_step_compiles_after_the_warmup_and_the_run_is_unchanged(demo_cache, tmp_path):
     cfg = _tuned_cfg()
     jax.clear_caches()
@@ -97,7 +97,7 @@ def test_no_step_compiles_after_the_warmup_and_the_run_is_unchanged(demo_cache, 
     )
 
 
-@pytest.mark.slow  # two short runs per schedule, each compiling from nothing (~2-4 min of CPU)
+@pytest.mark.slow  # two short runs per schedule, each compiling from nothing (~3-5 min of CPU)
 @pytest.mark.parametrize(
     "schedule", [OPPO_WITH_CARRYING, ("pipeline.mode=sync",)], ids=["oppo_carrying", "sync"]
 )

@@ -76,29 +76,38 @@ def write_positions(length: Int[Array, " S"], width: int) -> Int[Array, "S T"]:
 def write_layer(
     buffer: Float[Array, "L S K Tc Dh"],
     layer: Int[Array, ""],
-    new: Float[Array, "S T K Dh"],
-    positions: Int[Array, "S T"],
+    new: Float[Array, "N T K Dh"],
+    positions: Int[Array, "N T"],
+    rows: Int[Array, " N"] | None = None,
 ) -> Float[Array, "L S K Tc Dh"]:
-    """Scatter layer ``layer``'s new keys (or values) at per-slot positions, in place.
+    """Scatter layer ``layer``'s new keys (or values) at per-slot positions, in place; row n
+    of ``new`` belongs to slot ``rows[n]`` (None: slot n, N = S).
 
     One scatter into the whole buffer: XLA updates a donated (or loop-carried) buffer in
     place, where slicing out a layer and stacking the layers again would copy it twice.
-    Out-of-range positions are dropped.
+    Out-of-range positions and slots are dropped (a padding row's slot is S: it writes nothing).
     """
-    rows = jnp.arange(new.shape[0])[:, None]
+    rows = jnp.arange(new.shape[0]) if rows is None else rows
+    rows = rows[:, None]
     # Advanced indices (layer, rows, positions) around the K slice: the update is [S T K Dh].
     return buffer.at[layer, rows, :, positions].set(new.astype(buffer.dtype), mode="drop")
 
 
 def read_layer(
-    buffer: Float[Array, "L S K Tc Dh"], layer: Int[Array, ""], width: int | None = None
-) -> Float[Array, "S W K Dh"]:
-    """One layer's keys (or values) in the [S, W, K, Dh] layout attention takes: the first
-    ``width`` cache columns (static; all Tc when None). A slice read: the buffer itself is
-    neither copied nor resized."""
+    buffer: Float[Array, "L S K Tc Dh"],
+    layer: Int[Array, ""],
+    width: int | None = None,
+    rows: Int[Array, " N"] | None = None,
+) -> Float[Array, "N W K Dh"]:
+    """One layer's keys (or values) in the [N, W, K, Dh] layout attention takes: the first
+    ``width`` cache columns (static; all Tc when None) of the slots ``rows`` (None: every
+    slot; an out-of-range slot reads the last one, for a padding row). A slice read: the
+    buffer itself is neither copied nor resized; with ``rows``, only their prefixes are."""
     one = jax.lax.dynamic_index_in_dim(buffer, layer, 0, keepdims=False)
     if width is not None:
         one = jax.lax.slice_in_dim(one, 0, width, axis=2)
+    if rows is not None:
+        one = jnp.take(one, rows, axis=0, mode="clip")
     return jnp.swapaxes(one, 1, 2)
 
 

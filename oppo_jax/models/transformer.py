@@ -97,7 +97,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, context, kv):
         cfg = self.cfg
-        positions, segment_ids, mask = context
+        positions, segment_ids, mask, rows = context
         s, t, _ = x.shape
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q = _dense(cfg, q_width, ("embed", "heads"), cfg.qkv_bias, "q_proj")(x)
@@ -113,11 +113,12 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             k_all, v_all, layer = kv
-            k_all = write_layer(k_all, layer, k, positions)
-            v_all = write_layer(v_all, layer, v, positions)
+            k_all = write_layer(k_all, layer, k, positions, rows)
+            v_all = write_layer(v_all, layer, v, positions, rows)
             # Only the live prefix the mask covers (its last axis: the static width).
             width = mask.shape[-1]
-            keys, values = read_layer(k_all, layer, width), read_layer(v_all, layer, width)
+            keys = read_layer(k_all, layer, width, rows)
+            values = read_layer(v_all, layer, width, rows)
             kv = (k_all, v_all, layer)
         # GQA is native (no repeated kv-heads). The call's form, not a mask, goes to the kernel
         # (models.attention): a decode step's keys are those up to its own position.
@@ -147,8 +148,8 @@ class Block(nn.Module):
     """Pre-norm transformer block as a scan body: carry (x, kv) -> (x', kv'), no scanned output.
 
     ``kv`` is None (no cache) or (keys [L S K Tc Dh], values, this layer's index); ``context``
-    (the same for every layer) is (positions [S T], segment ids [S T] or None, the cache mask
-    [S 1 T Tc] or None).
+    (the same for every layer) is (positions [N T], segment ids [N T] or None, the cache mask
+    [N 1 T Tc] or None, the cache slot of each row [N] or None: row n is slot n).
     """
 
     cfg: ModelConfig
@@ -196,7 +197,10 @@ class Transformer(nn.Module):
     tokens of slot s take positions ``cache.length[s] + i``, are written into the cache, and
     ``n_valid[s]`` of them (default all T) count as filled. ``kv_width`` (static) bounds the
     cache columns attention reads: every new token must sit at a position below it (the live
-    prefix, ``kv_cache.live_width``); None reads the whole capacity. ``return_hidden`` returns the
+    prefix, ``kv_cache.live_width``); None reads the whole capacity. ``cache_rows`` [N] (with a
+    cache) names the cache slot of each of the N token rows (distinct; a slot >= S is a padding
+    row that writes nothing), so N < S rows can be fed without touching the other slots; None:
+    row s is slot s. ``return_hidden`` returns the
     final-normed hidden states [S T D] instead of the head's output (``oppo_jax.models.heads``
     applies the head only where it is needed).
     """
@@ -214,6 +218,7 @@ class Transformer(nn.Module):
         segment_ids: Int[Array, "S T"] | None = None,
         return_hidden: bool = False,
         kv_width: int | None = None,
+        cache_rows: Int[Array, " S"] | None = None,
     ) -> tuple[Float[Array, "S T O"], KVCache | None]:
         cfg = self.cfg
         s, t = tokens.shape
@@ -233,16 +238,23 @@ class Transformer(nn.Module):
         else:
             if positions is not None or segment_ids is not None:
                 raise ValueError("positions and segment_ids are for the cache-less forward only")
-            positions = write_positions(cache.length, t)
+            length = cache.length
+            if cache_rows is not None:  # padding rows (slot >= S) read the last slot's length
+                length = jnp.take(length, cache_rows, mode="clip")
+            positions = write_positions(length, t)
             mask = attention_mask_for_cache(positions, _kv_width(kv_width, cache.capacity))
             kv = (cache.k, cache.v, jnp.zeros((), jnp.int32))
-        (x, kv), _ = _layers(cfg)((x, kv), (positions, segment_ids, mask))
+        context = (positions, segment_ids, mask, None if cache is None else cache_rows)
+        (x, kv), _ = _layers(cfg)((x, kv), context)
         x = RMSNorm(cfg, name="norm")(x)
         out = x if return_hidden else self._head(embed, x)
         if cache is None:
             return out, None
         advance = jnp.full((s,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
-        return out, KVCache(k=kv[0], v=kv[1], length=cache.length + advance)
+        if cache_rows is None:
+            return out, KVCache(k=kv[0], v=kv[1], length=cache.length + advance)
+        length = cache.length.at[cache_rows].add(advance, mode="drop")
+        return out, KVCache(k=kv[0], v=kv[1], length=length)
 
     def _head(self, embed: nn.Embed, x):
         cfg = self.cfg
@@ -260,12 +272,17 @@ def cached_hidden(
     tokens: Int[Array, "S T"],
     n_valid: Int[Array, " S"],
     kv_width: int | None = None,
+    rows: Int[Array, " S"] | None = None,
 ) -> tuple[Float[Array, "S T D"], KVCache]:
-    """Append ``n_valid[s]`` tokens of each right-padded row to the cache and return the final
-    hidden states, attention reading the first ``kv_width`` cache columns (None: all). The
-    chunk prefill of the streaming scorers; any split of a sequence gives the same outputs."""
+    """Append ``n_valid[n]`` tokens of each right-padded row to the cache and return the final
+    hidden states, attention reading the first ``kv_width`` cache columns (None: all); row n
+    goes to cache slot ``rows[n]`` (None: slot n). The chunk prefill of the streaming
+    scorers; any split of a sequence, and any choice of rows, gives the same outputs."""
     apply = Transformer(cfg).apply
-    return apply({"params": params}, tokens, cache, n_valid, return_hidden=True, kv_width=kv_width)
+    return apply(
+        {"params": params}, tokens, cache, n_valid,
+        return_hidden=True, kv_width=kv_width, cache_rows=rows,
+    )  # fmt: skip
 
 
 def _kv_width(kv_width: int | None, capacity: int) -> int:

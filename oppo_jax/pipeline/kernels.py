@@ -28,6 +28,7 @@ from oppo_jax.rollout.decode import (
 )
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.scoring.live_rows import score_live_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
 from oppo_jax.sharding import with_rules
 
@@ -84,9 +85,15 @@ def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
 
 
 @functools.cache
-def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None):
+def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None, num_rows: int | None = None):
+    """One scorer's chunk prefill: over every slot ([S, C]), or over ``num_rows`` gathered
+    rows of the slots with tokens in the chunk (``scoring.live_rows``)."""
+
     def run(params, state, chunk):
-        new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
+        if num_rows is None:
+            new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
+        else:
+            new = score_live_chunk(spec, params, state, chunk, num_rows, kv_width)
         return new, jnp.sum(new.num_fed)
 
     return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
@@ -148,10 +155,13 @@ class Kernels:
         """(params, admission) -> (ScorerState, marker): one role's admission prefill."""
         return make_scorer_admit(getattr(self.scorer_specs, role), self.rollout.prompt_width)
 
-    def scorer_chunk(self, role: str, kv_width: int | None = None) -> Callable:
+    def scorer_chunk(
+        self, role: str, kv_width: int | None = None, num_rows: int | None = None
+    ) -> Callable:
         """(params, state, chunk) -> (ScorerState, marker): one role's chunk prefill, reading
-        the first ``kv_width`` cache columns (None: all)."""
-        return make_scorer_chunk(getattr(self.scorer_specs, role), kv_width)
+        the first ``kv_width`` cache columns (None: all), over ``num_rows`` rows of the slots
+        with new tokens (None: every slot; ``scoring.live_rows``)."""
+        return make_scorer_chunk(getattr(self.scorer_specs, role), kv_width, num_rows)
 
     @functools.cached_property
     def responses(self) -> Callable:

@@ -67,6 +67,8 @@ class StepEngine:
     packed_scoring: bool = True
     # Streaming with carrying keeps the frozen scorers' caches of carried rows (False: re-prefill).
     keep_frozen_caches: bool = True
+    # Streaming scores each chunk over the slots with tokens in it (False: every slot, [S, C]).
+    live_row_scoring: bool = True
     rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
 
 
@@ -171,7 +173,8 @@ def run_step(
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
-    chunking = (cut_rule, plan.chunk_size, longest)
+    running = int(np.sum(slots.active & ~slots.prefix_finished))  # may decode in chunk 0
+    chunking = (cut_rule, plan.chunk_size, longest, running)
     # None: every slot decodes to the end (Kernels.compact_slots; None there: the backend's)
     compaction = step_compaction(k.compact_slots, place.num_slots(1), slots.num_slots, scorers)
     if schedule.stream:
@@ -185,8 +188,8 @@ def run_step(
             actor,
             decoding,
             chunking,
-            lambda chunk, width: (
-                scorers.feed(place.to_scoring(chunk), width),
+            lambda chunk, width, running: (
+                scorers.feed(place.to_scoring(chunk), width, running),
                 fn_rewards and fn_rewards.feed(full_chunk(compaction, chunk)),  # reward thread
             ),
             dispatched=(decode_slots, decode_widths),
@@ -287,21 +290,23 @@ def _decode(
     timeline: Timeline,
     params,
     state: DecodeState,
-    chunking: tuple[CutRule, int, int],
-    on_chunk: Callable[[ChunkTokens, int | None], None] | None = None,
+    chunking: tuple[CutRule, int, int, int],
+    on_chunk: Callable[[ChunkTokens, int | None, int], None] | None = None,
     dispatched: tuple[list, list] | None = None,
     compaction: tuple[SlotMap, Any] | None = None,
 ) -> DecodeState:
-    """Decode until the cut rule allows the cut; ``on_chunk`` receives each chunk's tokens and
-    the live width they fit in; ``dispatched`` gets the slot count and the live width of each
-    chunk dispatched (accounting). ``chunking`` is (cut rule, C, the longest context admitted).
+    """Decode until the cut rule allows the cut; ``on_chunk`` receives each chunk's tokens, the
+    live width they fit in and how many slots may have tokens in it (those running when it
+    began, known one chunk late); ``dispatched`` gets the slot count and the live width of
+    each chunk dispatched (accounting). ``chunking`` is (cut rule, C, the longest context
+    admitted, the slots running at admission).
 
     Chunk i reads the cache's live prefix, sized on the host from the admitted lengths and i
     alone (``Kernels.chunk_width``). With ``compaction`` (a SlotMap and the scorers), the rows
     still running move into smaller slot buckets as the others finish (``pipeline.slot_map``),
     decided from their count, which the loop's one read per chunk carries; the state comes
     back in the admission's layout."""
-    rule, chunk_size, longest = chunking
+    rule, chunk_size, longest, running = chunking
     slot_counts, widths = ([], []) if dispatched is None else dispatched
 
     def dispatch(i, state, rule):
@@ -315,17 +320,15 @@ def _decode(
     state, chunk, width = dispatch(0, state, rule)
     for i in itertools.count(1):
         if on_chunk is not None:
-            on_chunk(chunk, width)
+            on_chunk(chunk, width, running)
         last = chunk
         state, chunk, width = dispatch(i, state, rule)  # dispatched before the host reads
+        running = int(jax.device_get(last.running))  # the loop's only read: -1 once ready
+        if running < 0:
+            return state if compaction is None else compaction[0].restore(state, compaction[1])
         if compaction is None:
-            if jax.device_get(last.ready):  # the loop's only host read (explicit, one boolean)
-                return state
             continue
         slot_map, scorers = compaction
-        running = int(jax.device_get(last.running))  # the only read: -1 once ready
-        if running < 0:
-            return slot_map.restore(state, scorers)
         state, chunk, rule = slot_map.maybe_compact(
             running, last.finished, state, chunk, rule, scorers
         )

@@ -16,7 +16,9 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState
 from oppo_jax.scoring.kept import FROZEN, KeptCaches, kept_bucket
+from oppo_jax.scoring.live_rows import live_row_bucket
 from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
+from oppo_jax.sharding import batch_shards
 
 if TYPE_CHECKING:
     from oppo_jax.pipeline.carry import SlotBatch
@@ -33,6 +35,9 @@ class StepScorers:
         self.work, self.prompt_width = work, k.rollout.prompt_width
         self.admit_real = {"critic": 0, "frozen": 0}  # set by run_step from host lengths
         self.roles = k.scorer_specs.present()
+        self.live_row_scoring = engine.live_row_scoring
+        mesh = k.scorer_specs.reference.mesh  # the scorers' states are sharded over it
+        self.slot_shards = 1 if mesh is None else batch_shards(mesh)  # devices the slots span
         self.params = ScorerParams(
             reference=engine.ref_params,
             critic=place.critic_for_scoring(k.spec.critic, critic_params),
@@ -75,22 +80,35 @@ class StepScorers:
         frozen = {r: getattr(self.states, r) for r in self.roles if r in FROZEN}
         return keep_rows(frozen, slots, bucket, [])
 
-    def feed(self, chunk: ChunkTokens, kv_width: int | None = None) -> None:
+    def feed(
+        self, chunk: ChunkTokens, kv_width: int | None = None, running: int | None = None
+    ) -> None:
         """Prefill every scorer with the chunk's new tokens (attending over the first
-        ``kv_width`` cache columns; None: all)."""
-        self.work.add("scoring", len(self.roles) * token_count(chunk.tokens))
+        ``kv_width`` cache columns; None: all), over the rows of the slots with tokens in it
+        when at most ``running`` have any (``scoring.live_rows``; None: every slot)."""
+        rows = self.live_rows(chunk.tokens.shape[0], running)
+        computed = token_count(chunk.tokens) if rows is None else rows * chunk.tokens.shape[1]
+        self.work.add("scoring", len(self.roles) * computed)
         self.states = ScorerStates(
             **{
                 role: self._dispatch(
                     "score",
                     role,
-                    self.kernels.scorer_chunk(role, kv_width),
+                    self.kernels.scorer_chunk(role, kv_width, rows),
                     getattr(self.states, role),
                     chunk,
                 )
                 for role in self.roles
             }
         )
+
+    def live_rows(self, slots: int, running: int | None) -> int | None:
+        """Rows a chunk over ``slots`` slots is scored over when at most ``running`` have
+        tokens in it; None: all of them (switched off, no bound, or a scoring mesh that
+        splits the slots: gathering rows across its devices would move their caches)."""
+        if not self.live_row_scoring or running is None or self.slot_shards > 1:
+            return None
+        return live_row_bucket(running, slots)
 
     def outputs(self) -> ScorerOutputs:
         return self.packed if self.packed is not None else self.states.outputs()

@@ -113,7 +113,9 @@ def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: i
     Only the first ``admission.carried_rows`` slots may carry a prefix (None: any); the
     others are prefilled at the prompt width alone (see ``admission_prefill``).
     """
-    per_token = None if spec.kind == "score" else functools.partial(_per_token, spec, params)
+    per_token = (
+        None if spec.kind == "score" else functools.partial(per_token_quantity, spec, params)
+    )
     cache, last_hidden, quantities = admission_prefill(
         spec.model, params, admission, per_token, (prompt_width, spec.response_len), spec.mesh
     )
@@ -122,19 +124,23 @@ def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: i
         last_hidden=last_hidden,
         per_token=quantities,
         num_fed=admission.prefix_len.astype(jnp.int32),
-        score=_score(spec, params, last_hidden),
+        score=sequence_score(spec, params, last_hidden),
     )
     return constrain_slots(state, spec.mesh)
 
 
-def _per_token(spec: ScorerSpec, params, before: Float[Array, "S C D"], tokens: Int[Array, "S C"]):
+def per_token_quantity(
+    spec: ScorerSpec, params, before: Float[Array, "S C D"], tokens: Int[Array, "S C"]
+):
     """Token i's quantity from the hidden state before it: a log-prob or a value."""
     if spec.kind == "logprob":
         return logprobs_at(spec.model, params, before, tokens, spec.temperature)
     return scores_at(spec.model, params, before)
 
 
-def _score(spec: ScorerSpec, params, last_hidden: Float[Array, "S D"]) -> Float[Array, " S"]:
+def sequence_score(
+    spec: ScorerSpec, params, last_hidden: Float[Array, "S D"]
+) -> Float[Array, " S"]:
     """The sequence score at the last fed token (a score head at one position per slot)."""
     if spec.kind != "score":
         return jnp.zeros(last_hidden.shape[:1], jnp.float32)
@@ -157,7 +163,7 @@ def score_chunk(
     per_token = state.per_token
     if spec.kind != "score":
         before = jnp.concatenate([state.last_hidden[:, None], hidden[:, :-1]], axis=1)
-        quantities = _per_token(spec, params, before, chunk.tokens)
+        quantities = per_token_quantity(spec, params, before, chunk.tokens)
         per_token = per_token.at[rows, at].set(quantities, mode="drop")
     fed = chunk.count > 0
     newest = gather_rows(hidden, jnp.maximum(chunk.count - 1, 0)[:, None])[:, 0]
@@ -167,6 +173,6 @@ def score_chunk(
         last_hidden=last_hidden,
         per_token=per_token,
         num_fed=state.num_fed + chunk.count,
-        score=jnp.where(fed, _score(spec, params, last_hidden), state.score),
+        score=jnp.where(fed, sequence_score(spec, params, last_hidden), state.score),
     )
     return constrain_slots(new, spec.mesh)

@@ -1,0 +1,200 @@
+"""Streamed scoring over the slots with tokens in a chunk (``scoring.live_rows``) equals the
+[S, C] call over every slot: the same log-probs, values, scores and fed counts, with ragged
+lengths and carried rows, chunk by chunk and in whole OPPO steps; the ledger counts the
+gathered rows; and the compiled row buckets are few."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oppo_jax.config import PPOConfig
+from oppo_jax.models import init_params
+from oppo_jax.pipeline.carry import CarryBuffer
+from oppo_jax.pipeline.kernels import (
+    build_kernels,
+    make_actor_admit,
+    make_decode_chunk_emit,
+    make_scorer_admit,
+    make_scorer_chunk,
+)
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.step import run_step
+from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.ppo.batch import critic_values, policy_logprobs
+from oppo_jax.ppo.update import init_train_state
+from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.rollout.layout import assemble_sequences
+from oppo_jax.rollout.lengths import LengthSpec
+from oppo_jax.scoring.live_rows import live_row_bucket, live_row_buckets, live_rows
+from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.sharding import make_device_groups
+from tests.ppo_fixtures import (
+    ACTOR,
+    CRITIC,
+    ListPrompts,
+    make_spec,
+    reward_scores,
+    step_engine,
+    step_plan,
+)
+
+P, R = 4, 20
+
+
+def test_row_buckets_on_hand_counted_cases():
+    assert [live_row_bucket(n, 24) for n in (0, 1, 3, 9, 16, 17, 24)] == [
+        1, 1, 4, 16, 16, None, None,
+    ]  # fmt: skip
+    assert live_row_bucket(4, 8) == 4 and live_row_bucket(5, 8) is None
+    assert live_row_buckets(24) == (1, 2, 4, 8, 16) and live_row_buckets(8) == (1, 2, 4)
+    assert live_row_buckets(1) == ()
+    # every bucket the rule can pick is listed (what a warm-up compiles)
+    for slots in range(1, 40):
+        picked = {live_row_bucket(n, slots) for n in range(slots + 1)} - {None}
+        assert picked == set(live_row_buckets(slots))
+    rows = live_rows(jnp.array([0, 3, 0, 1]), 4)
+    assert rows.tolist() == [1, 3, 4, 4]
+
+
+@functools.cache
+def _params():
+    keys = jax.random.split(jax.random.key(5), 4)
+    return (
+        init_params(ACTOR, keys[0]),
+        init_params(ACTOR, keys[1]),
+        init_params(CRITIC, keys[2]),
+        init_params(CRITIC, keys[3]),
+    )
+
+
+def _carried_admission():
+    """Six slots: two carry partial responses (3 and 7 tokens), one is empty, prompts ragged."""
+    rng = np.random.default_rng(1)
+    prompt_len = np.array([3, 4, 2, 4, 1, 3])
+    prefix_len = np.array([3, 7, 0, 0, 0, 0])
+    width = P + 8
+    context = np.zeros((6, width), np.int32)
+    for s in range(6):
+        n = prompt_len[s] + prefix_len[s]
+        context[s, :n] = rng.integers(30, 64, n)
+    active = np.array([True, True, True, True, False, True])
+    admission = Admission.fresh(jnp.asarray(context[:, :P]), jnp.asarray(prompt_len), R)
+    return admission.replace(
+        context=jnp.asarray(context),
+        prefix_len=jnp.asarray(prefix_len, jnp.int32),
+        prefix_behaviour=jnp.zeros((6, R), jnp.float32),
+        active=jnp.asarray(active),
+        carried_rows=2,
+    )
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_live_row_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
+    actor, ref, critic, reward = _params()
+    rollout = RolloutSpec(
+        SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(3.0, 15.0)
+    )
+    admission = _carried_admission()
+    state, _ = make_actor_admit(ACTOR, rollout, 1.0)(actor, admission, jax.random.key(9))
+    specs = {
+        "ref": (ScorerSpec(ACTOR, "logprob", R, temperature=1.0), ref),
+        "critic": (ScorerSpec(CRITIC, "value", R), critic),
+        "reward": (ScorerSpec(CRITIC, "score", R), reward),
+    }
+    admit = {n: make_scorer_admit(s, P)(p, admission)[0] for n, (s, p) in specs.items()}
+    every = dict(admit)
+    live = jax.tree.map(jnp.copy, admit)
+    decode = make_decode_chunk_emit(ACTOR, rollout.sampling, chunk, None)
+    rule = CutRule(admission.active, jnp.zeros(6, bool), jnp.int32(5))  # run to the end
+    running, buckets = 5, []  # slots 0..5 less the empty one
+    for _ in range(-(-R // chunk) + 1):
+        state, emitted = decode(actor, state, rule)
+        rows = live_row_bucket(running, 6)
+        buckets.append(rows)
+        for name, (spec, params) in specs.items():
+            every[name], _ = make_scorer_chunk(spec)(params, every[name], emitted)
+            live[name], _ = make_scorer_chunk(spec, None, rows)(params, live[name], emitted)
+        running = int(jnp.sum(~state.finished))
+    assert any(b is not None for b in buckets)  # some chunks ran on fewer rows
+    n = np.asarray(state.num_generated)
+    assert len(set(n.tolist())) > 2
+    mask = np.arange(R)[None, :] < n[:, None]
+    for name in specs:
+        a, b = live[name], every[name]
+        np.testing.assert_array_equal(a.num_fed, b.num_fed)
+        np.testing.assert_array_equal(a.cache.length, b.cache.length)
+        np.testing.assert_allclose(
+            np.asarray(a.per_token)[mask], np.asarray(b.per_token)[mask], atol=1e-5, rtol=0
+        )
+        np.testing.assert_allclose(a.score, b.score, atol=1e-5, rtol=0)
+    # and both equal one full forward pass over prompt + whole response
+    lens = admission.prompt_len
+    tokens = assemble_sequences(admission.context[:, :P], lens, state.tokens, state.num_generated)
+    ref_full, _ = policy_logprobs(ACTOR, ref, tokens, lens, R, 1.0)
+    values_full = critic_values(CRITIC, critic, tokens, lens, R)
+    scores_full = reward_scores(CRITIC, reward, tokens, lens + state.num_generated)
+    on = np.asarray(admission.active)
+    np.testing.assert_allclose(
+        np.asarray(live["ref"].per_token)[mask], np.asarray(ref_full)[mask], atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(live["critic"].per_token)[mask], np.asarray(values_full)[mask], atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(live["reward"].score)[on], np.asarray(scores_full)[on], atol=1e-5
+    )
+
+
+def _run(engine, overcommit: int, chunk: int, steps: int = 3):
+    """``steps`` OPPO steps (B = 4, Δ carried) from fixed parameters."""
+    actor, _, critic, _ = _params()
+    state = init_train_state(engine.kernels.spec, *jax.tree.map(jnp.copy, (actor, critic)))
+    rng = np.random.default_rng(0)
+    prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(1, P + 1))) for i in range(64)])
+    buffer, timeline, results = CarryBuffer(), Timeline(), []
+    for step in range(steps):
+        plan = step_plan(step, 4, overcommit=overcommit, chunk_size=chunk)
+        state, carried, result = run_step(
+            engine, SCHEDULES["oppo"], plan, state, buffer, prompts, timeline
+        )
+        buffer.extend(carried)
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize(("overcommit", "chunk", "compact"), [(1, 2, False), (3, 3, True)])
+def test_oppo_steps_with_live_rows_equal_every_slot_steps(overcommit, chunk, compact):
+    spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
+    rollout = RolloutSpec(
+        SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(6.0, 18.0)
+    )
+    kernels = dataclasses.replace(
+        build_kernels(spec, rollout, reward_model=CRITIC), compact_slots=compact
+    )
+    place = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
+    actor, ref, _, reward = _params()
+    engine = step_engine(kernels, place, ref, reward)
+    live = _run(engine, overcommit, chunk)
+    every = _run(dataclasses.replace(engine, live_row_scoring=False), overcommit, chunk)
+    assert any(r.slots.prefix_len.max() > 0 for r in live)  # carried rows were streamed
+    for a, b in zip(live, every, strict=True):
+        assert a.selection.batch.tolist() == b.selection.batch.tolist()
+        np.testing.assert_array_equal(a.rollout.tokens, b.rollout.tokens)
+        for key in ("ref_logp", "old_values", "scores", "old_logp"):
+            np.testing.assert_allclose(
+                getattr(a.batch, key), getattr(b.batch, key), atol=1e-5, rtol=0, err_msg=key
+            )
+        # the same real tokens; fewer computed once slots finish
+        assert a.work.real["scoring"] == b.work.real["scoring"]
+        assert a.work.computed["scoring"] <= b.work.computed["scoring"]
+    if not compact:  # (compaction's pow2 buckets already drop the rows this would)
+        total = [sum(r.work.computed["scoring"] for r in run) for run in (live, every)]
+        assert total[0] < total[1]

@@ -78,17 +78,16 @@ def write_layer(
     layer: Int[Array, ""],
     new: Float[Array, "N T K Dh"],
     positions: Int[Array, "N T"],
-    rows: Int[Array, " N"] | None = None,
+    slots: Int[Array, "N T"] | None = None,
 ) -> Float[Array, "L S K Tc Dh"]:
-    """Scatter layer ``layer``'s new keys (or values) at per-slot positions, in place; row n
-    of ``new`` belongs to slot ``rows[n]`` (None: slot n, N = S).
+    """Scatter layer ``layer``'s new keys (or values) at per-slot positions, in place; token
+    (n, i) of ``new`` belongs to slot ``slots[n, i]`` (None: slot n, N = S).
 
     One scatter into the whole buffer: XLA updates a donated (or loop-carried) buffer in
     place, where slicing out a layer and stacking the layers again would copy it twice.
     Out-of-range positions and slots are dropped (a padding row's slot is S: it writes nothing).
     """
-    rows = jnp.arange(new.shape[0]) if rows is None else rows
-    rows = rows[:, None]
+    rows = jnp.arange(new.shape[0])[:, None] if slots is None else slots
     # Advanced indices (layer, rows, positions) around the K slice: the update is [S T K Dh].
     return buffer.at[layer, rows, :, positions].set(new.astype(buffer.dtype), mode="drop")
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.models.attention import attend
+from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
 from oppo_jax.models.lora import LoraDense
 from oppo_jax.models.model_config import ModelConfig
@@ -97,7 +98,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, context, kv):
         cfg = self.cfg
-        positions, segment_ids, mask, rows = context
+        positions, segment_ids, mask, layout = context
         s, t, _ = x.shape
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q = _dense(cfg, q_width, ("embed", "heads"), cfg.qkv_bias, "q_proj")(x)
@@ -113,19 +114,24 @@ class Attention(nn.Module):
             keys, values = k, v
         else:
             k_all, v_all, layer = kv
-            k_all = write_layer(k_all, layer, k, positions, rows)
-            v_all = write_layer(v_all, layer, v, positions, rows)
+            # Packed (models.chunk_layout): each token to its own slot; rows read their slots.
+            slots = None if layout is None else layout.token_slots(k_all.shape[1])[None, :]
+            k_all = write_layer(k_all, layer, k, positions, slots)
+            v_all = write_layer(v_all, layer, v, positions, slots)
             # Only the live prefix the mask covers (its last axis: the static width).
-            width = mask.shape[-1]
+            width, rows = mask.shape[-1], None if layout is None else layout.rows
             keys = read_layer(k_all, layer, width, rows)
             values = read_layer(v_all, layer, width, rows)
             kv = (k_all, v_all, layer)
         # GQA is native (no repeated kv-heads). The call's form, not a mask, goes to the kernel
         # (models.attention): a decode step's keys are those up to its own position.
         kv_lengths = positions[:, 0] + 1 if not causal and t == 1 else None
+        if layout is not None:  # attention over the rows; everything else over packed tokens
+            q, kv_lengths = layout.to_rows(q[0]), None
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         out = attend(q, keys, values, implementation=cfg.attention, causal=causal,
                      segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask)  # fmt: skip
+        out = out if layout is None else layout.from_rows(out)[None]
         out = out.reshape(s, t, q_width)
         return _dense(cfg, cfg.hidden_size, ("heads", "embed"), cfg.o_bias, "o_proj")(out), kv
 
@@ -148,8 +154,9 @@ class Block(nn.Module):
     """Pre-norm transformer block as a scan body: carry (x, kv) -> (x', kv'), no scanned output.
 
     ``kv`` is None (no cache) or (keys [L S K Tc Dh], values, this layer's index); ``context``
-    (the same for every layer) is (positions [N T], segment ids [N T] or None, the cache mask
-    [N 1 T Tc] or None, the cache slot of each row [N] or None: row n is slot n).
+    (the same for every layer) is (positions [S T], segment ids [S T] or None, the cache mask
+    [S 1 T Tc] or None, a packed chunk's ``ChunkLayout`` or None; packed, S is 1, T the
+    packed tokens M, and the mask is over the layout's rows [N 1 C Tc]).
     """
 
     cfg: ModelConfig
@@ -197,10 +204,10 @@ class Transformer(nn.Module):
     tokens of slot s take positions ``cache.length[s] + i``, are written into the cache, and
     ``n_valid[s]`` of them (default all T) count as filled. ``kv_width`` (static) bounds the
     cache columns attention reads: every new token must sit at a position below it (the live
-    prefix, ``kv_cache.live_width``); None reads the whole capacity. ``cache_rows`` [N] (with a
-    cache) names the cache slot of each of the N token rows (distinct; a slot >= S is a padding
-    row that writes nothing), so N < S rows can be fed without touching the other slots; None:
-    row s is slot s. ``return_hidden`` returns the
+    prefix, ``kv_cache.live_width``); None reads the whole capacity. With a ``chunk_layout``
+    the tokens are one packed row [1, M] of a chunk's new tokens (``models.chunk_layout``):
+    each goes to its own slot and position, attention runs over the layout's rows, and only
+    those rows' slots advance (by their counts; ``n_valid`` unused). ``return_hidden`` returns the
     final-normed hidden states [S T D] instead of the head's output (``oppo_jax.models.heads``
     applies the head only where it is needed).
     """
@@ -218,7 +225,7 @@ class Transformer(nn.Module):
         segment_ids: Int[Array, "S T"] | None = None,
         return_hidden: bool = False,
         kv_width: int | None = None,
-        cache_rows: Int[Array, " S"] | None = None,
+        chunk_layout: ChunkLayout | None = None,
     ) -> tuple[Float[Array, "S T O"], KVCache | None]:
         cfg = self.cfg
         s, t = tokens.shape
@@ -238,23 +245,23 @@ class Transformer(nn.Module):
         else:
             if positions is not None or segment_ids is not None:
                 raise ValueError("positions and segment_ids are for the cache-less forward only")
-            length = cache.length
-            if cache_rows is not None:  # padding rows (slot >= S) read the last slot's length
-                length = jnp.take(length, cache_rows, mode="clip")
-            positions = write_positions(length, t)
-            mask = attention_mask_for_cache(positions, _kv_width(kv_width, cache.capacity))
+            positions = write_positions(cache.length, t)
+            in_rows = positions  # the queries' positions as attention lays them out
+            if chunk_layout is not None:
+                positions, in_rows = chunk_layout.positions(cache.length)
+            mask = attention_mask_for_cache(in_rows, _kv_width(kv_width, cache.capacity))
             kv = (cache.k, cache.v, jnp.zeros((), jnp.int32))
-        context = (positions, segment_ids, mask, None if cache is None else cache_rows)
-        (x, kv), _ = _layers(cfg)((x, kv), context)
+        layout = None if cache is None else chunk_layout
+        (x, kv), _ = _layers(cfg)((x, kv), (positions, segment_ids, mask, layout))
         x = RMSNorm(cfg, name="norm")(x)
         out = x if return_hidden else self._head(embed, x)
         if cache is None:
             return out, None
+        if chunk_layout is not None:
+            length = cache.length.at[chunk_layout.rows].add(chunk_layout.count, mode="drop")
+            return out, KVCache(k=kv[0], v=kv[1], length=length)
         advance = jnp.full((s,), t, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
-        if cache_rows is None:
-            return out, KVCache(k=kv[0], v=kv[1], length=cache.length + advance)
-        length = cache.length.at[cache_rows].add(advance, mode="drop")
-        return out, KVCache(k=kv[0], v=kv[1], length=length)
+        return out, KVCache(k=kv[0], v=kv[1], length=cache.length + advance)
 
     def _head(self, embed: nn.Embed, x):
         cfg = self.cfg
@@ -272,17 +279,30 @@ def cached_hidden(
     tokens: Int[Array, "S T"],
     n_valid: Int[Array, " S"],
     kv_width: int | None = None,
-    rows: Int[Array, " S"] | None = None,
 ) -> tuple[Float[Array, "S T D"], KVCache]:
-    """Append ``n_valid[n]`` tokens of each right-padded row to the cache and return the final
-    hidden states, attention reading the first ``kv_width`` cache columns (None: all); row n
-    goes to cache slot ``rows[n]`` (None: slot n). The chunk prefill of the streaming
-    scorers; any split of a sequence, and any choice of rows, gives the same outputs."""
+    """Append ``n_valid[s]`` tokens of each right-padded row to the cache and return the final
+    hidden states, attention reading the first ``kv_width`` cache columns (None: all). The
+    chunk prefill of the streaming scorers; any split of a sequence gives the same outputs."""
     apply = Transformer(cfg).apply
-    return apply(
-        {"params": params}, tokens, cache, n_valid,
-        return_hidden=True, kv_width=kv_width, cache_rows=rows,
+    return apply({"params": params}, tokens, cache, n_valid, return_hidden=True, kv_width=kv_width)
+
+
+def packed_chunk_hidden(
+    cfg: ModelConfig,
+    params,
+    cache: KVCache,
+    tokens: Int[Array, " M"],
+    layout: ChunkLayout,
+    kv_width: int | None = None,
+) -> tuple[Float[Array, "M D"], KVCache]:
+    """``cached_hidden`` for a chunk's new tokens packed end to end (``models.chunk_layout``):
+    the final hidden state of each packed token, and the cache with them written in."""
+    apply = Transformer(cfg).apply
+    hidden, cache = apply(
+        {"params": params}, tokens[None, :], cache,
+        return_hidden=True, kv_width=kv_width, chunk_layout=layout,
     )  # fmt: skip
+    return hidden[0], cache
 
 
 def _kv_width(kv_width: int | None, capacity: int) -> int:

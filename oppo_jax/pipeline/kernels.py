@@ -28,7 +28,7 @@ from oppo_jax.rollout.decode import (
 )
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
-from oppo_jax.scoring.live_rows import score_live_chunk
+from oppo_jax.scoring.packed_chunks import score_packed_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
 from oppo_jax.sharding import with_rules
 
@@ -85,15 +85,16 @@ def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
 
 
 @functools.cache
-def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None, num_rows: int | None = None):
-    """One scorer's chunk prefill: over every slot ([S, C]), or over ``num_rows`` gathered
-    rows of the slots with tokens in the chunk (``scoring.live_rows``)."""
+def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None, packed: bool = False):
+    """One scorer's chunk prefill: (params, state, chunk) over every slot ([S, C]), or, when
+    ``packed``, (params, state, chunk, plan) over the chunk's tokens packed by the host's
+    plan (``scoring.packed_chunks``; one compilation per packed size)."""
 
-    def run(params, state, chunk):
-        if num_rows is None:
-            new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
+    def run(params, state, chunk, plan=None):
+        if packed:
+            new = score_packed_chunk(spec, params, state, chunk, plan, kv_width)
         else:
-            new = score_live_chunk(spec, params, state, chunk, num_rows, kv_width)
+            new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
         return new, jnp.sum(new.num_fed)
 
     return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
@@ -155,13 +156,11 @@ class Kernels:
         """(params, admission) -> (ScorerState, marker): one role's admission prefill."""
         return make_scorer_admit(getattr(self.scorer_specs, role), self.rollout.prompt_width)
 
-    def scorer_chunk(
-        self, role: str, kv_width: int | None = None, num_rows: int | None = None
-    ) -> Callable:
-        """(params, state, chunk) -> (ScorerState, marker): one role's chunk prefill, reading
-        the first ``kv_width`` cache columns (None: all), over ``num_rows`` rows of the slots
-        with new tokens (None: every slot; ``scoring.live_rows``)."""
-        return make_scorer_chunk(getattr(self.scorer_specs, role), kv_width, num_rows)
+    def scorer_chunk(self, role: str, kv_width: int | None = None, packed: bool = False):
+        """(params, state, chunk[, plan]) -> (ScorerState, marker): one role's chunk prefill,
+        reading the first ``kv_width`` cache columns (None: all), over every slot or, when
+        ``packed``, over the tokens a ``packed_chunks.plan_chunk`` plan packs."""
+        return make_scorer_chunk(getattr(self.scorer_specs, role), kv_width, packed)
 
     @functools.cached_property
     def responses(self) -> Callable:

@@ -3,9 +3,10 @@ update -> carry.
 
 This is the only place a step is orchestrated; ``train`` and ``bench`` call ``run_step``. It is
 plain Python that dispatches compiled kernels (``pipeline.kernels``) and never waits on them,
-except for one small read per decode chunk (may the rollout be cut?), read one chunk late so
-the actor's queue never drains while the host looks, and the reads the cut and the carry need.
-Every schedule runs the same code: ``schedule.stream`` decides whether the scorers consume each
+except for one small read per decode chunk (may the rollout be cut? and, when streaming, the
+chunk's token count per slot, which packs its scoring), read one chunk late so the actor's
+queue never drains while the host looks, and the reads the cut and the carry need. Every
+schedule runs the same code: ``schedule.stream`` decides whether the scorers consume each
 chunk as it is decoded or whole responses after generation; carrying is on when the plan
 starts more sequences than the batch takes (B + Δ).
 """
@@ -67,8 +68,8 @@ class StepEngine:
     packed_scoring: bool = True
     # Streaming with carrying keeps the frozen scorers' caches of carried rows (False: re-prefill).
     keep_frozen_caches: bool = True
-    # Streaming scores each chunk over the slots with tokens in it (False: every slot, [S, C]).
-    live_row_scoring: bool = True
+    # Streaming scores each chunk's new tokens packed (False: every slot, [S, C]).
+    packed_chunk_scoring: bool = True
     rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
 
 
@@ -173,8 +174,7 @@ def run_step(
     cut_rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     on_scoring = place.to_scoring(admission)
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
-    running = int(np.sum(slots.active & ~slots.prefix_finished))  # may decode in chunk 0
-    chunking = (cut_rule, plan.chunk_size, longest, running)
+    chunking = (cut_rule, plan.chunk_size, longest)
     # None: every slot decodes to the end (Kernels.compact_slots; None there: the backend's)
     compaction = step_compaction(k.compact_slots, place.num_slots(1), slots.num_slots, scorers)
     if schedule.stream:
@@ -188,8 +188,8 @@ def run_step(
             actor,
             decoding,
             chunking,
-            lambda chunk, width, running: (
-                scorers.feed(place.to_scoring(chunk), width, running),
+            lambda chunk, width, counts: (
+                scorers.feed(place.to_scoring(chunk), width, counts),
                 fn_rewards and fn_rewards.feed(full_chunk(compaction, chunk)),  # reward thread
             ),
             dispatched=(decode_slots, decode_widths),
@@ -290,23 +290,23 @@ def _decode(
     timeline: Timeline,
     params,
     state: DecodeState,
-    chunking: tuple[CutRule, int, int, int],
-    on_chunk: Callable[[ChunkTokens, int | None, int], None] | None = None,
+    chunking: tuple[CutRule, int, int],
+    on_chunk: Callable[[ChunkTokens, int | None, np.ndarray], None] | None = None,
     dispatched: tuple[list, list] | None = None,
     compaction: tuple[SlotMap, Any] | None = None,
 ) -> DecodeState:
     """Decode until the cut rule allows the cut; ``on_chunk`` receives each chunk's tokens, the
-    live width they fit in and how many slots may have tokens in it (those running when it
-    began, known one chunk late); ``dispatched`` gets the slot count and the live width of
-    each chunk dispatched (accounting). ``chunking`` is (cut rule, C, the longest context
-    admitted, the slots running at admission).
+    live width they fit in and their count per slot (read with the loop's flag, once the next
+    chunk is dispatched: the scorers get a chunk once it is done, packed); ``dispatched``
+    gets the slot count and the live width of each chunk dispatched (accounting).
+    ``chunking`` is (cut rule, C, the longest context admitted).
 
     Chunk i reads the cache's live prefix, sized on the host from the admitted lengths and i
     alone (``Kernels.chunk_width``). With ``compaction`` (a SlotMap and the scorers), the rows
     still running move into smaller slot buckets as the others finish (``pipeline.slot_map``),
     decided from their count, which the loop's one read per chunk carries; the state comes
     back in the admission's layout."""
-    rule, chunk_size, longest, running = chunking
+    rule, chunk_size, longest = chunking
     slot_counts, widths = ([], []) if dispatched is None else dispatched
 
     def dispatch(i, state, rule):
@@ -319,11 +319,14 @@ def _decode(
 
     state, chunk, width = dispatch(0, state, rule)
     for i in itertools.count(1):
-        if on_chunk is not None:
-            on_chunk(chunk, width, running)
-        last = chunk
+        last, last_width = chunk, width
         state, chunk, width = dispatch(i, state, rule)  # dispatched before the host reads
-        running = int(jax.device_get(last.running))  # the loop's only read: -1 once ready
+        if on_chunk is None:
+            running = int(jax.device_get(last.running))  # the loop's only read: -1 once ready
+        else:  # streaming: the chunk's counts with it (one transfer), then it is scored
+            running, counts = jax.device_get((last.running, last.count))
+            running = int(running)
+            on_chunk(last, last_width, np.asarray(counts))
         if running < 0:
             return state if compaction is None else compaction[0].restore(state, compaction[1])
         if compaction is None:

@@ -16,7 +16,7 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState
 from oppo_jax.scoring.kept import FROZEN, KeptCaches, kept_bucket
-from oppo_jax.scoring.live_rows import live_row_bucket
+from oppo_jax.scoring.packed_chunks import plan_chunk
 from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
 from oppo_jax.sharding import batch_shards
 
@@ -35,7 +35,7 @@ class StepScorers:
         self.work, self.prompt_width = work, k.rollout.prompt_width
         self.admit_real = {"critic": 0, "frozen": 0}  # set by run_step from host lengths
         self.roles = k.scorer_specs.present()
-        self.live_row_scoring = engine.live_row_scoring
+        self.packed_chunks = engine.packed_chunk_scoring
         mesh = k.scorer_specs.reference.mesh  # the scorers' states are sharded over it
         self.slot_shards = 1 if mesh is None else batch_shards(mesh)  # devices the slots span
         self.params = ScorerParams(
@@ -80,35 +80,34 @@ class StepScorers:
         frozen = {r: getattr(self.states, r) for r in self.roles if r in FROZEN}
         return keep_rows(frozen, slots, bucket, [])
 
-    def feed(
-        self, chunk: ChunkTokens, kv_width: int | None = None, running: int | None = None
-    ) -> None:
+    def feed(self, chunk: ChunkTokens, kv_width: int | None = None, counts=None) -> None:
         """Prefill every scorer with the chunk's new tokens (attending over the first
-        ``kv_width`` cache columns; None: all), over the rows of the slots with tokens in it
-        when at most ``running`` have any (``scoring.live_rows``; None: every slot)."""
-        rows = self.live_rows(chunk.tokens.shape[0], running)
-        computed = token_count(chunk.tokens) if rows is None else rows * chunk.tokens.shape[1]
+        ``kv_width`` cache columns; None: all): packed when the host has read the chunk's
+        per-slot ``counts`` [S] (``scoring.packed_chunks``), else over every slot."""
+        plan = self.chunk_plan(counts, chunk.tokens.shape[1])
+        computed = token_count(chunk.tokens) if plan is None else plan["token_row"].size
         self.work.add("scoring", len(self.roles) * computed)
+        args = (chunk,) if plan is None else (chunk, plan)
         self.states = ScorerStates(
             **{
                 role: self._dispatch(
                     "score",
                     role,
-                    self.kernels.scorer_chunk(role, kv_width, rows),
+                    self.kernels.scorer_chunk(role, kv_width, plan is not None),
                     getattr(self.states, role),
-                    chunk,
+                    *args,
                 )
                 for role in self.roles
             }
         )
 
-    def live_rows(self, slots: int, running: int | None) -> int | None:
-        """Rows a chunk over ``slots`` slots is scored over when at most ``running`` have
-        tokens in it; None: all of them (switched off, no bound, or a scoring mesh that
-        splits the slots: gathering rows across its devices would move their caches)."""
-        if not self.live_row_scoring or running is None or self.slot_shards > 1:
+    def chunk_plan(self, counts, width: int) -> dict | None:
+        """The packing of a chunk with these ``counts`` (``packed_chunks.plan_chunk``); None:
+        score it over every slot (switched off, no counts read, a chunk too full to gain, or a
+        scoring mesh that splits the slots: packing across its devices would move caches)."""
+        if not self.packed_chunks or counts is None or self.slot_shards > 1:
             return None
-        return live_row_bucket(running, slots)
+        return plan_chunk(counts, width)
 
     def outputs(self) -> ScorerOutputs:
         return self.packed if self.packed is not None else self.states.outputs()

@@ -1,7 +1,7 @@
-"""Streamed scoring over the slots with tokens in a chunk (``scoring.live_rows``) equals the
-[S, C] call over every slot: the same log-probs, values, scores and fed counts, with ragged
-lengths and carried rows, chunk by chunk and in whole OPPO steps; the ledger counts the
-gathered rows; and the compiled row buckets are few."""
+"""Streamed scoring with each chunk's tokens packed (``scoring.packed_chunks``) equals the
+[S, C] call over every slot, and a full forward pass: the same log-probs, values, scores and
+fed counts, with ragged lengths and carried rows, chunk by chunk and in whole OPPO steps; the
+ledger counts the packed tokens; and the packed sizes a scorer compiles are few."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.scoring.live_rows import live_row_bucket, live_row_buckets, live_rows
+from oppo_jax.scoring.packed_chunks import PACKED_LEVELS, chunk_shape, chunk_shapes, plan_chunk
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import (
@@ -49,19 +49,31 @@ from tests.ppo_fixtures import (
 P, R = 4, 20
 
 
-def test_row_buckets_on_hand_counted_cases():
-    assert [live_row_bucket(n, 24) for n in (0, 1, 3, 9, 16, 17, 24)] == [
-        1, 1, 4, 16, 16, None, None,
-    ]  # fmt: skip
-    assert live_row_bucket(4, 8) == 4 and live_row_bucket(5, 8) is None
-    assert live_row_buckets(24) == (1, 2, 4, 8, 16) and live_row_buckets(8) == (1, 2, 4)
-    assert live_row_buckets(1) == ()
-    # every bucket the rule can pick is listed (what a warm-up compiles)
-    for slots in range(1, 40):
-        picked = {live_row_bucket(n, slots) for n in range(slots + 1)} - {None}
-        assert picked == set(live_row_buckets(slots))
-    rows = live_rows(jnp.array([0, 3, 0, 1]), 4)
-    assert rows.tolist() == [1, 3, 4, 4]
+def test_packed_sizes_on_hand_counted_cases():
+    # S 24, C 8: S·C 192, the smallest packed size 256 / 16 = 16
+    counts = np.zeros(24, int)
+    counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots
+    assert chunk_shape(counts, 8) == (24, 32)
+    assert chunk_shape(np.array([1] * 5 + [0] * 19), 8) == (16, 16)
+    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) is None  # 140 tokens: > half
+    assert chunk_shapes(24, 8) == [(16, 16), (24, 32), (24, 64), (24, 128)]
+    plan = plan_chunk(np.array([0, 3, 0, 1]), 4)
+    assert plan["rows"].tolist() == [1, 3, 4, 4] and plan["count"].tolist() == [3, 1, 0, 0]
+    assert plan["token_row"].tolist() == [0, 0, 0, 1]
+    assert plan["token_col"].tolist() == [0, 1, 2, 0]
+    # every shape a chunk can take is listed (what a warm-up compiles), few per width
+    rng = np.random.default_rng(0)
+    for slots in (1, 3, 8, 24):
+        for width in (1, 3, 8):
+            listed = set(chunk_shapes(slots, width))
+            assert len(listed) <= PACKED_LEVELS
+            for _ in range(200):
+                live = rng.random(slots) < rng.random()
+                counts = rng.integers(1, width + 1, slots) * live
+                shape = chunk_shape(counts, width)
+                assert shape is None or shape in listed
+                if shape is not None:  # rows hold the live slots, tokens the real ones
+                    assert np.count_nonzero(counts) <= shape[0] and counts.sum() <= shape[1]
 
 
 @functools.cache
@@ -97,7 +109,7 @@ def _carried_admission():
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 8])
-def test_live_row_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
+def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     actor, ref, critic, reward = _params()
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(3.0, 15.0)
@@ -114,16 +126,19 @@ def test_live_row_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     live = jax.tree.map(jnp.copy, admit)
     decode = make_decode_chunk_emit(ACTOR, rollout.sampling, chunk, None)
     rule = CutRule(admission.active, jnp.zeros(6, bool), jnp.int32(5))  # run to the end
-    running, buckets = 5, []  # slots 0..5 less the empty one
+    plans = []
     for _ in range(-(-R // chunk) + 1):
         state, emitted = decode(actor, state, rule)
-        rows = live_row_bucket(running, 6)
-        buckets.append(rows)
+        plan = plan_chunk(np.asarray(emitted.count), chunk)
+        plans.append(plan)
         for name, (spec, params) in specs.items():
             every[name], _ = make_scorer_chunk(spec)(params, every[name], emitted)
-            live[name], _ = make_scorer_chunk(spec, None, rows)(params, live[name], emitted)
-        running = int(jnp.sum(~state.finished))
-    assert any(b is not None for b in buckets)  # some chunks ran on fewer rows
+            if plan is None:
+                live[name], _ = make_scorer_chunk(spec)(params, live[name], emitted)
+            else:
+                kernel = make_scorer_chunk(spec, None, True)
+                live[name], _ = kernel(params, live[name], emitted, plan)
+    assert sum(p is not None for p in plans) >= 2  # chunks were packed
     n = np.asarray(state.num_generated)
     assert len(set(n.tolist())) > 2
     mask = np.arange(R)[None, :] < n[:, None]
@@ -171,7 +186,7 @@ def _run(engine, overcommit: int, chunk: int, steps: int = 3):
 
 
 @pytest.mark.parametrize(("overcommit", "chunk", "compact"), [(1, 2, False), (3, 3, True)])
-def test_oppo_steps_with_live_rows_equal_every_slot_steps(overcommit, chunk, compact):
+def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(overcommit, chunk, compact):
     spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(6.0, 18.0)
@@ -183,7 +198,7 @@ def test_oppo_steps_with_live_rows_equal_every_slot_steps(overcommit, chunk, com
     actor, ref, _, reward = _params()
     engine = step_engine(kernels, place, ref, reward)
     live = _run(engine, overcommit, chunk)
-    every = _run(dataclasses.replace(engine, live_row_scoring=False), overcommit, chunk)
+    every = _run(dataclasses.replace(engine, packed_chunk_scoring=False), overcommit, chunk)
     assert any(r.slots.prefix_len.max() > 0 for r in live)  # carried rows were streamed
     for a, b in zip(live, every, strict=True):
         assert a.selection.batch.tolist() == b.selection.batch.tolist()
@@ -195,6 +210,5 @@ def test_oppo_steps_with_live_rows_equal_every_slot_steps(overcommit, chunk, com
         # the same real tokens; fewer computed once slots finish
         assert a.work.real["scoring"] == b.work.real["scoring"]
         assert a.work.computed["scoring"] <= b.work.computed["scoring"]
-    if not compact:  # (compaction's pow2 buckets already drop the rows this would)
-        total = [sum(r.work.computed["scoring"] for r in run) for run in (live, every)]
-        assert total[0] < total[1]
+    total = [sum(r.work.computed["scoring"] for r in run) for run in (live, every)]
+    assert total[0] < total[1]

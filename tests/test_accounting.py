@@ -98,11 +98,15 @@ def _expected(result, plan, stream: bool, packed_update: bool = True) -> dict:
     admission = admission or (per_model, full_real)
     # Decode: the while_loop runs every slot until the cut.
     decode = (s * sel.cut, new)
-    # Scoring: streamed [S, C] chunks up to the one holding the cut, or one packed call over
-    # the batch's sequences (the simulator's copy of the engine's rule, checked against it in
-    # tests/test_sim_packing.py).
-    chunks = max(1, math.ceil(sel.cut / plan.chunk_size))
-    scoring = (chunks * s * plan.chunk_size, new)
+    # Scoring: streamed chunks up to the one holding the cut, each one's real tokens packed
+    # (slot s makes clip(new_s - j·C, 0, C) tokens in chunk j: the slots decode in lockstep),
+    # or one packed call over the batch's sequences (the simulator's copies of the engine's
+    # rules, checked against them in tests/test_sim_packing.py).
+    c = plan.chunk_size
+    chunks = max(1, math.ceil(sel.cut / c))
+    made = host.num_generated - prefix
+    per_chunk = [int(np.clip(made - j * c, 0, c).sum()) for j in range(chunks)]
+    scoring = (sum(sim_packing.chunk_tokens(t, s, c) for t in per_chunk), new)
     if not stream:
         scoring = (sim_packing.score_tokens(sequences, P + R), int(sequences.sum()))
     # Update: EPOCHS passes of actor and critic over the batch's sequences packed (the same

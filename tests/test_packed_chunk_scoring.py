@@ -33,7 +33,13 @@ from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.scoring.packed_chunks import PACKED_LEVELS, chunk_shape, chunk_shapes, plan_chunk
+from oppo_jax.scoring.packed_chunks import (
+    PACKED_LEVELS,
+    chunk_shape,
+    chunk_shapes,
+    padding_plan,
+    plan_chunk,
+)
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import (
@@ -166,6 +172,13 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     np.testing.assert_allclose(
         np.asarray(live["reward"].score)[on], np.asarray(scores_full)[on], atol=1e-5
     )
+    # a warm-up's padding plan compiles a shape and changes nothing
+    spec, params = specs["critic"]
+    before = jax.tree.map(np.asarray, live["critic"])
+    plan = padding_plan(chunk_shapes(6, chunk)[-1], 6)
+    after, _ = make_scorer_chunk(spec, None, True)(params, live["critic"], emitted, plan)
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def _run(engine, overcommit: int, chunk: int, steps: int = 3):

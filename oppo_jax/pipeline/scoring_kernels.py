@@ -21,8 +21,9 @@ from oppo_jax.scoring.packed import (
     pow2_at_least,
     score_packed,
 )
+from oppo_jax.scoring.packed_chunks import chunk_shapes, padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
-from oppo_jax.sharding import to_host, with_rules
+from oppo_jax.sharding import batch_shards, to_host, with_rules
 
 
 @functools.cache
@@ -126,6 +127,26 @@ def compile_packed_scoring(engine, params: dict, batch_size: int, num_slots: int
         for role in kernels.scorer_specs.present()
     ]
     jax.block_until_ready(outputs)
+
+
+def packs_chunks(engine) -> bool:
+    """Whether ``engine``'s (a StepEngine) streaming scorers pack their chunks: switched on
+    and on a scoring mesh that does not split the slots (``StepScorers.chunk_plan``)."""
+    mesh = engine.kernels.scorer_specs.reference.mesh
+    return engine.packed_chunk_scoring and (mesh is None or batch_shards(mesh) == 1)
+
+
+def compile_packed_chunks(engine, role: str, params, state, chunk, kv_width: int | None):
+    """Run ``role``'s packed chunk kernel at every packed size a chunk like ``chunk`` can take
+    (``packed_chunks.chunk_shapes``), reading ``kv_width`` columns, on plans that pack no
+    token: what a warm-up compiles. Returns the state (donated along, unchanged)."""
+    if not packs_chunks(engine):
+        return state
+    slots, width = chunk.tokens.shape
+    kernel = engine.kernels.scorer_chunk(role, kv_width, True)
+    for shape in chunk_shapes(slots, width):
+        state, _ = kernel(params, state, chunk, padding_plan(shape, slots))
+    return state
 
 
 @functools.cache

@@ -11,14 +11,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, token_count
-from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
+from oppo_jax.pipeline.scoring_kernels import (
+    keep_rows,
+    packed_outputs,
+    packs_chunks,
+    restore_rows,
+)
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState
 from oppo_jax.scoring.kept import FROZEN, KeptCaches, kept_bucket
 from oppo_jax.scoring.packed_chunks import plan_chunk
 from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
-from oppo_jax.sharding import batch_shards
 
 if TYPE_CHECKING:
     from oppo_jax.pipeline.carry import SlotBatch
@@ -35,9 +39,7 @@ class StepScorers:
         self.work, self.prompt_width = work, k.rollout.prompt_width
         self.admit_real = {"critic": 0, "frozen": 0}  # set by run_step from host lengths
         self.roles = k.scorer_specs.present()
-        self.packed_chunks = engine.packed_chunk_scoring
-        mesh = k.scorer_specs.reference.mesh  # the scorers' states are sharded over it
-        self.slot_shards = 1 if mesh is None else batch_shards(mesh)  # devices the slots span
+        self.packed_chunks = packs_chunks(engine)  # chunks packed (scoring.packed_chunks)
         self.params = ScorerParams(
             reference=engine.ref_params,
             critic=place.critic_for_scoring(k.spec.critic, critic_params),
@@ -105,7 +107,7 @@ class StepScorers:
         """The packing of a chunk with these ``counts`` (``packed_chunks.plan_chunk``); None:
         score it over every slot (switched off, no counts read, a chunk too full to gain, or a
         scoring mesh that splits the slots: packing across its devices would move caches)."""
-        if not self.packed_chunks or counts is None or self.slot_shards > 1:
+        if not self.packed_chunks or counts is None:
             return None
         return plan_chunk(counts, width)
 

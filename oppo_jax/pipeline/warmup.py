@@ -240,7 +240,11 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
         for role in k.scorer_specs.present():
             scored, _ = k.scorer_admit(role)(params[role], on_scoring)
             feed = k.scorer_chunk(role, *width)
-            outputs.append(feed(params[role], scored, place.to_scoring(chunk)))
+            scored, _ = feed(params[role], scored, place.to_scoring(chunk))
+            from oppo_jax.pipeline.scoring_kernels import compile_packed_chunks  # packed sizes
+
+            fed = (params[role], scored, place.to_scoring(chunk), kv_width)
+            outputs.append(compile_packed_chunks(engine, role, *fed))
     jax.block_until_ready(outputs)
 
 

@@ -85,6 +85,15 @@ def plan_chunk(counts: np.ndarray, width: int) -> dict[str, np.ndarray] | None:
     return {"rows": rows, "count": count, "token_row": token_row, "token_col": token_col}
 
 
+def padding_plan(shape: tuple[int, int], slots: int) -> dict[str, np.ndarray]:
+    """A plan of ``shape`` = (N, M) that packs no token (every row and token padding): scoring
+    it compiles that shape and leaves a state as it was (a warm-up's input)."""
+    n, m = shape
+    rows, none = np.full(n, slots, np.int32), np.zeros(n, np.int32)
+    return {"rows": rows, "count": none, "token_row": np.full(m, n, np.int32),
+            "token_col": np.zeros(m, np.int32)}  # fmt: skip
+
+
 def score_packed_chunk(
     spec: ScorerSpec,
     params,

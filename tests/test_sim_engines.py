@@ -89,8 +89,9 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks over their real tokens (43 and 13) in rows of C = 8.
-        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
+        # Streamed chunks' real tokens (43 and 13) packed into a power of two (at least
+        # pow2(S·C) / 16 = 4): 64 is the whole [8, 8] chunk, 13 packs into 16.
+        ("packed_chunk_scoring", "score_chunks", [3 * 64, 3 * 16]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):

@@ -1,6 +1,7 @@
 """The simulator's copies of the engine's shape rules (oppo_jax.sim.packing) against the
-engine's own planners on random ragged batches: the packed update's plan (oppo_jax.ppo.packing)
-and the packed sync scoring's plan (oppo_jax.scoring.packed). The simulator stays JAX-free,
+engine's own planners on random ragged batches: the packed update's plan (oppo_jax.ppo.packing),
+the packed sync scoring's plan (oppo_jax.scoring.packed) and a streamed chunk's packing
+(oppo_jax.scoring.packed_chunks). The simulator stays JAX-free,
 so it cannot call them; this keeps the copies honest."""
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from oppo_jax.ppo.packing import bucket_up
 from oppo_jax.ppo.packing import plan_packing as update_plan
 from oppo_jax.scoring.packed import plan_packing as score_plan
+from oppo_jax.scoring.packed_chunks import chunk_shape
 from oppo_jax.sim import packing
 
 
@@ -28,3 +30,8 @@ def test_mirrors_count_what_the_engine_plans(seed):
         assert packing.score_tokens(prompt + response, p + r) == want
         n = int(rng.integers(1, 4 * (p + r)))
         assert packing.bucket_up(n, 16) == bucket_up(n, 16)
+        slots, c = int(rng.integers(1, 40)), int(rng.choice([1, 3, 8, 32]))
+        counts = rng.integers(0, c + 1, slots) * (rng.random(slots) < rng.random())
+        shape = chunk_shape(counts, c)
+        want = slots * c if shape is None else shape[1]
+        assert packing.chunk_tokens(int(counts.sum()), slots, c) == want

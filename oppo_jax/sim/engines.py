@@ -20,7 +20,7 @@ Four engines, one dataclass:
   cost their real tokens, and the frozen scorers keep the caches of carried rows.
 
 Issue #13's five engine changes are switches (``FEATURES``), with a sixth the projections
-show OPPO needs beside them (``packed_chunk_scoring``: streamed chunks scored over their real
+showed OPPO needs beside them (``packed_chunk_scoring``: streamed chunks scored over their real
 tokens). ``BUILT`` switches on those that landed; the others stay what-ifs (``--with``). The
 simulator, the projections and the traces ``oppo-jax bench`` records (``trace.step_trace``
 stamps ``BUILT``) follow ``BUILT``.
@@ -40,7 +40,7 @@ FEATURES = (
     "compact_slots",  # finished slots gathered away when the live ones fit in half the bucket
     "kept_scorer_caches",  # the frozen scorers keep carried rows' caches (no re-prefill)
     # Not in #13's list; what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
-    "packed_chunk_scoring",  # each streamed chunk scored over its real tokens, not [S, C]
+    "packed_chunk_scoring",  # each streamed chunk's real tokens packed (pow2), not [S, C]
 )
 
 
@@ -57,7 +57,8 @@ class Engine:
     live_prefix_decode: bool = False  # attention over pow2(P + longest prefix + C), not P + R
     compact_slots: bool = False  # slots gathered into pow2(live) once live <= half the slots
     kept_scorer_caches: bool = False  # reference and reward keep carried rows' caches
-    packed_chunk_scoring: bool = False  # a streamed chunk's live tokens packed in rows of C
+    # a streamed chunk's real tokens packed into pow2 >= pow2(S·C) / 16 (packing.chunk_tokens)
+    packed_chunk_scoring: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -94,7 +95,9 @@ PADDED = Engine("padded", decode_to_cut=False)
 FIXED = Engine("fixed")
 # This engine as built: the #13 features that landed (see the docstring): the packed update
 # (624cce5), sync scoring at real widths and the frozen scorers' kept caches (d8a8bca), decode
-# over the live prefix (a952db9). Slot compaction (78de8d3) is on by default only on the CPU
+# over the live prefix (a952db9), streamed chunks scored packed (scoring.packed_chunks: the
+# token-wise layers over the chunk's real tokens in a pow2 bucket, attention over min(S, M)
+# rows; the cost model prices tokens). Slot compaction (78de8d3) is on by default only on the CPU
 # (``pipeline.slot_map.compaction_default``), so the accelerator projections leave it off and
 # a recorded trace stamps what its run did (``trace.step_trace``).
 BUILT = Engine(
@@ -103,6 +106,7 @@ BUILT = Engine(
     real_width_scoring=True,
     live_prefix_decode=True,
     kept_scorer_caches=True,
+    packed_chunk_scoring=True,
 )
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}

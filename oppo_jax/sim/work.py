@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from oppo_jax.sim import packing
-from oppo_jax.sim.engines import Engine, packed, pow2
+from oppo_jax.sim.engines import Engine, pow2
 from oppo_jax.sim.trace import forward_steps
 
 
@@ -101,9 +101,12 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
     else:
         decode, buckets = _fixed_decode(engine, f, ends)
         per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
-        if engine.packed_chunk_scoring:  # each chunk's real tokens in rows of C
+        if engine.packed_chunk_scoring:  # each chunk's real tokens packed (packing.chunk_tokens)
             real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
-            per_chunk = [min(p, packed(r, f.chunk)) for p, r in zip(per_chunk, real, strict=True)]
+            per_chunk = [
+                packing.chunk_tokens(r, b, f.chunk)
+                for b, r in zip(buckets[: len(real)], real, strict=True)
+            ]
         k = f.carried_rows if engine.split_admission else f.slots
         actor = k * f.width + (f.slots - k) * f.prompt_len
         new_rows = (f.slots - f.carried_rows) * f.prompt_len

@@ -1,6 +1,7 @@
 """The rollout sharded over the mesh: frozen scorers' parameters split like the train state, KV
 caches and per-slot state split along the slots, and the same tokens and scores as one device."""
 
+import dataclasses
 import functools
 
 import jax
@@ -16,12 +17,15 @@ from oppo_jax.pipeline.kernels import (
     make_actor_admit,
     make_decode_chunk_emit,
     make_scorer_admit,
+    make_scorer_chunk,
 )
 from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.scoring_kernels import packs_chunks
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.scoring.packed_chunks import plan_chunk
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import (
     abstract_params,
@@ -30,7 +34,15 @@ from oppo_jax.sharding import (
     param_shardings,
     per_device_bytes,
 )
-from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, fresh_slots, make_spec, tiny_params
+from tests.ppo_fixtures import (
+    ACTOR,
+    CRITIC,
+    ListPrompts,
+    fresh_slots,
+    make_spec,
+    step_engine,
+    tiny_params,
+)
 
 P, R, CHUNK = 4, 16, 6
 
@@ -280,3 +292,44 @@ def test_run_models_are_born_on_the_training_mesh():
         got = [x.sharding for x in jax.tree.leaves(model.params)]
         assert got == want
         assert not all(s.is_fully_replicated for s in got)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2), (2, 2, 2)])
+def test_packed_chunks_on_a_mesh_match_one_device(shape):
+    """A streamed chunk scored packed (scoring.packed_chunks) on a mesh equals the [S, C] call
+    on it and on one device. Steps pack only where the scoring mesh keeps the slots whole
+    (tensor only here); on one that splits them the kernel is still exact, but unused."""
+    placement = _placement("colocated", *shape)
+    meshes = {"mesh": placement.groups.generation, "scoring_mesh": placement.scoring_mesh}
+    rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompt_width=P, max_response_len=R,
+                          eos_ids=(20, 21), **meshes)  # fmt: skip
+    kernels = build_kernels(make_spec(temperature=1.0), rollout, reward_model=CRITIC)
+    actor, _, reward = _models()
+    on_mesh = jax.device_put(actor, param_shardings(ACTOR, placement.groups.generation))
+    params = {"reference": placement.scoring_params(ACTOR, actor),
+              "reward": placement.scoring_params(CRITIC, reward)}  # fmt: skip
+    rng = np.random.default_rng(1)
+    pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(8)]
+    admission = device_admission(fresh_slots(pairs, P, R))
+    state, _ = kernels.admit(on_mesh, admission, jax.random.key(5))
+    rule = CutRule(admission.active, admission.must_finish, jnp.int32(8))
+    state, chunk = kernels.decode(CHUNK)(on_mesh, state, rule)
+    counts = np.array([6, 0, 2, 0, 0, 1, 0, 3], np.int32)  # most slots done: 12 of 48 tokens
+    chunk = chunk.replace(count=jnp.asarray(counts))
+    plan = plan_chunk(counts, CHUNK)
+    assert plan is not None and plan["token_row"].size == 16
+    for role in ("reference", "reward"):
+        admit_role = kernels.scorer_admit(role)
+        fresh = [admit_role(params[role], admission)[0] for _ in range(3)]
+        every, _ = kernels.scorer_chunk(role)(params[role], fresh[0], chunk)
+        packed, _ = kernels.scorer_chunk(role, None, True)(params[role], fresh[1], chunk, plan)
+        single_spec = dataclasses.replace(getattr(kernels.scorer_specs, role), mesh=None)
+        one_device = functools.partial(jax.device_put, device=jax.devices()[0])
+        inputs = jax.tree.map(one_device, (params[role], fresh[2], chunk))
+        one, _ = make_scorer_chunk(single_spec)(*inputs)
+        for a, b in ((packed, every), (packed, one)):
+            np.testing.assert_array_equal(a.num_fed, b.num_fed)
+            np.testing.assert_allclose(a.per_token, b.per_token, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(a.score, b.score, atol=1e-5, rtol=0)
+    engine = step_engine(kernels, placement, params["reference"], params["reward"])
+    assert packs_chunks(engine) == (shape == (1, 1, 2))

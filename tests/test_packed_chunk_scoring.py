@@ -15,6 +15,7 @@ import pytest
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
     build_kernels,
@@ -80,6 +81,22 @@ def test_packed_sizes_on_hand_counted_cases():
                 assert shape is None or shape in listed
                 if shape is not None:  # rows hold the live slots, tokens the real ones
                     assert np.count_nonzero(counts) <= shape[0] and counts.sum() <= shape[1]
+
+
+def test_chunk_layout_places_each_token_at_its_slot_and_column():
+    # the module docstring's example: counts [0, 3, 0, 1] (S 4, C 4), N 2, M 5 (one padding)
+    plan = {"rows": [1, 3], "count": [3, 1], "token_row": [0, 0, 0, 1, 2],
+            "token_col": [0, 1, 2, 0, 0]}  # fmt: skip
+    layout = ChunkLayout(**{k: jnp.asarray(v, jnp.int32) for k, v in plan.items()}, width=4)
+    assert layout.token_slots(4).tolist() == [1, 1, 1, 3, 4]
+    tokens, in_rows = layout.positions(jnp.array([9, 5, 9, 7]))
+    assert tokens.tolist() == [[5, 6, 7, 7, 7]]  # padding reads the last row's length
+    assert in_rows.tolist() == [[5, 6, 7, 8], [7, 8, 9, 10]]
+    x = jnp.arange(5.0).reshape(5, 1, 1) + 1
+    rows = layout.to_rows(x)
+    assert rows[..., 0, 0].tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]]
+    assert layout.from_rows(rows)[:4, 0, 0].tolist() == [1, 2, 3, 4]
+    assert layout.is_last().tolist() == [False, False, True, True, False]
 
 
 @functools.cache

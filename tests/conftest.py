@@ -7,15 +7,9 @@ import os
 import tempfile
 from pathlib import Path
 
-# Must happen before jax is imported anywhere in the test process. The suite's time is mostly
-# XLA:CPU compiling small programs (each runs a few times), so LLVM's optimisation is turned
-# down: it changes how fast the generated code runs, not what it computes, and it cut a
-# compile-bound module's time by a quarter. Tests that compare results compare two runs under
-# the same flags; subprocesses inherit them.
-TEST_XLA_FLAGS = (
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_llvm_disable_expensive_passes=true"
-)
+from tests.xla_flags import TEST_XLA_FLAGS
+
+# Must happen before jax is imported anywhere in the test process (tests/xla_flags.py: why).
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

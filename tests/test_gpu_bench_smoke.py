@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_flags import COMPILE_FLAGS
+
 pytestmark = pytest.mark.slow  # a fresh process that compiles and runs all four schedules
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.sh"
@@ -17,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.sh"
 
 def _run(*args, env_extra=None):
     env = {**os.environ, "PYTHON": sys.executable, **(env_extra or {})}
-    env.pop("XLA_FLAGS", None)  # the run fakes the devices its config needs
+    env["XLA_FLAGS"] = COMPILE_FLAGS  # the run adds the device count its config needs
     return subprocess.run(
         ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=1200
     )

@@ -38,6 +38,7 @@ import pytest
 
 import oppo_jax.sharding as sh
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_args, small_demo_config
+from tests.xla_flags import COMPILE_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300  # per group of processes; a hung collective ends here, not in CI's limit
@@ -57,9 +58,8 @@ def _env(devices: int, process: tuple[int, int, int] | None = None, **extra: str
     env = {k: v for k, v in os.environ.items()
            if k not in _CLUSTER_VARS and not k.startswith("SLURM_")}  # fmt: skip
     env.update(
-        # Optimisation level 0 compiles about a third faster; every process uses the same.
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-        "--xla_backend_optimization_level=0",
+        # The suite's compile flags (tests/xla_flags.py); every process uses the same.
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}",
         JAX_PLATFORMS="cpu",
         TOKENIZERS_PARALLELISM="false",
         **extra,

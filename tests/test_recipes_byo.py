@@ -15,6 +15,7 @@ import pytest
 from oppo_jax.data.demo_task import DemoTaskSpec
 from oppo_jax.demo.assets import ensure_demo_assets
 from tests.run_fixtures import small_demo_config
+from tests.xla_flags import COMPILE_FLAGS
 
 RECIPES = Path(__file__).resolve().parents[1] / "docs" / "RECIPES.md"
 
@@ -36,7 +37,7 @@ def test_the_worked_example_runs_as_written(demo_cache, tmp_path):
     )
     env = dict(os.environ, BYO_WORK=str(tmp_path / "byo"), BYO_ACTOR=str(actor), BYO_STEPS="2")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    env.pop("XLA_FLAGS", None)  # the command sets its own device count
+    env["XLA_FLAGS"] = COMPILE_FLAGS  # the command adds its own device count
     done = subprocess.run(
         [sys.executable, "-c", example_code()], env=env, capture_output=True, text=True
     )

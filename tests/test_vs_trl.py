@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.run_fixtures import DEMO_TEST_STEPS
+from tests.xla_flags import COMPILE_FLAGS
 
 pytestmark = pytest.mark.slow  # a TRL PPO run next to ours, in a subprocess
 
@@ -29,7 +30,7 @@ def test_vs_trl_smoke(demo_cache, tmp_path):
     env = {
         **os.environ,
         # The workers run on one host device, as the demo does, and share compiled kernels.
-        "XLA_FLAGS": "",
+        "XLA_FLAGS": COMPILE_FLAGS,
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }

@@ -215,7 +215,10 @@ def _run(engine, overcommit: int, chunk: int, steps: int = 3):
     return results
 
 
-@pytest.mark.parametrize(("overcommit", "chunk", "compact"), [(1, 2, False), (3, 3, True)])
+@pytest.mark.parametrize(
+    ("overcommit", "chunk", "compact"),
+    [(1, 2, False), pytest.param(3, 3, True, marks=pytest.mark.slow)],  # compaction: slow tier
+)
 def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(overcommit, chunk, compact):
     spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
     rollout = RolloutSpec(

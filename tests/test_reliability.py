@@ -167,6 +167,7 @@ def test_a_nonfinite_step_is_skipped_counted_and_the_run_goes_on(
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
 
 
+@pytest.mark.slow
 def test_nonfinite_in_a_row_stops_the_run_with_a_clear_error(
     demo_cache, tmp_path, monkeypatch, abstract_state
 ):

@@ -22,7 +22,7 @@ from tests.ppo_fixtures import ACTOR, CRITIC, reward_scores
 R = 12
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 16, 40])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, 16, 40])
 def test_streamed_scores_equal_full_sequence_pass(chunk):
     actor = init_params(ACTOR, jax.random.key(0))
     ref = init_params(ACTOR, jax.random.key(1))

@@ -120,6 +120,21 @@ def test_slot_compaction_follows_the_live_slots_one_chunk_late():
     assert w.score_chunks == [3 * 8 * 2, 3 * 8 * 2, 3 * 2, 3 * 2, 3 * 2, 3 * 2]
 
 
+def test_packed_chunk_scoring_packs_only_uncompacted_chunks():
+    # Six slots finish at 1, one at 5, one at 12; C = 2. Chunks 2 and 3 run in bucket 2, 4 and
+    # 5 in bucket 1. Chunk 1 (8 slots, 4 real tokens) packs into 4; chunk 3 (bucket 2, one
+    # slot live: 2 real tokens of 4) is compacted, so it is scored over its bucket, as the
+    # engine does (pipeline.step_scorers.StepScorers.chunk_plan), not packed into 2.
+    facts = dataclasses.replace(
+        FACTS, finish=np.array([1] * 6 + [5, 12]), cut=12, chunk=2, chunks=7, carried_rows=0,
+        prefix=np.zeros(8, int), width=4,
+    )  # fmt: skip
+    engine = FIXED.with_features(["compact_slots", "packed_chunk_scoring"])
+    w = step_work(engine, facts, 3, 1)
+    assert [d[1] for d in w.decode] == [16, 16, 4, 4, 2, 1, 0]
+    assert w.score_chunks == [3 * 16, 3 * 4, 3 * 4, 3 * 4, 3 * 2, 3 * 2]
+
+
 def test_active_engine_counts_real_tokens():
     w = _work(ACTIVE)
     ends = np.array([2, 3, 5, 13, 9, 13, 12, 1])

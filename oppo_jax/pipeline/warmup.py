@@ -33,7 +33,12 @@ from oppo_jax.pipeline.carry import (
     prefix_bucket,
 )
 from oppo_jax.pipeline.host_state import HostState
-from oppo_jax.pipeline.scoring_kernels import compile_packed_scoring, keep_rows, restore_rows
+from oppo_jax.pipeline.scoring_kernels import (
+    compile_packed_chunks,
+    compile_packed_scoring,
+    keep_rows,
+    restore_rows,
+)
 from oppo_jax.pipeline.scoring_kernels import packed_shapes as scoring_shapes
 from oppo_jax.pipeline.slot_map import compacts
 from oppo_jax.pipeline.step import device_admission, run_step
@@ -119,9 +124,14 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     if not schedule.stream and engine.packed_scoring:
         scoring = scoring_shapes(plan.batch_size, full)
     return WarmupShapes(
-        tuple(sorted(sizes)), tuple(widths), tuple(rows), tuple(update), tuple(kept),
-        tuple(moves), tuple(scoring),
-    )  # fmt: skip
+        chunk_sizes=tuple(sorted(sizes)),
+        prefix_widths=tuple(widths),
+        carried_rows=tuple(rows),
+        update_shapes=tuple(update),
+        kept_rows=tuple(kept),
+        compaction_moves=tuple(moves),
+        packed_scoring=tuple(scoring),
+    )
 
 
 def carried_shapes(ctx, host) -> tuple[list[int], list[int]]:
@@ -241,9 +251,7 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
             scored, _ = k.scorer_admit(role)(params[role], on_scoring)
             feed = k.scorer_chunk(role, *width)
             scored, _ = feed(params[role], scored, place.to_scoring(chunk))
-            from oppo_jax.pipeline.scoring_kernels import compile_packed_chunks  # packed sizes
-
-            fed = (params[role], scored, place.to_scoring(chunk), kv_width)
+            fed = (params[role], scored, place.to_scoring(chunk), kv_width)  # packed sizes too
             outputs.append(compile_packed_chunks(engine, role, *fed))
     jax.block_until_ready(outputs)
 
@@ -290,17 +298,21 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
     ]
     plan = host.plan(ctx.cfg)
     slots = ctx.engine.placement.num_slots(plan.reserved)
+
+    def packed_scoring(shape):
+        params = scorer_params(ctx, state)
+        compile_packed_scoring(ctx.engine, params, plan.batch_size, slots, shape)
+
+    def compaction(c):  # every move and bucket of chunk size c, on a throwaway rollout
+        admission = _admission(ctx, host, 0, 0)
+        compile_compaction(ctx, schedule, host, state, admission, {c: widths[c]})
+
     tasks += [
-        (f"packed scoring {n}x{w}", lambda sh=(n, w): compile_packed_scoring(
-            ctx.engine, scorer_params(ctx, state), plan.batch_size, slots, sh))
+        (f"packed scoring {n}x{w}", lambda sh=(n, w): packed_scoring(sh))
         for n, w in shapes.packed_scoring
-    ]  # fmt: skip
-    if shapes.compaction_moves:  # every move and bucket, per chunk size (a throwaway rollout)
-        tasks += [
-            (f"compaction chunk {c}", lambda c=c: compile_compaction(
-                ctx, schedule, host, state, _admission(ctx, host, 0, 0), {c: widths[c]}))
-            for c in shapes.chunk_sizes
-        ]  # fmt: skip
+    ]
+    if shapes.compaction_moves:
+        tasks += [(f"compaction chunk {c}", lambda c=c: compaction(c)) for c in shapes.chunk_sizes]
     return tasks
 
 

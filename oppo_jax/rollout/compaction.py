@@ -135,8 +135,8 @@ def put_slots(full, part, rows):
     mine = [i for i, leaf in enumerate(fulls) if _per_slot(leaf, slots, axes[i])]
     for idx, beside in _by_devices([fulls[i] for i in mine], rows):
         picked = [mine[j] for j in idx]
-        put = _put_leaves([fulls[i] for i in picked], [out[i] for i in picked], beside,
-                          tuple(axes[i] for i in picked))  # fmt: skip
+        leaves = [fulls[i] for i in picked], [out[i] for i in picked]
+        put = _put_leaves(*leaves, beside, tuple(axes[i] for i in picked))
         for i, leaf in zip(picked, put, strict=True):
             out[i] = leaf
     return jax.tree_util.tree_unflatten(treedef, out)

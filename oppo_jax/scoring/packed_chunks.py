@@ -90,8 +90,8 @@ def padding_plan(shape: tuple[int, int], slots: int) -> dict[str, np.ndarray]:
     it compiles that shape and leaves a state as it was (a warm-up's input)."""
     n, m = shape
     rows, none = np.full(n, slots, np.int32), np.zeros(n, np.int32)
-    return {"rows": rows, "count": none, "token_row": np.full(m, n, np.int32),
-            "token_col": np.zeros(m, np.int32)}  # fmt: skip
+    tokens = {"token_row": np.full(m, n, np.int32), "token_col": np.zeros(m, np.int32)}
+    return {"rows": rows, "count": none, **tokens}
 
 
 def score_packed_chunk(

@@ -324,7 +324,8 @@ def _decode(
         if on_chunk is None:
             running = int(jax.device_get(last.running))  # the loop's only read: -1 once ready
         else:  # streaming: the chunk's counts with it (one transfer), then it is scored
-            running, counts = jax.device_get((last.running, last.count))
+            # to_host: on several processes the counts are sharded over their slots.
+            running, counts = to_host((last.running, last.count))
             running = int(running)
             on_chunk(last, last_width, np.asarray(counts))
         if running < 0:

@@ -7,10 +7,11 @@ log-normal lengths (median 56, p99 448), chunks of 32, cut at B = 16 finished. E
 decodes a fresh set of prompts (other ids, so other lengths) to the cut, streaming every chunk
 to the three scorers (reference log-probs, critic values, reward score) as ``run_step`` does,
 reading the whole P + R cache of every slot ("full"), its live prefix ("live",
-``Kernels.live_prefix``), and the live prefix with slot compaction ("live+compact",
-``Kernels.compact_slots``), in rotated order. Reported: median seconds per step of the decode
-chunks alone (with the compaction gathers) and of the scorer chunks alone, and the median of
-the per-round ratios full / variant. Tokens and
+``Kernels.live_prefix``), the live prefix with slot compaction ("live+compact",
+``Kernels.compact_slots``) and with compaction into buckets of at least 4 slots
+("live+compact>=4", ``pipeline.compact_min_slots``), in rotated order. Reported: median
+seconds per step of the decode chunks alone (with the compaction gathers) and of the scorer
+chunks alone, and the median of the per-round ratios full / variant. Tokens and
 log-probs of the two are checked equal (log-probs within 1e-5) before anything is timed.
 
     .venv/bin/python benchmarks/live_prefix.py --rounds 7 --out live_prefix.json
@@ -93,7 +94,7 @@ def run_rollout(kernels: Kernels, params: dict, admission: Admission, args) -> d
     held = types.SimpleNamespace(states={r: kernels.scorer_admit(r)(params[r], admission)[0]
                                          for r in ROLES})  # fmt: skip
     jax.block_until_ready((state, held.states))
-    slot_map = SlotMap(args.slots) if kernels.compact_slots else None
+    slot_map = SlotMap(args.slots, kernels.compaction_floor(1)) if kernels.compact_slots else None
     longest = int(np.max(np.asarray(admission.context_len)))
     decode_s = score_s = 0.0
     for i in range(args.response_len + 1):
@@ -146,6 +147,8 @@ def main(argv=None):
         "full": dataclasses.replace(live_k, live_prefix=False, compact_slots=False),
         "live": dataclasses.replace(live_k, compact_slots=False),
         "live+compact": dataclasses.replace(live_k, compact_slots=True),
+        # buckets of at least 4 slots (pipeline.compact_min_slots): fewer compiled buckets
+        "live+compact>=4": dataclasses.replace(live_k, compact_slots=True, compact_min_slots=4),
     }
     keys = jax.random.split(jax.random.key(0), 3)
     params = {
@@ -161,13 +164,14 @@ def main(argv=None):
                for name, k in variants.items()}  # fmt: skip
         check_same(out["live"], out["full"])
         check_same(out["live+compact"], out["full"])
+        check_same(out["live+compact>=4"], out["full"])
     print(f"warm-up and parity check: {time.perf_counter() - t0:.1f}s", flush=True)
     times = {name: {"decode_s": [], "score_s": []} for name in variants}
     ratios = {f"{key} {name}": [] for key in ("decode_s", "score_s")
-              for name in ("live", "live+compact")}  # fmt: skip
+              for name in variants if name != "full"}  # fmt: skip
     chunks = []
     for r in range(args.rounds):
-        order = list(variants)[r % 3 :] + list(variants)[: r % 3]  # rotated
+        order = list(variants)[r % len(variants) :] + list(variants)[: r % len(variants)]
         out = {name: run_rollout(variants[name], params, admission_for(r, args), args)
                for name in order}  # fmt: skip
         chunks.append(out["live"]["chunks"])

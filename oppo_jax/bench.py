@@ -154,7 +154,9 @@ def run_bench(
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             carrying = lane.host.deltas.slots_needed > 0
-            compacted = compacts(lane.ctx.kernels.compact_slots, lane.ctx.placement.num_slots(1))
+            k, shards = lane.ctx.kernels, lane.ctx.placement.num_slots(1)
+            # the smallest bucket its decode compacts into, for the trace (0: no compaction)
+            compacted = k.compaction_floor(shards) if compacts(k.compact_slots, shards) else 0
             compiles.take()  # from here: this step's compilations
             lane.state, record, result = train_step(
                 lane.ctx, lane.schedule, lane.host, lane.state, timeline

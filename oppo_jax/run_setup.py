@@ -286,6 +286,7 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         kernels=dataclasses.replace(
             build_kernels(spec, rollout, reward_model=reward and reward.config, update=update),
             compact_slots=cfg.pipeline.compact_slots,
+            compact_min_slots=cfg.pipeline.compact_min_slots,
         ),
         placement=placement,
         ref_params=placement.scoring_params(actor.config, actor.params),

@@ -204,6 +204,8 @@ def test_override_without_equals_sign():
         (["mesh.scoring_devices=1"], ["mesh.scoring_devices=1", "colocated"]),
         (["ppo.kl_coef=nan"], ["ppo.kl_coef=nan", "finite"]),
         (["pipeline.chunk_candidates=[]"], ["pipeline.chunk_candidates=[]"]),
+        (["pipeline.compact_min_slots=3"], ["pipeline.compact_min_slots=3", "power of two"]),
+        (["pipeline.compact_min_slots=0"], ["pipeline.compact_min_slots=0"]),
     ],
 )
 def test_bad_values_name_key_and_value(overrides, texts):

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.sim import (
     ACTIVE,
     BUILT,
@@ -118,6 +119,25 @@ def test_slot_compaction_follows_the_live_slots_one_chunk_late():
     assert [d[1] for d in w.decode] == [16, 16, 2, 2, 2, 1, 0]
     assert w.decode[2][2] == 2 * 68 + 2 * 1 * 68
     assert w.score_chunks == [3 * 8 * 2, 3 * 8 * 2, 3 * 2, 3 * 2, 3 * 2, 3 * 2]
+
+
+def test_slot_compaction_stops_at_its_floor_and_follows_the_engines_rule():
+    # The case above with pipeline.compact_min_slots = 4: the one live slot runs in bucket 4.
+    facts = dataclasses.replace(
+        FACTS, finish=np.array([1] * 7 + [12]), cut=12, chunk=2, chunks=7, carried_rows=0,
+        prefix=np.zeros(8, int), width=4,
+    )  # fmt: skip
+    floored = dataclasses.replace(FIXED.with_features(["compact_slots"]), compact_min_slots=4)
+    assert [d[1] for d in step_work(floored, facts, 3, 1).decode] == [16, 16, 8, 8, 8, 4, 0]
+    # 6 slots, 3 still running after chunk 0: pow2(3) = 4 is half of pow2(6) = 8, so the
+    # engine compacts 6 -> 4 (rollout.compaction.compact_bucket), though 3 > 6 // 2.
+    assert compact_bucket(3, 6) == 4
+    facts = dataclasses.replace(
+        FACTS, slots=6, finish=np.array([1, 1, 1, 12, 12, 12]), cut=12, chunk=2, chunks=7,
+        carried_rows=0, prefix=np.zeros(6, int), width=4,
+    )  # fmt: skip
+    w = step_work(FIXED.with_features(["compact_slots"]), facts, 3, 1)
+    assert [d[1] for d in w.decode] == [12, 12, 8, 8, 8, 4, 0]
 
 
 def test_packed_chunk_scoring_packs_only_uncompacted_chunks():

@@ -6,8 +6,10 @@ import json
 import jax
 import pytest
 
+from oppo_jax.pipeline.slot_map import step_compaction
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
 from oppo_jax.pipeline.warmup_compaction import compaction_moves
+from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.run_log import read_metrics
 from oppo_jax.train import train
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
@@ -54,6 +56,13 @@ def test_compaction_moves_are_every_bucket_a_decode_can_move_into():
         (16, 2), (16, 4), (16, 8), (8, 2), (8, 4), (4, 2)
     ]  # fmt: skip
     assert compaction_moves(2, 2) == []  # nothing smaller than the shards
+    assert compaction_moves(24, 4) == [(24, 4), (24, 8), (24, 16), (16, 4), (16, 8), (8, 4)]
+
+
+def test_a_step_compacts_into_buckets_no_smaller_than_the_floor_or_the_shards():
+    for shards, floor in [(1, 4), (2, 4), (8, 8)]:  # pipeline.compact_min_slots = 4
+        slot_map, _ = step_compaction(True, shards, 24, None, 4)
+        assert compact_bucket(1, 24, slot_map.minimum) == floor  # one slot left running
 
 
 def _tuned_cfg(*extra):
@@ -115,6 +124,8 @@ def test_carried_sequences_and_the_packed_update_compile_nothing_after_the_warmu
         assert warm[1]["carried"] > 0  # carried admissions, buckets of carried rows and widths
     report = json.loads((tmp_path / "warm" / "warmup.json").read_text())
     assert len(report["update_shapes"]) > 1 and report["compaction_moves"]
+    # pipeline.compact_min_slots (4): no smaller bucket is compiled, or met
+    assert min(bucket for _, bucket in report["compaction_moves"]) == 4
     assert [r["compiles"] for r in warm] == [0] * 4
     assert metric_values(tmp_path / "warm" / "metrics.jsonl") == metric_values(
         tmp_path / "cold" / "metrics.jsonl"

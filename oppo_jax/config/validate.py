@@ -135,6 +135,9 @@ def _value_problems(cfg: Config) -> list[str]:
         problems.append(f"ppo.importance_clip={ppo.importance_clip!r}: must be >= 1")
     if ppo.missing_eos_penalty is not None and ppo.missing_eos_penalty < 0:
         problems.append(f"ppo.missing_eos_penalty={ppo.missing_eos_penalty!r}: must be >= 0")
+    floor = cfg.pipeline.compact_min_slots
+    if floor < 1 or floor & (floor - 1):
+        problems.append(f"pipeline.compact_min_slots={floor!r}: must be a power of two >= 1")
     cands = cfg.pipeline.chunk_candidates
     if not cands or min(cands) < 1:
         problems.append(f"pipeline.chunk_candidates={cands!r}: must be positive token counts")

@@ -115,6 +115,11 @@ class Kernels:
     # gather the running decode slots into smaller buckets as others finish (pipeline.slot_map);
     # None: the backend's default (slot_map.compaction_default: on for the CPU)
     compact_slots: bool | None = None
+    compact_min_slots: int = 1  # smallest bucket compaction moves into (runs: the config's)
+
+    def compaction_floor(self, shards: int) -> int:
+        """The smallest slot bucket of a compacting decode over ``shards`` batch shards."""
+        return max(shards, self.compact_min_slots)
 
     def admit(self, params, admission, base_key):
         """The actor's admission prefill: (DecodeState, marker)."""

@@ -85,13 +85,13 @@ class SlotMap:
         return state
 
 
-def step_compaction(compact: bool | None, shards: int, slots: int, scorers):
+def step_compaction(compact: bool | None, shards: int, slots: int, scorers, floor: int = 1):
     """(SlotMap, scorers) for a step whose decode compacts (``compact``; None: the backend's
     default), else None. Buckets stay multiples of the generation mesh's ``shards`` (batch
-    shards), so only a power-of-two shard count compacts."""
+    shards), so only a power-of-two shard count compacts, and no smaller than ``floor``."""
     if not compacts(compact, shards):
         return None
-    return SlotMap(slots, minimum=shards), scorers
+    return SlotMap(slots, minimum=max(shards, floor)), scorers
 
 
 def compacts(compact: bool | None, shards: int) -> bool:

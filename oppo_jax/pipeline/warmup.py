@@ -119,7 +119,7 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     update = all_shapes(plan.batch_size, full, r.max_response_len) if all_shapes else ()
     moves = ()
     if compacts(k.compact_slots, place.num_slots(1)):
-        moves = compaction_moves(slots, place.num_slots(1))
+        moves = compaction_moves(slots, k.compaction_floor(place.num_slots(1)))
     scoring = ()
     if not schedule.stream and engine.packed_scoring:
         scoring = scoring_shapes(plan.batch_size, full)

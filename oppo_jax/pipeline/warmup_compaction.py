@@ -103,18 +103,20 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
     target = jnp.int32(host.plan(ctx.cfg).batch_size)
     rule = CutRule(admission.active, admission.must_finish, target)
     states = _streamed_states(run, place.to_scoring(admission)) if schedule.stream else None
-    moves = compaction_moves(admission.active.shape[0], shards)
+    floor = k.compaction_floor(shards)
+    moves = compaction_moves(admission.active.shape[0], floor)
     for size, size_widths in widths.items():  # a step decodes chunks of one size
         pairs = [(size, w) for w in size_widths]
         first = _chunk(run, decoding, rule, states, *pairs[0])
-        _moves(run, moves, pairs, first, rule, shards)
+        _moves(run, moves, pairs, first, rule, floor)
     return len(moves) * len(widths)
 
 
-def _moves(run, moves, pairs, first, rule, shards: int) -> None:
-    """Walk every move from the first chunk's outputs ``first`` (state, chunk, states)."""
+def _moves(run, moves, pairs, first, rule, floor: int) -> None:
+    """Walk every move from the first chunk's outputs ``first`` (state, chunk, states), into
+    buckets of at least ``floor`` slots (``Kernels.compaction_floor``)."""
     slots = first[0].tokens.shape[0]
-    reached = {slots: (SlotMap(slots, minimum=shards), first, rule)}
+    reached = {slots: (SlotMap(slots, minimum=floor), first, rule)}
     for n, bucket in moves:
         slot_map, (dec, chunk, states_n), rule_n = reached[n]
         slot_map, scorers = copy.copy(slot_map), _Scorers(states=states_n)

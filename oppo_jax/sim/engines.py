@@ -56,6 +56,7 @@ class Engine:
     real_width_scoring: bool = False  # sync scores min(S x pow2(longest), packed real tokens)
     live_prefix_decode: bool = False  # attention over pow2(P + longest prefix + C), not P + R
     compact_slots: bool = False  # slots gathered into pow2(live) once live <= half the slots
+    compact_min_slots: int = 1  # the smallest bucket compaction moves into (a power of two)
     kept_scorer_caches: bool = False  # reference and reward keep carried rows' caches
     # a streamed chunk's real tokens packed into pow2 >= pow2(S·C) / 16 (packing.chunk_tokens)
     packed_chunk_scoring: bool = False

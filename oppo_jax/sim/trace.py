@@ -23,12 +23,13 @@ GENERATION = "generation"
 
 
 def step_trace(
-    result, carried_in: list[int], prompt_width: int, carrying: bool, compacted: bool = False
+    result, carried_in: list[int], prompt_width: int, carrying: bool, compacted: int = 0
 ) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).
-    ``engine`` stamps the engine that ran it (``engines.BUILT``, with ``compacted``: whether
-    its decode compacted slots; what the calibration fits)."""
+    ``engine`` stamps the engine that ran it (``engines.BUILT``, with ``compacted``: the
+    smallest slot bucket its decode compacted into, 0 when it did not; what the calibration
+    fits)."""
     finish = np.asarray(result.rollout.finish_step)
     slots, capacity = finish.size, int(np.asarray(result.rollout.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
@@ -45,7 +46,9 @@ def step_trace(
         "lengths": [int(n) for n in result.response_len],
         "cut": int(result.selection.cut),
         "events": [[e.stage, e.group, round(e.start, 7), round(e.end, 7)] for e in result.events],
-        "engine": dataclasses.replace(BUILT, compact_slots=compacted).to_dict(),
+        "engine": dataclasses.replace(
+            BUILT, compact_slots=bool(compacted), compact_min_slots=max(compacted, 1)
+        ).to_dict(),
     }
 
 

@@ -184,9 +184,12 @@ def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
         if engine.compact_slots and j >= 1:
             # The host sees a chunk's counts one chunk late: chunk j is sized by the slots
             # running when chunk j - 1 began; gathering them copies their caches once.
+            # The engine's rule (rollout.compaction.compact_bucket): into pow2(live), at least
+            # the floor, when that is at most half the bucket's power of two and smaller.
             live = int(_running(ends, np.array([(j - 1) * f.chunk]))[0])
-            if live <= bucket // 2:
-                bucket = pow2(live)
+            into = pow2(live, engine.compact_min_slots)
+            if into <= pow2(bucket, engine.compact_min_slots) // 2 and into < bucket:
+                bucket = into
                 gather = 2.0 * bucket * full
         if engine.live_prefix_decode:  # the longest admitted context + the chunks so far
             longest = f.prompt_len + float(f.prefix.max(initial=0)) + (j + 1) * f.chunk

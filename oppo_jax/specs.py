@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from oppo_jax import offload
-from oppo_jax.config import Config
+from oppo_jax.config import Config, OptimConfig
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.ppo.batch import PPOBatch
@@ -50,15 +51,19 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateS
         critic=critic.replace(**trained),
         ppo=cfg.ppo,
         temperature=cfg.rollout.temperature,
-        actor_tx=_optimizer(cfg, cfg.optim.actor_lr, updates),
-        critic_tx=_optimizer(cfg, cfg.optim.critic_lr, updates),
+        actor_tx=_optimizer(cfg.optim, cfg.optim.actor_lr, updates),
+        critic_tx=_optimizer(cfg.optim, cfg.optim.critic_lr, updates),
     )
 
 
-def _optimizer(cfg: Config, lr: float, updates: int):
-    """AdamW of the run; with ``optim.offload`` its state rests in host memory."""
-    tx = make_optimizer(cfg.optim, lr, updates)
-    return offload.offloaded(tx) if cfg.optim.offload else tx
+@functools.cache
+def _optimizer(optim: OptimConfig, lr: float, updates: int):
+    """AdamW of the run; with ``optim.offload`` its state rests in host memory. One object
+    per setting, so that two runs' equal ``UpdateSpec``s are one key of ``make_update``'s
+    cache and a second run in a process (a notebook's sync then oppo, a resume) reuses the
+    compiled update."""
+    tx = make_optimizer(optim, lr, updates)
+    return offload.offloaded(tx) if optim.offload else tx
 
 
 def rollout_spec(

@@ -76,6 +76,12 @@ def make_actor_admit(cfg: ModelConfig, rollout: RolloutSpec, temperature: float)
 
 
 @functools.cache
+def make_experience(spec: UpdateSpec, rollout: RolloutSpec, reward_fn: RewardFn | None):
+    """``batch_from_rollout`` jitted for one (update spec, rollout, reward function)."""
+    return jax.jit(functools.partial(batch_from_rollout, spec, rollout, reward_fn))
+
+
+@functools.cache
 def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
     def run(params, admission):
         state = scorer_admit(spec, params, admission, prompt_width)
@@ -173,12 +179,10 @@ class Kernels:
         width = self.rollout.max_response_len
         return jax.jit(lambda state, start: tokens_since(state, start, width, jnp.bool_(True)))
 
-    @functools.cached_property
+    @property
     def experience(self) -> Callable:
         """(decode state, rows, admission, scorer outputs, kl_coef) -> (PPOBatch, stats)."""
-        return jax.jit(
-            functools.partial(batch_from_rollout, self.spec, self.rollout, self.reward_fn)
-        )
+        return make_experience(self.spec, self.rollout, self.reward_fn)
 
 
 def build_kernels(

@@ -212,13 +212,15 @@ class PaddedUpdate:
         }
 
 
+@functools.cache
 def make_update(
     spec: UpdateSpec, mesh=None, rules: ShardingRules = DEFAULT_RULES, packed: bool | None = None
 ):
     """The run's update, packed or padded (``packed``, default ``spec.ppo.packed_update``),
     jitted donating the state (not LoRA's frozen bases, which also serve the scorers); on
     ``mesh`` with explicit shardings and the logical rules active while tracing, as
-    ``update.make_sharded_update``."""
+    ``update.make_sharded_update``. One per (spec, mesh, rules, packed), as the decode and
+    scorer kernels: a later run of the same spec in the process compiles nothing new."""
     packed = spec.ppo.packed_update if packed is None else packed
     fn = ppo_update_packed if packed else ppo_update
     if mesh is None:

@@ -94,7 +94,8 @@ def run_rollout(kernels: Kernels, params: dict, admission: Admission, args) -> d
     held = types.SimpleNamespace(states={r: kernels.scorer_admit(r)(params[r], admission)[0]
                                          for r in ROLES})  # fmt: skip
     jax.block_until_ready((state, held.states))
-    slot_map = SlotMap(args.slots, kernels.compaction_floor(1)) if kernels.compact_slots else None
+    floor = kernels.compaction_floor(1)  # None: this variant does not compact
+    slot_map = None if floor is None else SlotMap(args.slots, floor)
     longest = int(np.max(np.asarray(admission.context_len)))
     decode_s = score_s = 0.0
     for i in range(args.response_len + 1):

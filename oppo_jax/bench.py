@@ -26,7 +26,6 @@ from oppo_jax.config import Config, to_dict
 from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
-from oppo_jax.pipeline.slot_map import compacts
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
 from oppo_jax.sim.trace import step_trace
@@ -154,9 +153,8 @@ def run_bench(
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             carrying = lane.host.deltas.slots_needed > 0
-            k, shards = lane.ctx.kernels, lane.ctx.placement.num_slots(1)
             # the smallest bucket its decode compacts into, for the trace (0: no compaction)
-            compacted = k.compaction_floor(shards) if compacts(k.compact_slots, shards) else 0
+            compacted = lane.ctx.kernels.compaction_floor(lane.ctx.placement.num_slots(1)) or 0
             compiles.take()  # from here: this step's compilations
             lane.state, record, result = train_step(
                 lane.ctx, lane.schedule, lane.host, lane.state, timeline

@@ -383,9 +383,17 @@ def to_host(tree):
     """
     from jax.experimental import multihost_utils
 
-    def one(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-            return np.asarray(jax.device_get(x))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    def local(x) -> bool:
+        return not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
 
-    return jax.tree.map(one, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    # One device_get of every local leaf: their copies start together (the decode loop reads
+    # a chunk's flag and counts this way, once per chunk).
+    read = iter(jax.device_get([x for x in leaves if local(x)]))
+    out = []
+    for x in leaves:
+        if local(x):
+            out.append(np.asarray(next(read)))
+        else:
+            out.append(np.asarray(multihost_utils.process_allgather(x, tiled=True)))
+    return jax.tree.unflatten(treedef, out)

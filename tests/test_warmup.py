@@ -6,7 +6,7 @@ import json
 import jax
 import pytest
 
-from oppo_jax.pipeline.slot_map import step_compaction
+from oppo_jax.pipeline.slot_map import compaction_floor, step_compaction
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
 from oppo_jax.pipeline.warmup_compaction import compaction_moves
 from oppo_jax.rollout.compaction import compact_bucket
@@ -61,8 +61,9 @@ def test_compaction_moves_are_every_bucket_a_decode_can_move_into():
 
 def test_a_step_compacts_into_buckets_no_smaller_than_the_floor_or_the_shards():
     for shards, floor in [(1, 4), (2, 4), (8, 8)]:  # pipeline.compact_min_slots = 4
-        slot_map, _ = step_compaction(True, shards, 24, None, 4)
+        slot_map, _ = step_compaction(compaction_floor(True, shards, 4), 24, None)
         assert compact_bucket(1, 24, slot_map.minimum) == floor  # one slot left running
+    assert step_compaction(compaction_floor(False, 1, 4), 24, None) is None  # switched off
 
 
 def _tuned_cfg(*extra):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.pipeline.slot_map import compaction_floor
 from oppo_jax.ppo.experience import RewardFn, batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import UpdateSpec
@@ -123,9 +124,10 @@ class Kernels:
     compact_slots: bool | None = None
     compact_min_slots: int = 1  # smallest bucket compaction moves into (runs: the config's)
 
-    def compaction_floor(self, shards: int) -> int:
-        """The smallest slot bucket of a compacting decode over ``shards`` batch shards."""
-        return max(shards, self.compact_min_slots)
+    def compaction_floor(self, shards: int) -> int | None:
+        """The smallest slot bucket of the decode over ``shards`` batch shards; None: it does
+        not compact (``slot_map.compaction_floor``)."""
+        return compaction_floor(self.compact_slots, shards, self.compact_min_slots)
 
     def admit(self, params, admission, base_key):
         """The actor's admission prefill: (DecodeState, marker)."""

@@ -85,13 +85,17 @@ class SlotMap:
         return state
 
 
-def step_compaction(compact: bool | None, shards: int, slots: int, scorers, floor: int = 1):
-    """(SlotMap, scorers) for a step whose decode compacts (``compact``; None: the backend's
-    default), else None. Buckets stay multiples of the generation mesh's ``shards`` (batch
-    shards), so only a power-of-two shard count compacts, and no smaller than ``floor``."""
-    if not compacts(compact, shards):
-        return None
-    return SlotMap(slots, minimum=max(shards, floor)), scorers
+def step_compaction(floor: int | None, slots: int, scorers):
+    """(SlotMap, scorers) for a step whose decode compacts into buckets of at least ``floor``
+    slots (``compaction_floor``), else None (``floor`` None)."""
+    return None if floor is None else (SlotMap(slots, minimum=floor), scorers)
+
+
+def compaction_floor(compact: bool | None, shards: int, minimum: int = 1) -> int | None:
+    """The smallest slot bucket a run's decode compacts into, None when it does not compact
+    (``compacts``). Buckets stay multiples of the generation mesh's ``shards`` (batch shards)
+    and no smaller than ``minimum`` (``pipeline.compact_min_slots``)."""
+    return max(shards, minimum) if compacts(compact, shards) else None
 
 
 def compacts(compact: bool | None, shards: int) -> bool:

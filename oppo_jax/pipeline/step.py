@@ -176,10 +176,7 @@ def run_step(
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
     chunking = (cut_rule, plan.chunk_size, longest)
     # None: every slot decodes to the end (Kernels.compact_slots; None there: the backend's)
-    shards = place.num_slots(1)
-    compaction = step_compaction(
-        k.compact_slots, shards, slots.num_slots, scorers, k.compaction_floor(shards)
-    )
+    compaction = step_compaction(k.compaction_floor(place.num_slots(1)), slots.num_slots, scorers)
     if schedule.stream:
         from_buffer = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(from_buffer) if kept is not None else 0

@@ -40,7 +40,6 @@ from oppo_jax.pipeline.scoring_kernels import (
     restore_rows,
 )
 from oppo_jax.pipeline.scoring_kernels import packed_shapes as scoring_shapes
-from oppo_jax.pipeline.slot_map import compacts
 from oppo_jax.pipeline.step import device_admission, run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.pipeline.warmup_compaction import compaction_moves, compile_compaction, scorer_params
@@ -118,8 +117,8 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     full = r.prompt_width + r.max_response_len
     update = all_shapes(plan.batch_size, full, r.max_response_len) if all_shapes else ()
     moves = ()
-    if compacts(k.compact_slots, place.num_slots(1)):
-        moves = compaction_moves(slots, k.compaction_floor(place.num_slots(1)))
+    if (floor := k.compaction_floor(place.num_slots(1))) is not None:
+        moves = compaction_moves(slots, floor)
     scoring = ()
     if not schedule.stream and engine.packed_scoring:
         scoring = scoring_shapes(plan.batch_size, full)

@@ -19,7 +19,7 @@ import types
 import jax
 import jax.numpy as jnp
 
-from oppo_jax.pipeline.slot_map import SlotMap, compacts
+from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.stream import ScorerStates
@@ -93,8 +93,8 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
     Returns the number of moves run (0 when the run does not compact)."""
     engine = ctx.engine
     k, place = engine.kernels, engine.placement
-    shards = place.num_slots(1)
-    if not compacts(k.compact_slots, shards):
+    floor = k.compaction_floor(place.num_slots(1))
+    if floor is None:
         return 0
     run = types.SimpleNamespace(
         engine=engine, actor=state.actor_model_params, scorer_params=scorer_params(ctx, state)
@@ -103,7 +103,6 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
     target = jnp.int32(host.plan(ctx.cfg).batch_size)
     rule = CutRule(admission.active, admission.must_finish, target)
     states = _streamed_states(run, place.to_scoring(admission)) if schedule.stream else None
-    floor = k.compaction_floor(shards)
     moves = compaction_moves(admission.active.shape[0], floor)
     for size, size_widths in widths.items():  # a step decodes chunks of one size
         pairs = [(size, w) for w in size_widths]

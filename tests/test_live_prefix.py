@@ -37,6 +37,7 @@ from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, make_spec, step_engine, step_plan
+from tests.xla_flags import compile_as_in_production
 
 P, R = 4, 28  # capacity 32: live widths 16 and 32
 ROLES = ("reference", "reward")  # a per-token and a per-sequence scorer (all three: below)
@@ -271,7 +272,7 @@ def test_compiled_chunk_reads_a_slice_and_copies_no_cache():
     full_name = "f32[" + ",".join(map(str, cache_shape)) + "]"
     temps = {}
     for width in (None, 128):
-        compiled = kernel.lower(params, cache, tokens, width).compile()
+        compiled = compile_as_in_production(kernel.lower(params, cache, tokens, width))
         memory = compiled.memory_analysis()
         assert memory.alias_size_in_bytes >= cache_bytes  # keys and values updated in place
         copies = [

@@ -1,7 +1,12 @@
 """The compiled model kernels: scanned layers, an in-place KV cache, packed sequences, remat and
-no full-vocabulary tensors, checked on the programs XLA actually compiles (small sizes, CPU)."""
+no full-vocabulary tensors, checked on the programs XLA actually compiles (small sizes, CPU):
+those a run without the suite's cheap-compile flags compiles (``compile_as_in_production``)."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +18,7 @@ from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer, init_params
 from oppo_jax.ppo.batch import policy_logprobs
+from tests.xla_flags import compile_as_in_production
 
 CFG = ModelConfig(
     vocab_size=96,
@@ -39,7 +45,7 @@ def _cache_step(cfg, width: int, donate: bool = True):
     )
     cache = jax.eval_shape(lambda: init_cache(cfg, SLOTS, CAPACITY))
     tokens = jax.ShapeDtypeStruct((SLOTS, width), jnp.int32)
-    return step.lower(_abstract_params(cfg), tokens, cache).compile()
+    return compile_as_in_production(step.lower(_abstract_params(cfg), tokens, cache))
 
 
 def _root_opcodes(hlo: str) -> dict[str, str]:
@@ -86,6 +92,41 @@ def test_cache_is_updated_in_place_never_copied(width):
     assert "copy" in undonated or any(r == "copy" for r in undonated.get("fusion", []))
 
 
+def _program_text(compiled) -> str:
+    """A compiled program's HLO without its source locations (which name the caller's files and
+    the runtime type checker's wrappers, on in tests only)."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    return re.sub(r"^FileNames\n.*?(?=^(?:ENTRY )?%)", "", text, flags=re.M | re.S)
+
+
+def test_programs_read_by_the_tests_are_those_a_run_without_the_suites_flags_compiles():
+    """The suite compiles with cheap-compile flags (tests/xla_flags.py); the tests that read a
+    compiled program compile it with ``compile_as_in_production``. That program must be, text
+    and memory alike, the one a fresh process without those flags compiles."""
+    probe = (
+        "import jax.numpy as jnp\n"
+        "from tests.test_model_kernels import CFG, _cache_step, _program_text\n"
+        "compiled = _cache_step(CFG, 8)\n"
+        "print(compiled.memory_analysis().temp_size_in_bytes)\n"
+        "print(_program_text(compiled))\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # as tests/conftest.py sets it
+    root = Path(__file__).resolve().parent.parent
+    fresh = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=root, capture_output=True, text=True,
+        check=True, timeout=300,
+    ).stdout  # fmt: skip
+    here = _cache_step(CFG, 8)
+    assert fresh == f"{here.memory_analysis().temp_size_in_bytes}\n{_program_text(here)}\n"
+    # The check has teeth: this process's own flags compile another program.
+    step = jax.jit(lambda p, t, c: Transformer(CFG).apply({"params": p}, t, c), donate_argnums=2)
+    cache = jax.eval_shape(lambda: init_cache(CFG, SLOTS, CAPACITY))
+    tokens = jax.ShapeDtypeStruct((SLOTS, 8), jnp.int32)
+    own = step.lower(_abstract_params(CFG), tokens, cache).compile()
+    assert _program_text(own) != _program_text(here)
+
+
 def _hlo_op_count(hlo: str) -> int:
     return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo, re.M))
 
@@ -96,7 +137,7 @@ def test_hlo_size_does_not_grow_with_layers():
         cfg = CFG.replace(num_layers=layers)
         forward = jax.jit(lambda p, t, cfg=cfg: Transformer(cfg).apply({"params": p}, t)[0])
         full = forward.lower(_abstract_params(cfg), jax.ShapeDtypeStruct((2, 16), jnp.int32))
-        texts = (full.compile().as_text(), _cache_step(cfg, 1).as_text())
+        texts = (compile_as_in_production(full).as_text(), _cache_step(cfg, 1).as_text())
         sizes[layers] = [(len(t), _hlo_op_count(t)) for t in texts]
     for (chars2, ops2), (chars6, ops6) in zip(sizes[2], sizes[6], strict=True):
         assert ops2 == ops6
@@ -116,7 +157,9 @@ def test_policy_logprobs_and_gradient_hold_no_vocabulary_sized_activation():
             jax.ShapeDtypeStruct((rows[0], 40), jnp.int32),
             jax.ShapeDtypeStruct((4,), jnp.int32),
         )
-        hlo = jax.jit(jax.value_and_grad(loss)).lower(_abstract_params(cfg), *args).compile()
+        hlo = compile_as_in_production(
+            jax.jit(jax.value_and_grad(loss)).lower(_abstract_params(cfg), *args)
+        )
         shapes = set(re.findall(r"[a-z]+\d*\[([\d,]+)\]", hlo.as_text()))
         with_vocab = {s for s in shapes if str(vocab) in s.split(",")}
         # Only the head (or embedding) itself and its gradient span the vocabulary.
@@ -171,7 +214,8 @@ def test_remat_changes_memory_not_results():
             return jnp.mean(hidden**2)
 
         step = jax.jit(jax.value_and_grad(loss))
-        temp[mode] = step.lower(params).compile().memory_analysis().temp_size_in_bytes
+        compiled = compile_as_in_production(step.lower(params))
+        temp[mode] = compiled.memory_analysis().temp_size_in_bytes
         results[mode] = step(params)
     for mode in ("full", "dots"):
         for a, b in zip(*(jax.tree.leaves(results[m]) for m in (mode, "none")), strict=True):
@@ -207,8 +251,8 @@ def test_rollout_kernels_hold_no_vocabulary_sized_activation():
     jaxtyping.config.update("jaxtyping_disable", True)  # lowering rebuilds typed structs
     try:
         hlos = [
-            admit.lower(params, admission, jax.random.key(0)).compile().as_text(),
-            make_scorer_chunk(spec).lower(params, state, fed).compile().as_text(),
+            compile_as_in_production(admit.lower(params, admission, jax.random.key(0))).as_text(),
+            compile_as_in_production(make_scorer_chunk(spec).lower(params, state, fed)).as_text(),
         ]
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)

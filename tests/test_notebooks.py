@@ -16,6 +16,8 @@ import nbclient
 import nbformat
 import pytest
 
+from tests.xla_flags import COMPILE_FLAGS
+
 pytestmark = pytest.mark.slow  # executes three notebooks in Jupyter kernels
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -43,6 +45,8 @@ def notebook_env(tmp_path_factory):
         # cache, whose full-size assets their small step counts would replace); both agree here.
         mp.setenv("OPPO_JAX_NOTEBOOK_CACHE", str(root / "cache"))
         mp.setenv("OPPO_JAX_CACHE", str(root / "cache"))
+        # The suite's cheap-compile flags; each notebook appends its own device count.
+        mp.setenv("XLA_FLAGS", COMPILE_FLAGS)
         (root / "tmp").mkdir()
         mp.setenv("TMPDIR", str(root / "tmp"))  # the notebooks' run directories land here
         yield root

@@ -20,6 +20,7 @@ from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
 from oppo_jax.sharding import make_mesh
 from tests.ppo_fixtures import ACTOR, CRITIC
 from tests.test_split_admission import EOS, P, R, _assert_caches_close, _slots
+from tests.xla_flags import compile_as_in_production
 
 
 @pytest.fixture
@@ -114,7 +115,7 @@ def _admission_temp(width: int, budget: int, monkeypatch) -> int:
         return admission_prefill(WIDE_MLP, params, admission, None, (width, 8))
 
     with shape_checks_off():  # lowering rebuilds the typed Admission from abstract leaves
-        compiled = jax.jit(admit).lower(params, fresh).compile()
+        compiled = compile_as_in_production(jax.jit(admit).lower(params, fresh))
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -11,6 +11,7 @@ from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.query_blocks import attention, query_block
 from oppo_jax.models.transformer import Transformer, init_params
+from tests.xla_flags import compile_as_in_production
 
 
 def test_query_block_fits_the_budget():
@@ -90,7 +91,8 @@ def test_admission_scores_held_per_block_at_a_real_shape():
 
     def temps(budget):
         fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, False, budget=budget))
-        return fn.lower(q, kv, kv, mask).compile().memory_analysis().temp_size_in_bytes
+        compiled = compile_as_in_production(fn.lower(q, kv, kv, mask))
+        return compiled.memory_analysis().temp_size_in_bytes
 
     scores = 120 * 28 * 512 * 1536 * 4
     whole, blocked = temps(1 << 40), temps(1 << 30)

@@ -43,6 +43,7 @@ from tests.ppo_fixtures import (
     step_engine,
     tiny_params,
 )
+from tests.xla_flags import compile_as_in_production
 
 P, R, CHUNK = 4, 16, 6
 
@@ -268,7 +269,7 @@ def test_decode_activations_are_split_along_the_slots():
     # (on in tests) reject: switch them off for the lowering only.
     jaxtyping.config.update("jaxtyping_disable", True)
     try:
-        hlo = decode.lower(params, state, rule).compile().as_text()
+        hlo = compile_as_in_production(decode.lower(params, state, rule)).as_text()
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
     rows = set(re.findall(r"f32\[(\d+),1,88\]", hlo))

@@ -23,6 +23,7 @@ from oppo_jax.ppo.update import (
     make_sharded_update,
 )
 from oppo_jax.sharding import abstract_params, make_mesh, per_device_bytes
+from tests.xla_flags import compile_as_in_production
 
 # Activations dominate: logits [16, 128, 4096] and MLP [16, 128, 1024] against 2 x 2.6M params.
 MODEL = ModelConfig(
@@ -56,7 +57,7 @@ def _compiled(mesh_shape, model=MODEL, ppo=ONE_STEP, shape=(ROWS, PROMPT, RESPON
     batch = abstract_ppo_batch(*shape, mesh)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     lowered = update.lower(state, batch, key, jax.ShapeDtypeStruct((), jnp.float32))
-    return lowered.compile(), state_bytes
+    return compile_as_in_production(lowered), state_bytes
 
 
 def test_four_devices_hold_at_most_a_third_of_one_devices_update_temporaries():

@@ -306,12 +306,14 @@ def _command(args) -> int:
 
 
 def _reporting_errors(command) -> int:
-    """Run ``command``; user errors, non-finite stops and preemption become one line on
-    stderr and their exit codes (2, 3, 75) instead of a traceback."""
+    """Run ``command``; user errors, non-finite stops, preemption and a host limit become one
+    line on stderr and their exit codes (2, 3, 75, 4) instead of a traceback."""
     from oppo_jax.errors import (
         EXIT_BAD_INPUT,
+        EXIT_HOST_LIMIT,
         EXIT_NONFINITE,
         EXIT_PREEMPTED,
+        HostLimitError,
         InputError,
         NonFiniteError,
         Preempted,
@@ -328,6 +330,9 @@ def _reporting_errors(command) -> int:
     except Preempted as e:
         print(f"oppo-jax: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except HostLimitError as e:  # raised before step 0 (the warm-up): nothing to lose
+        print(f"oppo-jax: stopped: {e}", file=sys.stderr)
+        return EXIT_HOST_LIMIT
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from oppo_jax.host_maps import check_map_room
 from oppo_jax.pipeline.carry import (
     AdmitRule,
     Carried,
@@ -329,6 +330,7 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
         bar.set_postfix_str(label, refresh=False)
         task()
         by_task.append([label, *per_task.take()])
+        check_map_room(f"the warm-up's {label}")  # a clear stop, not LLVM's segfault
     bar.close()
     compiles, seconds = counter.take()
     report = {

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.pipeline.placement import move
+from oppo_jax.ppo.packing import bucket_up
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
 from oppo_jax.scoring.packed import (
@@ -103,7 +104,7 @@ def packed_shapes(batch_size: int, max_width: int) -> list[tuple[int, int]]:
     """Every (rows, width) ``plan_packing`` can pick for ``batch_size`` sequences of at most
     ``max_width`` tokens: what a warm-up compiles so that no measured step does."""
     widths = {min(pow2_at_least(n, MIN_WIDTH), max_width) for n in range(1, max_width + 1)}
-    rows = {pow2_at_least(n) for n in range(1, batch_size + 1)}
+    rows = {bucket_up(n) for n in range(1, batch_size + 1)}
     return [(n, w) for w in sorted(widths) for n in sorted(rows)]
 
 

@@ -9,7 +9,7 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
   little more).
 - ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the batch's
   sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
-  row count rounded up to a power of two; the scorers' admission prefill is skipped.
+  row count bucketed by ``bucket_up``; the scorers' admission prefill is skipped.
 - ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): its
   real tokens rounded up to a power of two, at least pow2(S·C) / 16, and [S, C] when that
   is not below S·C.
@@ -73,7 +73,7 @@ def score_tokens(lengths, full: int) -> int:
     if lengths.size == 0:
         return 0
     width = min(pow2_at_least(int(lengths.max()), MIN_WIDTH), full)
-    return pow2_at_least(ffd_rows(lengths, width)) * width
+    return bucket_up(ffd_rows(lengths, width)) * width
 
 
 PACKED_LEVELS = 4  # scoring.packed_chunks.PACKED_LEVELS: packed sizes below S·C

@@ -196,8 +196,15 @@ def test_built_sync_within_1_3x_of_active(spec, config, given):
     assert built["sync_s"] <= 1.3 * active["sync_s"], (built, active)
 
 
-@MUST_SHOW
-@pytest.mark.parametrize(("spec", "config", "given"), SETTINGS[::2])
+# Met since packed sync scoring buckets its rows at 2^k and 1.5·2^k: 7B on GH200 in the config's
+# own settings (largest gap 0.043 at 200 simulated steps, 0.044 at the 30 here).
+REGIME_MET = {("qwen2.5-7b:gh200", "qwen2.5-7b_gh200x1")}
+
+
+@pytest.mark.parametrize(
+    ("spec", "config", "given"),
+    [pytest.param(*s, marks=() if s[:2] in REGIME_MET else MUST_SHOW) for s in SETTINGS[::2]],
+)
 def test_built_regime_map_within_0_05_of_active(spec, config, given):
     p = build_projection(spec, config, (), {**given, "steps": 30})
     cells = regime_map(p)["cells"]

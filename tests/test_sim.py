@@ -347,6 +347,24 @@ def test_simulator_predicts_each_recorded_cpu_bench_within_15_percent(bench, eng
         assert not row["fit"] and abs(row["error"]) <= 0.15, (name, row)
 
 
+def test_simulator_predicts_the_built_engines_long_tail_bench_on_held_out_steps():
+    # BENCHMARKS.md's headline run (configs/bench_longtail_cpu.yaml, 2 seeds x 45 steps, the
+    # engine as built, stamped in its traces): fitted on the even steps of every schedule, the
+    # built engine's simulation predicts each schedule's odd steps within 15% (measured +1.5,
+    # +7.9, +6.9, -0.1%). Leaving a schedule out of the fit is not asserted here: intra then
+    # comes out +15.6% (sync -1.9, inter -1.3, oppo -4.9%; BENCHMARKS.md).
+    bench = json.loads((BENCHMARKS / "longtail" / "bench.json").read_text())
+    traces = [r["trace"] for rs in bench_records(bench).values() for r in rs]
+    engine = recorded_engine(traces)
+    assert engine.compact_slots and engine.packed_update and engine.kept_scorer_caches
+    result = validate(bench)
+    assert result["engine"] == engine.to_dict()
+    table = result["table"]
+    assert set(table) == {"sync", "intra", "inter", "oppo"}
+    for name, row in table.items():
+        assert abs(row["error"]) <= 0.15, (name, row)
+
+
 def test_the_unstamped_docs_bench_reads_as_the_padded_engine():
     # Unstamped, with slots that finished past the cut (whole chunks) and no carried_rows
     # (before the split admission): the padded engine, unsplit.

@@ -17,6 +17,9 @@ os.environ.setdefault("OPPO_JAX_COMPILATION_CACHE", "off")  # see below; the CLI
 # No warm-up unless a test asks for it (tests/test_warmup.py): each module's runs meet a few
 # shapes, and compiling every shape a run could meet would add minutes to the suite.
 os.environ.setdefault("OPPO_JAX_WARMUP", "off")
+# One xdist worker holds the compiled programs of every module it ran (a run holds only its
+# own), so the memory-maps stop (oppo_jax.host_maps) is off except where it is tested.
+os.environ.setdefault("OPPO_JAX_MAPS_CHECK", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -12,6 +12,12 @@ from oppo_jax import host_maps
 from oppo_jax.cli import main
 from oppo_jax.errors import EXIT_HOST_LIMIT, HostLimitError
 
+
+@pytest.fixture(autouse=True)
+def _check_on(monkeypatch):
+    monkeypatch.setenv(host_maps.CHECK_ENV, "on")  # the suite's conftest turns it off elsewhere
+
+
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 
 TINY_RUN = [
@@ -39,6 +45,11 @@ def test_the_check_stops_near_the_limit_and_names_the_fix():
     with pytest.raises(HostLimitError, match=r"95 memory maps .* vm\.max_map_count = 100") as e:
         host_maps.check_map_room("the warm-up's decode chunk 4", usage=(95, 100))
     assert "sysctl -w vm.max_map_count" in str(e.value) and "decode chunk 4" in str(e.value)
+
+
+def test_the_check_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(host_maps.CHECK_ENV, "off")
+    host_maps.check_map_room("anything", usage=(100, 100))  # at the limit, but switched off
 
 
 def test_without_proc_nothing_is_checked(monkeypatch, tmp_path):

@@ -26,6 +26,7 @@ from oppo_jax.pipeline.kernels import (
 )
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
+from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
@@ -62,8 +63,10 @@ def test_packed_sizes_on_hand_counted_cases():
     counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots
     assert chunk_shape(counts, 8) == (24, 32)
     assert chunk_shape(np.array([1] * 5 + [0] * 19), 8) == (16, 16)
-    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) is None  # 140 tokens: > half
-    assert chunk_shapes(24, 8) == [(16, 16), (24, 32), (24, 64), (24, 128)]
+    assert chunk_shape(np.array([3] * 23 + [1]), 8) == (24, 96)  # 70 tokens: 1.5 x 64
+    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) is None  # 140 tokens: 192 = S·C
+    sizes = [(16, 16), (24, 24), (24, 32), (24, 48), (24, 64), (24, 96), (24, 128)]
+    assert chunk_shapes(24, 8) == sizes
     plan = plan_chunk(np.array([0, 3, 0, 1]), 4)
     assert plan["rows"].tolist() == [1, 3, 4, 4] and plan["count"].tolist() == [3, 1, 0, 0]
     assert plan["token_row"].tolist() == [0, 0, 0, 1]
@@ -73,7 +76,8 @@ def test_packed_sizes_on_hand_counted_cases():
     for slots in (1, 3, 8, 24):
         for width in (1, 3, 8):
             listed = set(chunk_shapes(slots, width))
-            assert len(listed) <= PACKED_LEVELS
+            assert len(listed) <= 2 * PACKED_LEVELS
+            floor = max(1 << (slots * width - 1).bit_length() >> PACKED_LEVELS, 1)
             for _ in range(200):
                 live = rng.random(slots) < rng.random()
                 counts = rng.integers(1, width + 1, slots) * live
@@ -81,6 +85,8 @@ def test_packed_sizes_on_hand_counted_cases():
                 assert shape is None or shape in listed
                 if shape is not None:  # rows hold the live slots, tokens the real ones
                     assert np.count_nonzero(counts) <= shape[0] and counts.sum() <= shape[1]
+                    # and at most a third of a size above the floor is padding
+                    assert shape[1] == floor or 3 * counts.sum() > 2 * shape[1]
 
 
 def test_chunk_layout_places_each_token_at_its_slot_and_column():
@@ -219,7 +225,18 @@ def _run(engine, overcommit: int, chunk: int, steps: int = 3):
     ("overcommit", "chunk", "compact"),
     [(1, 2, False), pytest.param(3, 3, True, marks=pytest.mark.slow)],  # compaction: slow tier
 )
-def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(overcommit, chunk, compact):
+def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(
+    overcommit, chunk, compact, monkeypatch
+):
+    streamed = []  # (compacted, rows of the chunk the scorers got, S) of each compacted step
+    scorers_chunk = SlotMap.scorers_chunk
+
+    def spy(self, chunk_tokens):
+        out = scorers_chunk(self, chunk_tokens)
+        streamed.append((self.parked is not None, out.tokens.shape[0], self.slots))
+        return out
+
+    monkeypatch.setattr(SlotMap, "scorers_chunk", spy)
     spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(6.0, 18.0)
@@ -231,7 +248,12 @@ def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(overcommit, chunk,
     actor, ref, _, reward = _params()
     engine = step_engine(kernels, place, ref, reward)
     live = _run(engine, overcommit, chunk)
+    live_streamed, streamed[:] = list(streamed), []
     every = _run(dataclasses.replace(engine, packed_chunk_scoring=False), overcommit, chunk)
+    if compact:  # packing scorers keep the admission's S slots; the others move with the rows
+        assert any(c for c, _, _ in live_streamed), "no step compacted"
+        assert all(n == s for c, n, s in live_streamed)
+        assert any(c and n < s for c, n, s in streamed)
     assert any(r.slots.prefix_len.max() > 0 for r in live)  # carried rows were streamed
     for a, b in zip(live, every, strict=True):
         assert a.selection.batch.tolist() == b.selection.batch.tolist()

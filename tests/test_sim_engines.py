@@ -90,9 +90,9 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks' real tokens (43 and 13) packed into a power of two (at least
-        # pow2(S·C) / 16 = 4): 64 is the whole [8, 8] chunk, 13 packs into 16.
-        ("packed_chunk_scoring", "score_chunks", [3 * 64, 3 * 16]),
+        # Streamed chunks' real tokens (43 and 13) packed into 2^k or 1.5·2^k (at least
+        # pow2(S·C) / 16 = 4): 43 into 48 (below the whole [8, 8] chunk's 64), 13 into 16.
+        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):
@@ -140,11 +140,12 @@ def test_slot_compaction_stops_at_its_floor_and_follows_the_engines_rule():
     assert [d[1] for d in w.decode] == [12, 12, 8, 8, 8, 4, 0]
 
 
-def test_packed_chunk_scoring_packs_only_uncompacted_chunks():
+def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots():
     # Six slots finish at 1, one at 5, one at 12; C = 2. Chunks 2 and 3 run in bucket 2, 4 and
-    # 5 in bucket 1. Chunk 1 (8 slots, 4 real tokens) packs into 4; chunk 3 (bucket 2, one
-    # slot live: 2 real tokens of 4) is compacted, so it is scored over its bucket, as the
-    # engine does (pipeline.step_scorers.StepScorers.chunk_plan), not packed into 2.
+    # 5 in bucket 1. Packing scorers stay in the admission's 8 slots (pipeline.slot_map), so
+    # every chunk packs its real tokens over S·C = 16 (floor 1): chunk 0 holds 10 -> 12,
+    # chunk 1 4, chunk 2 3 (slot 6's last and slot 7's two), then 2 each; a compacted chunk
+    # is not scored over its bucket (chunk 2 would be 2 x 2 = 4).
     facts = dataclasses.replace(
         FACTS, finish=np.array([1] * 6 + [5, 12]), cut=12, chunk=2, chunks=7, carried_rows=0,
         prefix=np.zeros(8, int), width=4,
@@ -152,7 +153,7 @@ def test_packed_chunk_scoring_packs_only_uncompacted_chunks():
     engine = FIXED.with_features(["compact_slots", "packed_chunk_scoring"])
     w = step_work(engine, facts, 3, 1)
     assert [d[1] for d in w.decode] == [16, 16, 4, 4, 2, 1, 0]
-    assert w.score_chunks == [3 * 16, 3 * 4, 3 * 4, 3 * 4, 3 * 2, 3 * 2]
+    assert w.score_chunks == [3 * 12, 3 * 4, 3 * 3, 3 * 2, 3 * 2, 3 * 2]
 
 
 def test_active_engine_counts_real_tokens():

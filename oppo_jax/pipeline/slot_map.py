@@ -1,7 +1,8 @@
 """The host side of slot compaction (``rollout.compaction``) during one step's decode loop.
 
 When the running slots fit in half of the slot bucket, the decode state, the chunk about to be
-streamed, the cut rule and the scorers' states are gathered into the smaller bucket; the host
+streamed, the cut rule and (unless they pack their chunks) the scorers' states are gathered
+into the smaller bucket; the host
 keeps which original slot each row holds (``slot_of``, an index array it holds for the
 scatter back) and the last full-layout states
 (``parked``) to scatter the rows back into when the rollout ends, so everything after the
@@ -10,6 +11,15 @@ The decision needs one number, the running slots after a chunk, which the loop's
 chunk carries (``ChunkTokens.running``, -1 once the rollout may be cut); which rows to keep is
 computed on the device from the same chunk's flags. The chunk is read one chunk late, so a
 slot counted as running may have finished since, never the reverse.
+
+Scorers that pack each chunk's tokens (``scoring.packed_chunks``) stay in the admission's
+layout (``moves_scorers`` False): packing already skips finished slots, both in the
+token-wise layers (M packed tokens) and in attention (rows only for slots with new tokens),
+so gathering their states would only add programs at every bucket, and a chunk packed over
+the admission's S slots can use the whole range of packed sizes (measured on
+configs/bench_cpu.yaml's ``intra``: streamed scoring efficiency 0.55 with compacted,
+unpacked scorer chunks, 0.82 packed in the full layout). They get each chunk scattered back
+into the admission's layout (``full_chunk``), a [S, C] scatter on the generation device.
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ def compaction_default(backend: str | None = None) -> bool:
 class SlotMap:
     """Original slot of each row of a compacting rollout, and the states to scatter back."""
 
-    def __init__(self, slots: int, minimum: int = 1):
+    def __init__(self, slots: int, minimum: int = 1, moves_scorers: bool = True):
         self.slots = slots  # S, the admission's slots
+        self.moves_scorers = moves_scorers  # False: the scorers stay in the full layout
         self.slot_of = jnp.arange(slots, dtype=jnp.int32)  # [N] original slot of each row
         self.minimum = minimum  # smallest bucket (the generation mesh's batch shards)
         self.parked = None  # full-layout (decode state, scorer states), once compacted
@@ -43,15 +54,18 @@ class SlotMap:
     ):
         """Gather the ``running`` rows (flagged by the device array ``finished`` [N], of the
         same chunk) when they fit in half the bucket: returns (state, chunk, rule), and sets
-        ``scorers.states`` likewise."""
+        ``scorers.states`` likewise when they move (``moves_scorers``)."""
         n = int(self.slot_of.shape[0])
         bucket = compact_bucket(running, n, self.minimum)
         if bucket is None:
             return state, chunk, rule
         rows = compact_rows(finished, bucket)
-        now = (state, scorers.states)  # the kernels get the gathered copies: not donated
+        scored = scorers.states if self.moves_scorers else None
+        now = (state, scored)  # the kernels get the gathered copies: not donated
         self.parked = now if self.parked is None else put_slots(self.parked, now, self.slot_of)
-        state, scorers.states = take_slots(now, rows, n)
+        state, scored = take_slots(now, rows, n)
+        if self.moves_scorers:
+            scorers.states = scored
         chunk = take_slots(chunk, rows, n)
         # Rows left behind have finished; those holding a sequence leave the rule's count.
         kept = take_slots(rule, rows, n)
@@ -60,10 +74,15 @@ class SlotMap:
         self.slot_of = self.slot_of[rows]
         return state, chunk, rule
 
+    def scorers_chunk(self, chunk: ChunkTokens) -> ChunkTokens:
+        """The chunk in the layout the scorers hold: the rows' own, or the admission's."""
+        return chunk if self.moves_scorers else self.full_chunk(chunk)
+
     def full_chunk(self, chunk: ChunkTokens) -> ChunkTokens:
         """The chunk in the admission's layout (rows not held: no new tokens), for consumers
-        that index by slot (reward functions)."""
-        if self.parked is None:
+        that index by slot (reward functions, scorers that pack); a chunk in that layout
+        already comes back as it is."""
+        if self.parked is None or chunk.tokens.shape[0] == self.slots:
             return chunk
         s = self.slots
         empty = ChunkTokens(
@@ -80,15 +99,22 @@ class SlotMap:
         """Scatter the rows back into the full layout: the decode state, and the scorers'."""
         if self.parked is None:
             return state
-        state, scorers.states = put_slots(self.parked, (state, scorers.states), self.slot_of)
+        scored = scorers.states if self.moves_scorers else None
+        state, scored = put_slots(self.parked, (state, scored), self.slot_of)
+        if self.moves_scorers:
+            scorers.states = scored
         self.parked = None
         return state
 
 
 def step_compaction(floor: int | None, slots: int, scorers):
     """(SlotMap, scorers) for a step whose decode compacts into buckets of at least ``floor``
-    slots (``compaction_floor``), else None (``floor`` None)."""
-    return None if floor is None else (SlotMap(slots, minimum=floor), scorers)
+    slots (``compaction_floor``), else None (``floor`` None). Scorers that pack their chunks
+    (``scorers.packed_chunks``) stay in the admission's layout (module docstring)."""
+    if floor is None:
+        return None
+    moves = not getattr(scorers, "packed_chunks", False)
+    return SlotMap(slots, minimum=floor, moves_scorers=moves), scorers
 
 
 def compaction_floor(compact: bool | None, shards: int, minimum: int = 1) -> int | None:

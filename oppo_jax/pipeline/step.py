@@ -297,7 +297,8 @@ def _decode(
 ) -> DecodeState:
     """Decode until the cut rule allows the cut; ``on_chunk`` receives each chunk's tokens, the
     live width they fit in and their count per slot (read with the loop's flag, once the next
-    chunk is dispatched: the scorers get a chunk once it is done, packed); ``dispatched``
+    chunk is dispatched: the scorers get a chunk once it is done, packed, in the layout they
+    hold: ``SlotMap.scorers_chunk``); ``dispatched``
     gets the slot count and the live width of each chunk dispatched (accounting).
     ``chunking`` is (cut rule, C, the longest context admitted).
 
@@ -324,10 +325,12 @@ def _decode(
         if on_chunk is None:
             running = int(jax.device_get(last.running))  # the loop's only read: -1 once ready
         else:  # streaming: the chunk's counts with it (one transfer), then it is scored
+            # in the layout the scorers hold (packing ones keep the admission's: slot_map).
+            streamed = last if compaction is None else compaction[0].scorers_chunk(last)
             # to_host: on several processes the counts are sharded over their slots.
-            running, counts = to_host((last.running, last.count))
+            running, counts = to_host((streamed.running, streamed.count))
             running = int(running)
-            on_chunk(last, last_width, np.asarray(counts))
+            on_chunk(streamed, last_width, np.asarray(counts))
         if running < 0:
             return state if compaction is None else compaction[0].restore(state, compaction[1])
         if compaction is None:

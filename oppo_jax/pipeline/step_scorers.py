@@ -47,8 +47,6 @@ class StepScorers:
         )
         self.states: ScorerStates | None = None
         self.packed: ScorerOutputs | None = None  # non-streaming: the packed scoring's outputs
-        self.admitted_slots: int | None = None  # S of the last admission (chunks of fewer:
-        # compacted, pipeline.slot_map)
 
     def _dispatch(self, stage: str, role: str, kernel: Callable, *args):
         state, marker = kernel(getattr(self.params, role), *args)
@@ -59,7 +57,6 @@ class StepScorers:
         """Prefill every scorer with the prompts and carried prefixes; the frozen ones take
         the first ``used`` slots from ``kept`` instead and prefill only the prompts."""
         prompts = admission.replace(context=admission.context[:, : self.prompt_width])
-        self.admitted_slots = admission.context.shape[0]
         states = {}
         for role in self.roles:
             reuse = used > 0 and role in FROZEN and role in kept.states
@@ -109,11 +106,10 @@ class StepScorers:
     def chunk_plan(self, counts, width: int) -> dict | None:
         """The packing of a chunk with these ``counts`` (``packed_chunks.plan_chunk``); None:
         score it over every slot (switched off, no counts read, a chunk too full to gain, or a
-        scoring mesh that splits the slots: packing across its devices would move caches), or
-        a chunk of a compacted step: compaction already dropped its finished slots, and packing
-        at each smaller bucket multiplied the warm-up's programs (XLA:CPU crashed compiling
-        them there, in the tuned-chunk warm-up test)."""
-        if not self.packed_chunks or counts is None or len(counts) < (self.admitted_slots or 0):
+        scoring mesh that splits the slots: packing across its devices would move caches).
+        Packing scorers stay in the admission's layout when the decode compacts, so every
+        chunk they get has its S slots (``pipeline.slot_map``)."""
+        if not self.packed_chunks or counts is None:
             return None
         return plan_chunk(counts, width)
 

@@ -6,7 +6,9 @@ A step starts at the admission's S slots and, as slots finish, moves the running
 power-of-two buckets ``compaction_moves`` lists (each move halves the bucket at least), then
 scatters them back into S slots when the rollout ends. Each move is a handful of small gathers
 and scatters over the decode state, the chunk, the cut rule and the scorers' states, and each
-bucket has its own decode and scorer-chunk programs (one per chunk size and live width). The
+bucket has its own decode programs (one per chunk size and live width), and scorer-chunk
+programs too unless the scorers pack their chunks (then they stay in the S-slot layout and
+only the scatter of each chunk back into it is compiled per bucket). The
 warm-up walks S -> n -> b for every reachable pair (n, b) with the very ``SlotMap`` the step
 uses, so the same programs, with the same input shardings, are compiled.
 """
@@ -19,6 +21,7 @@ import types
 import jax
 import jax.numpy as jnp
 
+from oppo_jax.pipeline.scoring_kernels import packs_chunks
 from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.rollout.decode import CutRule
@@ -81,8 +84,8 @@ def _at_bucket(run, moved, pairs, slot_map: SlotMap, scorers) -> None:
         once = _chunk(run, state, rule, scorers.states, size, width)
         out = _chunk(run, once[0], rule, once[2], size, width)
         jax.block_until_ready(out)
-    if run.engine.rewards is not None:  # reward functions read chunks in the slot layout
-        slot_map.full_chunk(out[1])
+    if run.engine.rewards is not None or run.full_chunks:  # consumers in the slot layout:
+        slot_map.full_chunk(out[1])  # reward functions, and scorers that pack their chunks
     done = copy.copy(slot_map)
     jax.block_until_ready(done.restore(out[0], _Scorers(states=out[2])))
 
@@ -96,13 +99,19 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
     floor = k.compaction_floor(place.num_slots(1))
     if floor is None:
         return 0
+    # Scorers that pack their chunks stay in the admission's layout (pipeline.slot_map): only
+    # the scatter of each chunk back into it is new at a bucket, not their programs.
+    moves_scorers = schedule.stream and not packs_chunks(engine)
     run = types.SimpleNamespace(
-        engine=engine, actor=state.actor_model_params, scorer_params=scorer_params(ctx, state)
+        engine=engine,
+        actor=state.actor_model_params,
+        scorer_params=scorer_params(ctx, state),
+        full_chunks=schedule.stream and not moves_scorers,
     )
     decoding, _ = k.admit(run.actor, admission, engine.sample_key)
     target = jnp.int32(host.plan(ctx.cfg).batch_size)
     rule = CutRule(admission.active, admission.must_finish, target)
-    states = _streamed_states(run, place.to_scoring(admission)) if schedule.stream else None
+    states = _streamed_states(run, place.to_scoring(admission)) if moves_scorers else None
     moves = compaction_moves(admission.active.shape[0], floor)
     for size, size_widths in widths.items():  # a step decodes chunks of one size
         pairs = [(size, w) for w in size_widths]

@@ -3,18 +3,19 @@
 ``stream.score_chunk`` feeds a chunk as one [S, C] call, so a slot that has finished, and
 every column past a slot's count, costs a scorer as much as a real token. Here the host,
 which reads the chunk's counts [S] (one small transfer beside the loop's one flag), plans a
-``ChunkLayout`` (``plan_chunk``): the chunk's tokens are packed end to end into M (a power of
-two, bucketed) and the slots with new tokens become the first of N = min(S, M) rows.
+``ChunkLayout`` (``plan_chunk``): the chunk's tokens are packed end to end into M (bucketed
+at 2^k and 1.5·2^k, ``ppo.packing.bucket_up``: at most a third of M is padding) and the slots
+with new tokens become the first of N = min(S, M) rows.
 Every token-wise layer runs over the M packed tokens; attention runs over the N rows, each
 reading its own slot's cache prefix and writing its new keys at that slot's positions
 (``models.chunk_layout``). The quantities are scattered back per slot, so the state, and
 every score, is what the [S, C] call leaves, up to float rounding; other slots are untouched.
 
-A scorer compiles at most ``PACKED_LEVELS`` packed programs per live width beside the [S, C]
-one (``chunk_shapes`` lists them: what a warm-up compiles), which a chunk of more than half
-its S·C tokens keeps. Attention still runs over N rows of C queries; at N = S (M >= S) it
-costs what the [S, C] call's does, the token-wise layers (most of a large model's work)
-cost M.
+A scorer compiles at most 2·``PACKED_LEVELS`` packed programs per live width beside the
+[S, C] one (``chunk_shapes`` lists them: what a warm-up compiles), which a chunk too full to
+gain keeps. Sizes at powers of two alone leave a quarter of M empty on average; the 1.5·2^k
+sizes halve that. Attention still runs over N rows of C queries; at N = S (M >= S) it costs
+what the [S, C] call's does, the token-wise layers (most of a large model's work) cost M.
 
 Dimension letters: S slots, N rows, C chunk width, M packed tokens, D model width.
 """
@@ -27,39 +28,46 @@ from jaxtyping import Array
 
 from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.models.transformer import packed_chunk_hidden
+from oppo_jax.ppo.packing import bucket_up
 from oppo_jax.rollout.compaction import slot_bucket
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.scoring.stream import ScorerSpec, ScorerState, per_token_quantity, sequence_score
 from oppo_jax.sharding import constrain_slots
 
-PACKED_LEVELS = 4  # packed sizes below the whole chunk: S·C/2 .. S·C/16 (rounded to pow2)
+PACKED_LEVELS = 4  # doublings of packed sizes below the chunk: down to pow2(S·C)/16
 
 
 def chunk_shape(counts: np.ndarray, width: int) -> tuple[int, int] | None:
     """(N, M) a chunk with these per-slot ``counts`` (of ``width`` columns) is scored at: M
-    the power of two holding its tokens, at least 1/16 of the chunk's (a power of two);
+    the ``bucket_up`` size (2^k or 1.5·2^k) holding its tokens, at least pow2(S·C) / 16;
     N = min(S, M) rows, which hold every slot with a token (each has at least one). None
     when M would not be below S·C (score it [S, C]).
 
-    Example: S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 32); 5 -> (16, 16);
-    130 -> None.
+    Example: S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 32); 70 -> (24, 96);
+    5 -> (16, 16); 130 -> None.
     """
     counts = np.asarray(counts)
     slots, total = counts.shape[0], int(counts.sum())
     whole = slots * width
-    tokens = max(slot_bucket(total), slot_bucket(whole) >> PACKED_LEVELS, 1)
+    tokens = _packed_size(total, whole)
     return None if tokens >= whole else (min(slots, tokens), tokens)
 
 
 def chunk_shapes(slots: int, width: int) -> list[tuple[int, int]]:
     """Every (N, M) ``chunk_shape`` can pick for ``slots`` slots and chunks of ``width``: at
-    most ``PACKED_LEVELS`` per live width (what a warm-up compiles, per scorer).
+    most 2·``PACKED_LEVELS`` per live width (what a warm-up compiles, per scorer).
 
-    Example: 24 slots, C 8 -> [(16, 16), (24, 32), (24, 64), (24, 128)].
+    Example: 24 slots, C 8 -> [(16, 16), (24, 24), (24, 32), (24, 48), (24, 64), (24, 96),
+    (24, 128)].
     """
     whole = slots * width
-    tokens = {max(slot_bucket(n), slot_bucket(whole) >> PACKED_LEVELS, 1) for n in range(whole)}
+    tokens = {_packed_size(n, whole) for n in range(whole)}
     return sorted((min(slots, m), m) for m in tokens if m < whole)
+
+
+def _packed_size(total: int, whole: int) -> int:
+    """M for ``total`` tokens of a chunk of ``whole`` = S·C token places (>= whole: unpacked)."""
+    return max(bucket_up(total), slot_bucket(whole) >> PACKED_LEVELS, 1)
 
 
 def plan_chunk(counts: np.ndarray, width: int) -> dict[str, np.ndarray] | None:

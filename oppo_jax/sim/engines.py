@@ -58,7 +58,8 @@ class Engine:
     compact_slots: bool = False  # slots gathered into pow2(live) once live <= half the slots
     compact_min_slots: int = 1  # the smallest bucket compaction moves into (a power of two)
     kept_scorer_caches: bool = False  # reference and reward keep carried rows' caches
-    # a streamed chunk's real tokens packed into pow2 >= pow2(S·C) / 16 (packing.chunk_tokens)
+    # a streamed chunk's real tokens packed into bucket_up >= pow2(S·C) / 16, over S slots
+    # also once compacted (packing.chunk_tokens)
     packed_chunk_scoring: bool = False
 
     def with_features(self, names) -> Engine:

@@ -11,8 +11,9 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
   sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
   row count bucketed by ``bucket_up``; the scorers' admission prefill is skipped.
 - ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): its
-  real tokens rounded up to a power of two, at least pow2(S·C) / 16, and [S, C] when that
-  is not below S·C.
+  real tokens rounded up by ``bucket_up`` (2^k and 1.5·2^k), at least pow2(S·C) / 16, and
+  [S, C] when that is not below S·C. S is the admission's slots even when the decode has
+  compacted: packing scorers stay in that layout (``oppo_jax.pipeline.slot_map``).
 - ``live_width``: the columns a decode chunk reads (``models.kv_cache.live_width``): the power
   of two (at least 16) over the longest context the chunk can reach, capped at P + R.
 """
@@ -76,14 +77,14 @@ def score_tokens(lengths, full: int) -> int:
     return bucket_up(ffd_rows(lengths, width)) * width
 
 
-PACKED_LEVELS = 4  # scoring.packed_chunks.PACKED_LEVELS: packed sizes below S·C
+PACKED_LEVELS = 4  # scoring.packed_chunks.PACKED_LEVELS: doublings of packed sizes below S·C
 
 
 def chunk_tokens(real: int | float, slots: int, chunk: int) -> int:
     """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at.
-    Example: 24 slots, C 8: 30 -> 32, 5 -> 16, 100 -> 128, 140 -> 192."""
+    Example: 24 slots, C 8: 30 -> 32, 5 -> 16, 70 -> 96, 100 -> 128, 140 -> 192."""
     whole = slots * chunk
-    packed = max(pow2_at_least(real), pow2_at_least(whole) >> PACKED_LEVELS)
+    packed = max(bucket_up(real), pow2_at_least(whole) >> PACKED_LEVELS)
     return whole if packed >= whole else packed
 
 

@@ -102,13 +102,10 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         decode, buckets = _fixed_decode(engine, f, ends)
         per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
         if engine.packed_chunk_scoring:  # each chunk's real tokens packed (packing.chunk_tokens)
-            # but a compacted chunk (a bucket below S), scored over its bucket as the engine
-            # does (pipeline.step_scorers.StepScorers.chunk_plan)
+            # over the admission's S slots, also once the decode has compacted: packing
+            # scorers stay in that layout (pipeline.slot_map)
             real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
-            per_chunk = [
-                packing.chunk_tokens(r, b, f.chunk) if b == f.slots else b * f.chunk
-                for b, r in zip(buckets[: len(real)], real, strict=True)
-            ]
+            per_chunk = [packing.chunk_tokens(r, f.slots, f.chunk) for r in real]
         k = f.carried_rows if engine.split_admission else f.slots
         actor = k * f.width + (f.slots - k) * f.prompt_len
         new_rows = (f.slots - f.carried_rows) * f.prompt_len

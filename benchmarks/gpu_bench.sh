@@ -4,9 +4,14 @@
 # (configs/bench_longtail_gpu.yaml). Budget: 8 minutes, compilation included.
 #
 #   benchmarks/gpu_bench.sh [--smoke] [--out DIR] [--steps N] [--warmup N] [--attention K]
+#                           [--compact on|off|auto]
 #
 # --attention: model.attention (default auto: cuDNN flash attention on the GPU for the bf16
 # models; xla runs XLA's kernel instead, e.g. to compare, or where cuDNN rejects a shape).
+# --compact: pipeline.compact_slots (default auto: the backend's default, off on a GPU). The
+# simulator projects that slot compaction pays on accelerators too at long responses
+# (docs/PROJECTIONS.md §4); a run with `--compact on --out runs/gpu_bench_compact` beside the
+# default one measures it.
 #
 # Needs nothing downloaded: the models are random weights built from the preset, the prompts
 # random token ids. The project is not installed: the script puts the repository on
@@ -32,6 +37,7 @@ OUT=""
 STEPS=""
 WARMUP=""
 ATTENTION=auto
+COMPACT=auto
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --smoke) SMOKE=1; shift ;;
@@ -39,7 +45,8 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS="$2"; shift 2 ;;
     --warmup) WARMUP="$2"; shift 2 ;;
     --attention) ATTENTION="$2"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --compact) COMPACT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -64,6 +71,12 @@ fi
 
 CONFIG="$ROOT/configs/bench_longtail_gpu.yaml"
 SET=(model.attention="$ATTENTION")
+case "$COMPACT" in
+  on) SET+=(pipeline.compact_slots=true) ;;
+  off) SET+=(pipeline.compact_slots=false) ;;
+  auto) ;;
+  *) echo "gpu_bench.sh: --compact takes on, off or auto, not $COMPACT" >&2; exit 2 ;;
+esac
 if [[ $SMOKE == 1 ]]; then
   # Same config and code path on the CPU: tiny preset, short responses, a few steps.
   export JAX_PLATFORMS=cpu

@@ -27,13 +27,15 @@ def _run(*args, env_extra=None):
 
 def test_smoke_run_writes_bench_json_and_a_summary_line(tmp_path):
     out = tmp_path / "smoke"
-    done = _run("--smoke", "--out", str(out), env_extra={"OPPO_JAX_CACHE": str(tmp_path / "c")})
+    cache = {"OPPO_JAX_CACHE": str(tmp_path / "c")}
+    done = _run("--smoke", "--out", str(out), "--compact", "on", env_extra=cache)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     assert set(result["schedules"]) == {"sync", "intra", "inter", "oppo"}
     cfg = result["workload"]["config"]
     assert cfg["model"]["actor_path"] == "random" and cfg["model"]["preset"] == "tiny"
     assert cfg["rollout"]["length_sampler"] == "lognormal"
+    assert cfg["pipeline"]["compact_slots"] is True  # --compact on reached the config
     lengths = [r["response_len_max"] for r in result["schedules"]["sync"]["records"]]
     assert max(lengths) <= 64
     line = (out / "summary.txt").read_text().strip()
@@ -46,3 +48,9 @@ def test_without_a_gpu_the_real_run_says_so():
     done = _run("--out", "unused", env_extra={"JAX_PLATFORMS": "cpu"})
     assert done.returncode == 3
     assert "jax sees no GPU" in done.stderr
+
+
+def test_a_bad_compact_value_is_named():
+    done = _run("--smoke", "--compact", "maybe")
+    assert done.returncode == 2
+    assert "--compact takes on, off or auto, not maybe" in done.stderr

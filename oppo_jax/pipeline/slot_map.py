@@ -18,8 +18,9 @@ token-wise layers (M packed tokens) and in attention (rows only for slots with n
 so gathering their states would only add programs at every bucket, and a chunk packed over
 the admission's S slots can use the whole range of packed sizes (measured on
 configs/bench_cpu.yaml's ``intra``: streamed scoring efficiency 0.55 with compacted,
-unpacked scorer chunks, 0.82 packed in the full layout). They get each chunk scattered back
-into the admission's layout (``full_chunk``), a [S, C] scatter on the generation device.
+unpacked scorer chunks, 0.84 packed in the full layout at 2^k and 1.5·2^k sizes). They get
+each chunk scattered back into the admission's layout (``full_chunk``), a [S, C] scatter on
+the generation device.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ the generation device.
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 
@@ -49,24 +51,22 @@ class SlotMap:
         self.slot_of = jnp.arange(slots, dtype=jnp.int32)  # [N] original slot of each row
         self.minimum = minimum  # smallest bucket (the generation mesh's batch shards)
         self.parked = None  # full-layout (decode state, scorer states), once compacted
+        self._empty = None  # full_chunk's all-empty [S, C] chunk, made once per step
 
     def maybe_compact(
         self, running: int, finished, state, chunk: ChunkTokens, rule: CutRule, scorers
     ):
         """Gather the ``running`` rows (flagged by the device array ``finished`` [N], of the
         same chunk) when they fit in half the bucket: returns (state, chunk, rule), and sets
-        ``scorers.states`` likewise when they move (``moves_scorers``)."""
+        ``scorers.states`` likewise (None when they stay: ``step_compaction``)."""
         n = int(self.slot_of.shape[0])
         bucket = compact_bucket(running, n, self.minimum)
         if bucket is None:
             return state, chunk, rule
         rows = compact_rows(finished, bucket)
-        scored = scorers.states if self.moves_scorers else None
-        now = (state, scored)  # the kernels get the gathered copies: not donated
+        now = (state, scorers.states)  # the kernels get the gathered copies: not donated
         self.parked = now if self.parked is None else put_slots(self.parked, now, self.slot_of)
-        state, scored = take_slots(now, rows, n)
-        if self.moves_scorers:
-            scorers.states = scored
+        state, scorers.states = take_slots(now, rows, n)
         chunk = take_slots(chunk, rows, n)
         # Rows left behind have finished; those holding a sequence leave the rule's count.
         kept = take_slots(rule, rows, n)
@@ -85,25 +85,23 @@ class SlotMap:
         already comes back as it is."""
         if self.parked is None or chunk.tokens.shape[0] == self.slots:
             return chunk
-        s = self.slots
-        empty = ChunkTokens(
-            jnp.full((s, chunk.tokens.shape[1]), 0, chunk.tokens.dtype),
-            jnp.zeros((s,), jnp.int32),
-            jnp.zeros((s,), jnp.int32),
-            chunk.ready,
-            None if chunk.finished is None else jnp.ones((s,), bool),
-            chunk.running,
-        )
-        return put_slots(empty, chunk, self.slot_of)
+        if self._empty is None:  # a step's chunks share one width; scalars come from the chunk
+            s = self.slots
+            self._empty = ChunkTokens(
+                jnp.full((s, chunk.tokens.shape[1]), 0, chunk.tokens.dtype),
+                jnp.zeros((s,), jnp.int32),
+                jnp.zeros((s,), jnp.int32),
+                chunk.ready,
+                None if chunk.finished is None else jnp.ones((s,), bool),
+                chunk.running,
+            )
+        return put_slots(self._empty, chunk, self.slot_of)
 
     def restore(self, state, scorers):
         """Scatter the rows back into the full layout: the decode state, and the scorers'."""
         if self.parked is None:
             return state
-        scored = scorers.states if self.moves_scorers else None
-        state, scored = put_slots(self.parked, (state, scored), self.slot_of)
-        if self.moves_scorers:
-            scorers.states = scored
+        state, scorers.states = put_slots(self.parked, (state, scorers.states), self.slot_of)
         self.parked = None
         return state
 
@@ -114,8 +112,10 @@ def step_compaction(floor: int | None, slots: int, scorers):
     (``scorers.packed_chunks``) stay in the admission's layout (module docstring)."""
     if floor is None:
         return None
-    moves = not getattr(scorers, "packed_chunks", False)
-    return SlotMap(slots, minimum=floor, moves_scorers=moves), scorers
+    if getattr(scorers, "packed_chunks", False):  # the map moves no scorer state: none held
+        held = types.SimpleNamespace(states=None)
+        return SlotMap(slots, minimum=floor, moves_scorers=False), held
+    return SlotMap(slots, minimum=floor), scorers
 
 
 def compaction_floor(compact: bool | None, shards: int, minimum: int = 1) -> int | None:

@@ -7,7 +7,10 @@
 #                           [--compact on|off|auto]
 #
 # --attention: model.attention (default auto: cuDNN flash attention on the GPU for the bf16
-# models; xla runs XLA's kernel instead, e.g. to compare, or where cuDNN rejects a shape).
+# models, and the ragged decode kernel for decode steps, each row reading only its own keys;
+# xla runs XLA's kernel for everything, e.g. to compare, or where cuDNN rejects a shape;
+# ragged: the ragged decode kernel, XLA for the rest). `--attention ragged` beside
+# `--attention xla` measures what the ragged decode attention saves (docs/PROJECTIONS.md §4b).
 # --compact: pipeline.compact_slots (default auto: the backend's default, off on a GPU). The
 # simulator projects that slot compaction pays on accelerators too at long responses
 # (docs/PROJECTIONS.md §4); a run with `--compact on --out runs/gpu_bench_compact` beside the
@@ -46,7 +49,7 @@ while [[ $# -gt 0 ]]; do
     --warmup) WARMUP="$2"; shift 2 ;;
     --attention) ATTENTION="$2"; shift 2 ;;
     --compact) COMPACT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -33,8 +33,9 @@ class ModelConfig:
     trust_remote_code: bool = False  # let transformers run code shipped inside a checkpoint
     # recompute each layer in the update's backward: none | full | dots (keep matmul outputs)
     remat: str = "none"
-    # attention kernel of every model: auto (cuDNN on GPU, splash on TPU, else XLA) | xla |
-    # cudnn | splash; a call a fused kernel cannot take runs on XLA (oppo_jax.models.attention)
+    # attention kernel of every model: auto (cuDNN on GPU and the ragged kernel for decode
+    # steps, splash on TPU, else XLA) | xla | cudnn | splash | ragged (decode steps only; off a
+    # GPU in Pallas's interpreter); a call a kernel cannot take runs on XLA (models.attention)
     attention: str = "auto"
     # LoRA rank of the actor's and critic's adapters on frozen bases; 0 = full-parameter training
     lora_rank: int = 0

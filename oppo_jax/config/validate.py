@@ -27,7 +27,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots"),
-    "model.attention": ("auto", "xla", "cudnn", "splash"),
+    "model.attention": ("auto", "xla", "cudnn", "splash", "ragged"),
     "optim.master_dtype": ("float32", "bfloat16"),
     "rollout.prompt_too_long": ("truncate", "reject"),
     "rollout.length_sampler": ("policy", "lognormal"),

@@ -7,13 +7,18 @@ it without materialising one:
 - a decode step (one new token per row against the cache): keys ``0 .. kv_lengths[s] - 1``;
 - anything else (a chunk or an admission written into the cache): the explicit ``mask``.
 
-``implementation`` ("auto" | "xla" | "cudnn" | "splash", ``model.attention``) picks the
-kernel; a form the chosen kernel cannot take runs on XLA. "auto" is cuDNN on a GPU for
-bfloat16/float16 heads of width <= 128 (what cuDNN's flash attention supports), splash on a
-TPU, XLA otherwise. cuDNN gets padding and causal masks as sequence lengths and mask types
-(never segments: those stay on XLA), splash gets causal masks and segment ids; both compute
-the same function as XLA's kernel (tests/test_attention.py runs the forms cuDNN receives
-through XLA with the same arguments, and splash itself in Pallas interpret mode on the CPU).
+``implementation`` ("auto" | "xla" | "cudnn" | "splash" | "ragged", ``model.attention``)
+picks the kernel; a form the chosen kernel cannot take runs on XLA. "auto" is cuDNN on a GPU
+for bfloat16/float16 heads of width <= 128 (what cuDNN's flash attention supports), splash on
+a TPU, XLA otherwise; and for a decode step on a GPU the ragged kernel
+(``models.ragged_decode``: each row reads only its own keys, straight from the cache buffer)
+where Triton takes the shapes. "ragged" asks for that kernel off a GPU too (Pallas's
+interpreter: for tests), XLA for every other form. cuDNN gets padding and causal masks as
+sequence lengths and mask types (never segments: those stay on XLA), splash gets causal masks
+and segment ids; all compute the same function as XLA's kernel (tests/test_attention.py runs
+the forms cuDNN receives through XLA with the same arguments, and splash itself in Pallas
+interpret mode on the CPU; tests/test_ragged_decode.py the ragged kernel likewise). The ragged
+kernel is called from ``models.transformer``, before a layer's keys are read out of the cache.
 
 Dimension letters: S rows, T queries, Tc keys, H query heads, K kv-heads, Dh head width.
 """
@@ -29,10 +34,11 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from oppo_jax.models import ragged_decode as ragged_decode_kernel
 from oppo_jax.models.query_blocks import attention as blocked_xla_attention
 
-Implementation = Literal["auto", "xla", "cudnn", "splash"]
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+Implementation = Literal["auto", "xla", "cudnn", "splash", "ragged"]
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "ragged")
 SPLASH_BLOCK = 128  # splash attention's query and key tile: sequence lengths must divide by it
 CUDNN_MAX_HEAD_DIM = 128
 
@@ -50,6 +56,15 @@ def resolve(implementation: Implementation, dtype, head_dim: int, backend: str |
     if backend == "gpu" and half and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0:
         return "cudnn"
     return "splash" if backend == "tpu" else "xla"
+
+
+def ragged_decode(implementation: Implementation, head_dim: int, width: int, backend=None):
+    """Whether a decode step over ``width`` cache columns runs the ragged kernel: asked for,
+    or "auto" on a GPU where Triton takes the shapes (``ragged_decode.fits_gpu``)."""
+    if implementation == "ragged":
+        return True
+    gpu = (backend or jax.default_backend()) == "gpu"
+    return implementation == "auto" and gpu and ragged_decode_kernel.fits_gpu(head_dim, width)
 
 
 def attend(

@@ -19,8 +19,9 @@ Remat = Literal["none", "full", "dots"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
-# Attention kernels (oppo_jax.models.attention): auto picks cuDNN on a GPU, splash on a TPU.
-ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")
+# Attention kernels (oppo_jax.models.attention): auto picks cuDNN on a GPU (the ragged kernel
+# for decode steps), splash on a TPU.
+ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelConfig:
     dtype: str = "float32"  # activation dtype
     param_dtype: str = "float32"  # parameter dtype
     remat: Remat = "none"  # per-layer rematerialisation in the backward pass (see Remat)
-    attention: str = "auto"  # attention kernel: auto | xla | cudnn | splash (models.attention)
+    attention: str = "auto"  # kernel: auto | xla | cudnn | splash | ragged (models.attention)
     lora_rank: int = 0  # r, rank of the LoRA adapters (0 = no adapters; see models.lora)
     lora_alpha: float = 16.0  # adapters scale by lora_alpha / lora_rank
     lora_targets: tuple[str, ...] = lora.ALL_TARGETS  # projections that carry an adapter

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.models.attention import attend
+from oppo_jax.models.attention import attend, ragged_decode
 from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.models.kv_cache import KVCache, read_layer, write_layer, write_positions
 from oppo_jax.models.lora import LoraDense
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.ragged_decode import ragged_decode_attention
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -98,7 +99,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, context, kv):
         cfg = self.cfg
-        positions, segment_ids, mask, layout = context
+        positions = context[0]
         s, t, _ = x.shape
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q = _dense(cfg, q_width, ("embed", "heads"), cfg.qkv_bias, "q_proj")(x)
@@ -107,33 +108,43 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(s, t, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
         k = apply_rope(k.reshape(s, t, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = v.reshape(s, t, cfg.num_kv_heads, cfg.head_dim)
-        # Without a cache: causal by index (segments, if any, come in ``mask``); with a cache
-        # the mask compares cache indices with positions.
-        causal = kv is None
-        if causal:
-            keys, values = k, v
-        else:
-            k_all, v_all, layer = kv
-            # Packed (models.chunk_layout): each token to its own slot; rows read their slots.
-            slots = None if layout is None else layout.token_slots(k_all.shape[1])[None, :]
-            k_all = write_layer(k_all, layer, k, positions, slots)
-            v_all = write_layer(v_all, layer, v, positions, slots)
-            # Only the live prefix the mask covers (its last axis: the static width).
-            width, rows = mask.shape[-1], None if layout is None else layout.rows
-            keys = read_layer(k_all, layer, width, rows)
-            values = read_layer(v_all, layer, width, rows)
-            kv = (k_all, v_all, layer)
-        # GQA is native (no repeated kv-heads). The call's form, not a mask, goes to the kernel
-        # (models.attention): a decode step's keys are those up to its own position.
-        kv_lengths = positions[:, 0] + 1 if not causal and t == 1 else None
-        if layout is not None:  # attention over the rows; everything else over packed tokens
-            q, kv_lengths = layout.to_rows(q[0]), None
-        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-        out = attend(q, keys, values, implementation=cfg.attention, causal=causal,
-                     segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask)  # fmt: skip
-        out = out if layout is None else layout.from_rows(out)[None]
+        out, kv = _attention(cfg, (q, k, v), kv, context)
         out = out.reshape(s, t, q_width)
         return _dense(cfg, cfg.hidden_size, ("heads", "embed"), cfg.o_bias, "o_proj")(out), kv
+
+
+def _attention(cfg: ModelConfig, qkv, kv, context):
+    """One layer's attention in its call's form (``models.attention``): (out [S T H Dh], kv).
+
+    Without a cache: causal by index (segments, if any, restrict it). With a cache: the new
+    keys are written in, and attention reads the live prefix the mask covers; a decode step
+    (``decode_lengths``: each row's keys, 0 for a row that takes no token) may instead run the
+    ragged kernel, which reads each row's own keys from the buffer itself."""
+    q, k, v = qkv
+    positions, segment_ids, mask, layout, decode_lengths = context
+    causal = kv is None
+    if causal:
+        keys, values = k, v
+    else:
+        k_all, v_all, layer = kv
+        # Packed (models.chunk_layout): each token to its own slot; rows read their slots.
+        slots = None if layout is None else layout.token_slots(k_all.shape[1])[None, :]
+        k_all = write_layer(k_all, layer, k, positions, slots)
+        v_all = write_layer(v_all, layer, v, positions, slots)
+        kv = (k_all, v_all, layer)
+        # Only the live prefix the mask covers (its last axis: the static width).
+        width, rows = mask.shape[-1], None if layout is None else layout.rows
+        if decode_lengths is not None and ragged_decode(cfg.attention, cfg.head_dim, width):
+            return ragged_decode_attention(q, k_all, v_all, layer, decode_lengths, width), kv
+        keys = read_layer(k_all, layer, width, rows)
+        values = read_layer(v_all, layer, width, rows)
+    kv_lengths = decode_lengths  # GQA is native; the call's form, not a mask, to the kernel
+    if layout is not None:  # attention over the rows; everything else over packed tokens
+        q = layout.to_rows(q[0])
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    out = attend(q, keys, values, implementation=cfg.attention, causal=causal,
+                 segment_ids=segment_ids, kv_lengths=kv_lengths, mask=mask)  # fmt: skip
+    return (out if layout is None else layout.from_rows(out)[None]), kv
 
 
 class MLP(nn.Module):
@@ -156,7 +167,8 @@ class Block(nn.Module):
     ``kv`` is None (no cache) or (keys [L S K Tc Dh], values, this layer's index); ``context``
     (the same for every layer) is (positions [S T], segment ids [S T] or None, the cache mask
     [S 1 T Tc] or None, a packed chunk's ``ChunkLayout`` or None; packed, S is 1, T the
-    packed tokens M, and the mask is over the layout's rows [N 1 C Tc]).
+    packed tokens M, and the mask is over the layout's rows [N 1 C Tc]; a decode step's keys
+    per row [S], else None).
     """
 
     cfg: ModelConfig
@@ -252,7 +264,9 @@ class Transformer(nn.Module):
             mask = attention_mask_for_cache(in_rows, _kv_width(kv_width, cache.capacity))
             kv = (cache.k, cache.v, jnp.zeros((), jnp.int32))
         layout = None if cache is None else chunk_layout
-        (x, kv), _ = _layers(cfg)((x, kv), (positions, segment_ids, mask, layout))
+        decode = cache is not None and layout is None and t == 1  # one new token per row
+        lengths = _decode_lengths(positions, n_valid, decode)
+        (x, kv), _ = _layers(cfg)((x, kv), (positions, segment_ids, mask, layout, lengths))
         x = RMSNorm(cfg, name="norm")(x)
         out = x if return_hidden else self._head(embed, x)
         if cache is None:
@@ -303,6 +317,15 @@ def packed_chunk_hidden(
         return_hidden=True, kv_width=kv_width, chunk_layout=layout,
     )  # fmt: skip
     return hidden[0], cache
+
+
+def _decode_lengths(positions, n_valid, decode: bool) -> Int[Array, " S"] | None:
+    """A decode step's keys per row (its own position + 1), 0 for a row that takes no token
+    (``n_valid`` 0: a finished slot, whose output nobody reads); None for any other call."""
+    if not decode:
+        return None
+    lengths = positions[:, 0] + 1
+    return lengths if n_valid is None else jnp.where(n_valid > 0, lengths, 0)
 
 
 def _kv_width(kv_width: int | None, capacity: int) -> int:

@@ -1,0 +1,171 @@
+"""Ragged decode attention: each row of a decode step reads only its own keys.
+
+A decode step (one new token per slot) attends to keys ``0 .. lengths[s] - 1`` of its slot.
+XLA's attention over the live prefix reads ``width`` keys for every slot: the longest live
+context, finished slots included, so a step's KV-cache traffic follows the longest row. This
+kernel walks each row's keys in blocks up to its own length, so the traffic follows the rows'
+contexts, and a row of length 0 (a slot that takes no token this step: ``models.transformer``
+passes 0 for it) reads nothing. That is what makes finished slots free on an accelerator
+without moving them (slot compaction's gathers), and what the simulator's ``ragged_decode``
+prices.
+
+It reads the cache buffer itself, [L, S, K, Tc, Dh], with the layer index as an operand:
+slicing the layer out or transposing it to [S, Tc, K, Dh] before a Pallas call (a custom call,
+whose operands XLA must materialise) would copy the whole live cache at every layer of every
+step, the traffic the kernel exists to save.
+
+Grid (slot, kv head, key split), flash-decoding style: each program holds its kv head's
+G = H / K query heads (padded to ``MIN_GROUP`` rows, Triton's smallest dot), runs an online
+softmax over its split's key blocks that lie below the row's length, and writes an unscaled
+output with its running max and sum; XLA combines the splits, so a few long rows still spread
+over the GPU's cores. Pallas lowers it to Triton on a GPU; elsewhere it runs in Pallas's
+interpreter (tests, and ``model.attention=ragged`` off a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, Int
+
+KEY_BLOCK = 128  # keys per block at most (sim.packing.RAGGED_KEY_BLOCK prices whole blocks)
+MIN_GROUP = 16  # query rows per program at least: Triton's smallest dot
+SPLIT_KEYS = 1024  # keys per split at least, before a row is split over more programs
+MAX_SPLITS = 16
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", None)  # sharding.KV_CACHE_AXES
+
+
+def key_block(width: int) -> int:
+    """The key block for a live width: the largest power of two <= KEY_BLOCK dividing it (a
+    block never reads past the width). Example: 1536 -> 128, 80 -> 16, 24 -> 8."""
+    return width & -width if width & -width < KEY_BLOCK else KEY_BLOCK
+
+
+def fits_gpu(head_dim: int, width: int) -> bool:
+    """Whether Triton takes these shapes: power-of-two heads and key blocks of >= 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and key_block(width) >= 16
+
+
+def splits_for(width: int) -> int:
+    """Key splits per row: one per SPLIT_KEYS keys, at most MAX_SPLITS (a power of two)."""
+    n = 1
+    while n < MAX_SPLITS and width >= 2 * n * SPLIT_KEYS:
+        n *= 2
+    return n
+
+
+def ragged_decode_attention(
+    q: Float[Array, "S 1 H Dh"],
+    k_cache: Float[Array, "L S K Tc Dh"],
+    v_cache: Float[Array, "L S K Tc Dh"],
+    layer: Int[Array, ""],
+    lengths: Int[Array, " S"],
+    width: int,
+) -> Float[Array, "S 1 H Dh"]:
+    """Attention of each row's query over its keys ``0 .. lengths[s] - 1`` of cache layer
+    ``layer`` (module docstring); no key at or past ``width`` (static) is read. Under a mesh
+    each device runs the kernel on its own slots and kv heads (``shard_map``: a Pallas call
+    is not partitioned by the compiler)."""
+    interpret = jax.default_backend() != "gpu"
+    lengths = jnp.clip(lengths, 0, width).astype(jnp.int32)
+    run = functools.partial(_attend, width=width, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return run(q, k_cache, v_cache, layer, lengths)
+    rows = nn.logical_to_mesh_axes(("batch",))
+    heads = nn.logical_to_mesh_axes(("batch", "length", "heads", None))
+    cache = nn.logical_to_mesh_axes(CACHE_AXES)
+    specs = (heads, cache, cache, PartitionSpec(), rows)
+    shard = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    return shard(q, k_cache, v_cache, layer, lengths)
+
+
+def _attend(q, k_cache, v_cache, layer, lengths, *, width: int, interpret: bool):
+    """One device's rows: the kernel over (slot, kv head, split), then the splits combined."""
+    s, _, h, dh = q.shape
+    kv = k_cache.shape[2]
+    group = h // kv
+    rows = max(MIN_GROUP, 1 << (group - 1).bit_length())
+    grouped = q[:, 0].reshape(s, kv, group, dh)
+    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    block, splits = key_block(width), splits_for(width)
+    split = -(-width // splits // block) * block  # keys per split, whole blocks
+    kernel = functools.partial(_kernel, block=block, split=split, width=width, scale=dh**-0.5)
+    out, top, total = pl.pallas_call(
+        kernel,
+        grid=(s, kv, splits),
+        in_specs=[
+            pl.BlockSpec((), lambda i, j, n: ()),  # the layer
+            pl.BlockSpec((None,), lambda i, j, n: (i,)),  # this row's length
+            pl.BlockSpec((None, None, rows, dh), lambda i, j, n: (i, j, 0, 0)),
+            pl.no_block_spec,  # the caches: whole buffers, read block by block inside
+            pl.no_block_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, dh), lambda i, j, n: (i, j, n, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, n: (i, j, n, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, n: (i, j, n, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((s, kv, splits, rows, dh), jnp.float32),
+            jax.ShapeDtypeStruct((s, kv, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((s, kv, splits, rows), jnp.float32),
+        ],
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # Triton
+        interpret=interpret,
+        name="ragged_decode_attention",
+    )(layer.astype(jnp.int32), lengths, grouped, k_cache, v_cache)
+    # Flash-decoding's combine: rescale each split to the row's max, then normalise.
+    best = jnp.max(top, axis=2, keepdims=True)
+    weight = jnp.exp(top - best)
+    norm = jnp.sum(total * weight, axis=2)
+    merged = jnp.sum(out * weight[..., None], axis=2)
+    merged = merged / jnp.where(norm > 0, norm, 1.0)[..., None]  # a row with no keys: zeros
+    return merged[:, :, :group].reshape(s, 1, h, dh).astype(q.dtype)
+
+
+def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **static):
+    """One (slot, kv head, split): an online softmax over the split's blocks below the
+    row's length (``static``: block, split, width, scale)."""
+    block, split, scale = static["block"], static["split"], static["scale"]
+    row, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, length = layer_ref[()], length_ref[()]
+    start = part * split
+    stop = jnp.minimum(jnp.minimum(length, start + split), static["width"])
+    q = q_ref[...]
+    lowest = jnp.finfo(jnp.float32).min  # finite: exp(lowest - max) is 0, never nan
+
+    def body(i, carry):
+        o, m, total = carry
+        first = start + i * block
+        keys = k_ref[layer, row, head, pl.ds(first, block), :].astype(q.dtype)
+        values = v_ref[layer, row, head, pl.ds(first, block), :].astype(q.dtype)
+        logits = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * scale
+        seen = (first + jnp.arange(block)) < stop
+        logits = jnp.where(seen[None, :], logits, lowest)
+        m_next = jnp.maximum(m, jnp.max(logits, axis=1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        total_next = correction * total + jnp.sum(p, axis=1)
+        o_next = correction[:, None] * o + jnp.dot(
+            p.astype(values.dtype), values, preferred_element_type=jnp.float32
+        )
+        return o_next, m_next, total_next
+
+    rows, dh = q.shape
+    init = (
+        jnp.zeros((rows, dh), jnp.float32),
+        jnp.full((rows,), lowest, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    blocks = jnp.maximum(stop - start + block - 1, 0) // block
+    o, m, total = jax.lax.fori_loop(0, blocks, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = total

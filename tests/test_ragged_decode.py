@@ -1,0 +1,197 @@
+"""Ragged decode attention (models.ragged_decode): each row reads only its own keys, from the
+cache buffer itself. The kernel (Pallas's interpreter on the CPU) against an independent
+softmax over the row's keys, over drawn lengths, widths and head groupings; under a mesh; a
+whole rollout with it equal to the XLA one (identical tokens, log-probs within 1e-5); and its
+lowering for a GPU at the 7B config's shapes: one Triton call taking both cache buffers whole
+(nothing sliced, transposed or copied before it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec
+
+from oppo_jax.config import PPOConfig
+from oppo_jax.models import ragged_decode as rd
+from oppo_jax.models.attention import ragged_decode
+from oppo_jax.models.model_config import preset
+from oppo_jax.pipeline.kernels import build_kernels
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.rollout.lengths import LengthSpec
+from oppo_jax.sharding import DEFAULT_RULES, make_mesh, tracing_rules
+from oppo_jax.sim.packing import RAGGED_KEY_BLOCK
+from tests.ppo_fixtures import ACTOR, CRITIC, make_spec
+from tests.test_live_prefix import P, R, _admission, _params
+
+FEW = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _reference(q, k_cache, v_cache, layer, lengths, width):
+    """Softmax over keys 0 .. lengths[s] - 1 of layer ``layer``, kv heads repeated (no
+    grouping, no blocks, no splits); a row without keys gives zeros."""
+    k = jnp.swapaxes(k_cache[layer], 1, 2)[:, :width]  # [S W K Dh]
+    v = jnp.swapaxes(v_cache[layer], 1, 2)[:, :width]
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("shd,swhd->shw", q[:, 0], k) / q.shape[-1] ** 0.5
+    seen = jnp.arange(width)[None, None, :] < lengths[:, None, None]
+    weights = jnp.where(seen, jax.nn.softmax(jnp.where(seen, logits, -1e30), axis=-1), 0.0)
+    return jnp.einsum("shw,swhd->shd", weights, v)[:, None]
+
+
+def _inputs(s, heads, kv, capacity, dh, seed):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    k_cache = jax.random.normal(keys[0], (3, s, kv, capacity, dh))
+    v_cache = jax.random.normal(keys[1], (3, s, kv, capacity, dh))
+    return jax.random.normal(keys[2], (s, 1, heads, dh)), k_cache, v_cache
+
+
+@FEW
+@given(
+    data=st.data(),
+    shape=st.sampled_from([(4, 2, 80, 80), (6, 2, 96, 64), (2, 1, 40, 24), (8, 4, 256, 128)]),
+    seed=st.integers(0, 9),
+)
+def test_kernel_equals_a_softmax_over_each_rows_keys(data, shape, seed):
+    """Drawn lengths (0, the width, anything between; past the width is clipped to it)."""
+    heads, kv, capacity, width = shape
+    s = 5
+    lengths = data.draw(st.lists(st.integers(0, width + 3), min_size=s, max_size=s))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    q, k_cache, v_cache = _inputs(s, heads, kv, capacity, 16, seed)
+    layer = jnp.int32(data.draw(st.integers(0, 2)))
+    got = jax.jit(rd.ragged_decode_attention, static_argnums=5)(
+        q, k_cache, v_cache, layer, lengths, width
+    )
+    want = _reference(q, k_cache, v_cache, layer, jnp.minimum(lengths, width), width)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+    assert not np.asarray(got)[np.asarray(lengths) == 0].any()  # no keys: zeros
+
+
+def test_long_rows_split_over_programs_and_combine_exactly():
+    """Past 2 x SPLIT_KEYS keys a row runs in several splits (flash-decoding's combine)."""
+    width = 4 * rd.SPLIT_KEYS
+    assert rd.splits_for(width) == 4 and rd.splits_for(rd.SPLIT_KEYS) == 1
+    q, k_cache, v_cache = _inputs(2, 2, 1, width, 16, 0)
+    lengths = jnp.asarray([width - 5, rd.SPLIT_KEYS + 3], jnp.int32)  # ends mid-split
+    got = rd.ragged_decode_attention(q, k_cache, v_cache, jnp.int32(2), lengths, width)
+    want = _reference(q, k_cache, v_cache, 2, lengths, width)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+
+
+def test_key_blocks_splits_and_the_auto_choice():
+    assert rd.KEY_BLOCK == RAGGED_KEY_BLOCK  # the block the simulator prices
+    assert [rd.key_block(w) for w in (1536, 1024, 80, 24, 16)] == [128, 128, 16, 8, 16]
+    assert rd.fits_gpu(128, 1536) and not rd.fits_gpu(8, 1536) and not rd.fits_gpu(128, 24)
+    assert not rd.fits_gpu(96, 1024)  # Triton wants power-of-two heads
+    # auto: the ragged kernel for a decode step on a GPU only, where Triton takes the shapes
+    assert ragged_decode("auto", 128, 1024, backend="gpu")
+    assert not ragged_decode("auto", 128, 1024, backend="cpu")
+    assert not ragged_decode("auto", 128, 1024, backend="tpu")
+    assert not ragged_decode("auto", 8, 1024, backend="gpu")
+    assert not ragged_decode("xla", 128, 1024, backend="gpu")
+    assert not ragged_decode("cudnn", 128, 1024, backend="gpu")
+    assert ragged_decode("ragged", 8, 24, backend="cpu")  # asked for: the interpreter
+
+
+def test_under_a_mesh_each_device_runs_its_slots_and_heads():
+    mesh = make_mesh(2, 1, 2, jax.devices()[:4])
+    q, k_cache, v_cache = _inputs(4, 4, 2, 64, 16, 1)
+    lengths = jnp.asarray([0, 7, 64, 33], jnp.int32)
+    cache = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), "tensor", None, None))
+    heads = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+    def sharded(q, k_cache, v_cache, lengths):
+        with tracing_rules(mesh, DEFAULT_RULES):
+            return rd.ragged_decode_attention(q, k_cache, v_cache, jnp.int32(1), lengths, 64)
+
+    args = (jax.device_put(q, heads), jax.device_put(k_cache, cache),
+            jax.device_put(v_cache, cache), jax.device_put(lengths, rows))  # fmt: skip
+    got = jax.jit(sharded)(*args)
+    np.testing.assert_allclose(got, _reference(q, k_cache, v_cache, 1, lengths, 64), atol=2e-6)
+    assert got.sharding.is_equivalent_to(heads, 4)
+
+
+@functools.cache
+def _kernels(attention: str):
+    """The live-prefix tests' kernels, every model's attention on ``attention``."""
+    spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
+    spec = dataclasses.replace(spec, actor=ACTOR.replace(attention=attention))
+    rollout = RolloutSpec(
+        SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(8.0, 40.0)
+    )
+    return build_kernels(spec, rollout, reward_model=CRITIC.replace(attention=attention))
+
+
+def _decode(kernels, admission, targets, chunk):
+    """Decode every slot to its target length (the actor alone), reading the live widths."""
+    actor = _params()[0]
+    state, _ = kernels.admit(actor, admission, jax.random.key(0))
+    state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
+    rule = CutRule(admission.active, admission.must_finish, jnp.int32(len(targets)))
+    longest = int(np.max(np.asarray(admission.context_len)))
+    for i in range(R + 1):
+        state, tokens = kernels.decode(chunk, kernels.chunk_width(longest, chunk, i))(
+            actor, state, rule
+        )
+        if bool(tokens.ready):
+            return state
+    raise AssertionError("the rollout never finished")
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), chunk=st.sampled_from([1, 4, 8]), seed=st.integers(0, 3))
+def test_rollout_with_the_ragged_kernel_equals_the_xla_rollout(data, chunk, seed):
+    """Drawn prompts, carried prefixes and lengths; finished slots (keys 0) ride along."""
+    slots = 4
+    prompt_lens = data.draw(st.lists(st.integers(1, P), min_size=slots, max_size=slots))
+    targets = data.draw(st.lists(st.integers(1, R), min_size=slots, max_size=slots))
+    prefixes = [data.draw(st.integers(0, t - 1)) for t in targets]
+    admission = _admission(prompt_lens, prefixes, seed)
+    got = _decode(_kernels("ragged"), admission, targets, chunk)
+    want = _decode(_kernels("xla"), admission, targets, chunk)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.num_generated), np.asarray(want.num_generated))
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def _lowered_for_gpu(cfg, slots: int, capacity: int, width: int) -> str:
+    """The StableHLO of one layer's ragged attention lowered for CUDA (no GPU needed)."""
+    from jax import export
+
+    kv = (cfg.num_layers, slots, cfg.num_kv_heads, capacity, cfg.head_dim)
+    args = (
+        jax.ShapeDtypeStruct((slots, 1, cfg.num_heads, cfg.head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct(kv, jnp.bfloat16),
+        jax.ShapeDtypeStruct(kv, jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+    )
+    run = functools.partial(rd._attend, width=width, interpret=False)
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    return export.export(jax.jit(run), platforms=["cuda"], disabled_checks=[triton])(
+        *args
+    ).mlir_module()
+
+
+def test_lowers_to_one_triton_call_reading_the_cache_buffers_whole():
+    """Qwen2.5-7B on one GH200 (configs/qwen2.5-7b_gh200x1.yaml): B + Δ = 120 slots, P + R =
+    1536 cache columns, a live width of 1024. The cache buffers go to the Triton call as they
+    are: a slice or transpose of them would copy the live cache at every layer and step."""
+    cfg = preset("qwen2.5-7b")
+    assert rd.fits_gpu(cfg.head_dim, 1024) and rd.fits_gpu(cfg.head_dim, 1536)
+    text = _lowered_for_gpu(cfg, 120, 1536, 1024)
+    calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
+    assert len(calls) == 1, calls
+    whole = f"tensor<{cfg.num_layers}x120x{cfg.num_kv_heads}x1536x{cfg.head_dim}xbf16>"
+    assert calls[0].count(whole) == 2  # both buffers, whole
+    assert "stablehlo.transpose" not in text
+    assert "dynamic_slice" not in text  # the one slice left drops the padded query heads

@@ -19,8 +19,9 @@ from oppo_jax.sim import (
     simulate,
     validate,
 )
-from oppo_jax.sim.engines import Engine, packed, pow2, recorded_engine
+from oppo_jax.sim.engines import Engine, built_for, packed, pow2, recorded_engine
 from oppo_jax.sim.lengths import LogNormal
+from oppo_jax.sim.packing import RAGGED_KEY_BLOCK
 from oppo_jax.sim.work import StepFacts, decode_chunks, step_work
 
 # 8 slots, P = 4, R = 64, C = 8; slot 0 carried 30 tokens in (its row bucket: 4 rows at
@@ -104,6 +105,23 @@ def test_each_feature_changes_only_its_stage(feature, field, want):
         assert getattr(flipped, name) == getattr(base, name), (feature, name)
     if feature == "real_width_scoring":  # the packed sync call needs no admission prefill
         assert flipped.sync_admit_tokens == 0 and base.sync_admit_tokens == 3 * 160
+
+
+def test_ragged_decode_reads_each_running_rows_own_context():
+    """Per chunk the fixed engine's steps and slots, but the reads of the running rows alone,
+    each its own context plus half a key block (whole blocks are read); finished rows none."""
+    w = _work(FIXED.with_features(["ragged_decode"]))
+    ends = np.array([2, 3, 5, 13, 9, 13, 12, 1])
+    running = [(ends > t).sum() for t in range(12)]
+    ctx = [sum(4 + FACTS.prefix[i] + t for i in range(8) if ends[i] > t) for t in range(12)]
+    half = RAGGED_KEY_BLOCK / 2
+    reads = [sum(ctx[:8]) + half * sum(running[:8]), sum(ctx[8:]) + half * sum(running[8:])]
+    assert w.decode == [(8, 64, reads[0]), (4, 32, reads[1]), (0, 0, 0)]
+    assert reads[0] < 64 * 68  # below every slot reading the whole cache (the fixed engine)
+    assert w.update_tokens == _work(FIXED).update_tokens  # nothing else changes
+    # The GPU's engine as built has it ("auto" picks the kernel there); the TPU's and CPU's not.
+    assert built_for("gpu").ragged_decode and built_for("gpu").name == "built"
+    assert built_for("tpu") == built_for("cpu") == BUILT and not BUILT.ragged_decode
 
 
 def test_slot_compaction_follows_the_live_slots_one_chunk_late():

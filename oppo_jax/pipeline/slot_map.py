@@ -38,7 +38,12 @@ def compaction_default(backend: str | None = None) -> bool:
     """Whether a backend compacts by default: on the CPU a decode step costs in proportion to
     its slots (measured: 24 -> 16 demo-sized slots cut a 32-step chunk by a third), so
     dropping finished ones pays; on GPU/TPU a decode step over a few dozen slots is bound by
-    reading the weights, the gathers and the extra compiled slot buckets would not pay."""
+    reading the weights and the KV cache. On a GPU the ragged decode attention
+    (``models.ragged_decode``) already reads no keys of a finished slot, so compaction saves
+    nothing there (the simulator: sync and OPPO unchanged with it on top), while its gathers,
+    extra compiled buckets and parked full-layout state (up to 1.5x the actor's KV cache)
+    cost. On a TPU it would pay (the simulator: sync 0.32-0.57x at median 2048), but it has
+    never run on one and the parked state does not fit the 7B configs' memory plan."""
     return (backend or jax.default_backend()) == "cpu"
 
 

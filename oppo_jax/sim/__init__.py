@@ -38,7 +38,16 @@ limits, compilations (a bench step that compiles is an outlier the medians ignor
 """
 
 from oppo_jax.pipeline.events import Event
-from oppo_jax.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, FIXED, PADDED, Engine
+from oppo_jax.sim.engines import (
+    ACTIVE,
+    BUILT,
+    ENGINES,
+    FEATURES,
+    FIXED,
+    PADDED,
+    Engine,
+    built_for,
+)
 from oppo_jax.sim.events import (
     PLACEMENTS,
     SCHEDULES,
@@ -68,5 +77,5 @@ __all__ = [
     "SCHEDULES", "CostModel", "Engine", "Event", "Hardware", "LengthSource", "ModelShape",
     "Projection", "SimResult", "TrainSettings", "Workload", "calibrate", "calibrate_from_bench",
     "calibrate_traces", "compare", "project_cost_model", "recommend", "regime_map",
-    "roofline_cost_model", "simulate", "validate",
+    "built_for", "roofline_cost_model", "simulate", "validate",
 ]  # fmt: skip

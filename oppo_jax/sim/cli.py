@@ -115,8 +115,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def _engine(args, default: Engine) -> Engine:
-    base = ENGINES[args.engine] if args.engine else default
+def _engine(args, default: Engine, built: Engine = BUILT) -> Engine:
+    base = (built if args.engine == "built" else ENGINES[args.engine]) if args.engine else default
     names = [x.strip() for x in args.features.split(",")]
     return base.with_features(FEATURES if "all" in names else names)
 
@@ -175,7 +175,9 @@ def _project(args) -> dict:
     }
     proj = build_projection(args.project, args.config, args.set, given)
     cost = proj.cost_model()
-    engines = [_engine(args, BUILT)] + ([] if args.engine else [ACTIVE])
+    # "built" is the engine as built on the projection's hardware (engines.built_for)
+    built = proj.built_engine
+    engines = [_engine(args, built, built)] + ([] if args.engine else [ACTIVE])
     w = proj.workload
     drawn = proj.lengths.sample(seed=w.seed or 0)
     lengths = drawn if args.lengths is None else read_lengths(args.lengths, w.seed or 0)

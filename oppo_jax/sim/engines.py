@@ -41,6 +41,7 @@ FEATURES = (
     "kept_scorer_caches",  # the frozen scorers keep carried rows' caches (no re-prefill)
     # Not in #13's list; what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
     "packed_chunk_scoring",  # each streamed chunk's real tokens packed (pow2), not [S, C]
+    "ragged_decode",  # each running row's decode attention reads its own context only
 )
 
 
@@ -61,6 +62,8 @@ class Engine:
     # a streamed chunk's real tokens packed into bucket_up >= pow2(S·C) / 16, over S slots
     # also once compacted (packing.chunk_tokens)
     packed_chunk_scoring: bool = False
+    # decode attention per row over its own context (whole key blocks), finished rows none
+    ragged_decode: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -110,8 +113,16 @@ BUILT = Engine(
     kept_scorer_caches=True,
     packed_chunk_scoring=True,
 )
+# On a GPU the decode step's attention runs the ragged kernel (models.ragged_decode: "auto" picks
+# it there), so each running row reads its own keys and finished rows none: ``built_for``.
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
+
+
+def built_for(backend: str) -> Engine:
+    """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, and on a GPU the
+    ragged decode attention that ``model.attention=auto`` picks there."""
+    return dataclasses.replace(BUILT, ragged_decode=True) if backend == "gpu" else BUILT
 
 
 def pow2(n: int | float, floor: int = 1) -> int:

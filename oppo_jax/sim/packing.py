@@ -24,6 +24,7 @@ import numpy as np
 
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
+RAGGED_KEY_BLOCK = 128  # models.ragged_decode.KEY_BLOCK: a ragged row reads whole key blocks
 
 
 def bucket_up(n: int | float, granule: int = 1) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from oppo_jax.sim.engines import ACTIVE, BUILT, Engine
+from oppo_jax.sim.engines import ACTIVE, Engine, built_for
 from oppo_jax.sim.events import Workload, simulate
 from oppo_jax.sim.lengths import LONGTAIL, LogNormal
 from oppo_jax.sim.model import CostModel
@@ -102,6 +102,11 @@ class Projection:
             cost = dataclasses.replace(cost, copy_s=0.0)
         return cost
 
+    @property
+    def built_engine(self) -> Engine:
+        """This engine as built on the projection's hardware (``engines.built_for``)."""
+        return built_for(parse_spec(self.spec)[1].backend)
+
     def source(self, setting: str) -> str:
         return dict(self.sources).get(setting, "default")
 
@@ -147,11 +152,11 @@ def sync_vs_oppo(projection: Projection, engine: Engine) -> dict:
     return {"sync_s": sync, "oppo_s": oppo, "speedup": sync / oppo}
 
 
-def regime_map(
-    projection: Projection, engines=(BUILT, ACTIVE), epochs=EPOCHS, medians=MEDIANS
-) -> dict:
-    """OPPO's projected speedup over sync per engine, PPO epochs and median length (rows:
-    epochs, columns: medians), everything else as ``projection`` says."""
+def regime_map(projection: Projection, engines=None, epochs=EPOCHS, medians=MEDIANS) -> dict:
+    """OPPO's projected speedup over sync per engine (default: as built on the projection's
+    hardware, and active), PPO epochs and median length (rows: epochs, columns: medians),
+    everything else as ``projection`` says."""
+    engines = engines or (projection.built_engine, ACTIVE)
     cells = {
         e.name: [[sync_vs_oppo(projection.with_regime(n, m), e) for m in medians] for n in epochs]
         for e in engines

@@ -28,6 +28,7 @@ class Hardware:
     hbm_bandwidth_bytes_s: float
     peak_flops: float  # dense bf16
     link_bytes_s: float  # chip-to-chip, one direction (parameter copies)
+    backend: str = "gpu"  # JAX's backend name: which kernels the engine picks (engines.built_for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ HARDWARE = {
     # H100 GPU of a GH200 96 GB: HBM3 4.0 TB/s, ~989 TFLOP/s dense bf16, NVLink 4 450 GB/s/dir.
     "gh200": Hardware("GH200 (H100, 96 GB HBM3)", 4.0e12, 989e12, 450e9),
     # TPU v5p chip: HBM2e 2.765 TB/s, 459 TFLOP/s bf16, ICI 4800 Gb/s = 600 GB/s.
-    "tpu-v5p": Hardware("TPU v5p (one chip)", 2.765e12, 459e12, 600e9),
+    "tpu-v5p": Hardware("TPU v5p (one chip)", 2.765e12, 459e12, 600e9, backend="tpu"),
 }
 MODELS = {
     # 36 layers, 2 KV heads, head_dim 128.

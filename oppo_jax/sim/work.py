@@ -148,16 +148,21 @@ def _chunk_tokens(ends: np.ndarray, cut: int, chunk: int) -> list[float]:
     return [float(x) for x in np.add.reduceat(_running(ends, t), np.arange(0, cut, chunk))]
 
 
-def _active_decode(f: StepFacts, ends: np.ndarray):
-    """Per chunk (steps, Σ running slots, Σ their contexts) and the real tokens per chunk,
-    up to the cut: finished slots cost nothing, each running slot reads its own context.
-    O(cut + S log S): with the slots sorted by end, the running ones are a suffix."""
+def _running_contexts(f: StepFacts, ends: np.ndarray):
+    """Per decode position t < cut: (slots running, Σ of their contexts). O(cut + S log S):
+    with the slots sorted by end, the running ones are a suffix."""
     order = np.argsort(ends, kind="stable")
     es, base = ends[order], (f.prompt_len + f.prefix)[order]
     t = np.arange(f.cut)
     done = np.searchsorted(es, t, side="right")
     running = ends.size - done
-    ctx = np.concatenate([np.cumsum(base[::-1])[::-1], [0]])[done] + t * running
+    return running, np.concatenate([np.cumsum(base[::-1])[::-1], [0]])[done] + t * running
+
+
+def _active_decode(f: StepFacts, ends: np.ndarray):
+    """Per chunk (steps, Σ running slots, Σ their contexts) and the real tokens per chunk,
+    up to the cut: finished slots cost nothing, each running slot reads its own context."""
+    running, ctx = _running_contexts(f, ends)
     starts = np.arange(0, f.cut, f.chunk)
     if not f.cut:
         return [], []
@@ -176,6 +181,12 @@ def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
     fwd = forward_steps(f.finish, f.chunks, f.chunk, cut)
     full = f.prompt_len + f.capacity
     bucket, decode, buckets = f.slots, [], []
+    if engine.ragged_decode:  # each running row reads its own context, rounded up to the
+        # kernel's key block; finished rows read nothing (models.attention's ragged form)
+        running, ctx_sum = _running_contexts(f, ends)
+        per_position = ctx_sum + running * (packing.RAGGED_KEY_BLOCK / 2)
+        starts = np.arange(0, f.cut, f.chunk) if f.cut else np.zeros(0, int)
+        ragged = np.add.reduceat(per_position, starts) if f.cut else np.zeros(0)
     for j, steps in enumerate(fwd):
         ctx, gather = full, 0.0
         if engine.compact_slots and j >= 1:
@@ -191,6 +202,9 @@ def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
         if engine.live_prefix_decode:  # the longest admitted context + the chunks so far
             longest = f.prompt_len + float(f.prefix.max(initial=0)) + (j + 1) * f.chunk
             ctx = packing.live_width(longest, full)
-        decode.append((float(steps), float(steps * bucket), float(steps * bucket * ctx + gather)))
+        reads = steps * bucket * ctx
+        if engine.ragged_decode:
+            reads = float(ragged[j]) if j < len(ragged) and steps else 0.0
+        decode.append((float(steps), float(steps * bucket), float(reads + gather)))
         buckets.append(bucket)
     return decode, buckets

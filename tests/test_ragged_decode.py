@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
@@ -118,6 +119,21 @@ def test_under_a_mesh_each_device_runs_its_slots_and_heads():
     got = jax.jit(sharded)(*args)
     np.testing.assert_allclose(got, _reference(q, k_cache, v_cache, 1, lengths, 64), atol=2e-6)
     assert got.sharding.is_equivalent_to(heads, 4)
+
+
+def test_a_mesh_that_splits_query_groups_is_a_clear_error():
+    """4 query heads over 2 kv heads, tensor 4: a device would hold one query head of a group
+    whose kv head lives elsewhere."""
+    mesh = make_mesh(1, 1, 4, jax.devices()[:4])
+    q, k_cache, v_cache = _inputs(2, 4, 2, 64, 16, 1)
+
+    def sharded(q, k_cache, v_cache):
+        with tracing_rules(mesh, DEFAULT_RULES):
+            lengths = jnp.asarray([3, 9], jnp.int32)
+            return rd.ragged_decode_attention(q, k_cache, v_cache, jnp.int32(0), lengths, 64)
+
+    with pytest.raises(ValueError, match="whole groups per device; use model.attention=xla"):
+        jax.jit(sharded)(q, k_cache, v_cache)
 
 
 @functools.cache

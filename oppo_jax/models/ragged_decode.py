@@ -25,6 +25,7 @@ interpreter (tests, and ``model.attention=ragged`` off a GPU).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +82,25 @@ def ragged_decode_attention(
     rows = nn.logical_to_mesh_axes(("batch",))
     heads = nn.logical_to_mesh_axes(("batch", "length", "heads", None))
     cache = nn.logical_to_mesh_axes(CACHE_AXES)
+    if (
+        heads[2] != cache[2]
+        or q.shape[2] % _size(mesh, heads[2])
+        or (k_cache.shape[2] % _size(mesh, cache[2]))
+    ):  # each device must hold whole query groups with their kv heads
+        raise ValueError(
+            f"ragged decode attention: {q.shape[2]} query heads over {heads[2]} and "
+            f"{k_cache.shape[2]} kv heads over {cache[2]} do not split into whole groups "
+            "per device; use model.attention=xla for this mesh"
+        )
     specs = (heads, cache, cache, PartitionSpec(), rows)
     shard = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
     return shard(q, k_cache, v_cache, layer, lengths)
+
+
+def _size(mesh, axes) -> int:
+    """Devices a spec entry (None, an axis name or a tuple of them) splits a dimension over."""
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(math.prod(mesh.shape[a] for a in names))
 
 
 def _attend(q, k_cache, v_cache, layer, lengths, *, width: int, interpret: bool):

@@ -344,6 +344,13 @@ def test_decode_keys_on_hand_counted_cases():
     assert decode_keys([1], [16], 3, 8, ([2], [0], [3]))[1] == 3 + 4 + 5
     # a carried prefix of 1: the new tokens sit at indices 1..3 (4, 5 and 6 keys)
     assert decode_keys([1], [16], 3, 8, ([2], [1], [4]))[1] == 4 + 5 + 6
+    # Ragged (blocks of 4): each fed row its own keys in whole blocks, finished rows none.
+    assert decode_keys([1], [16], 3, 8, ([2], [0], [3]), [4]) == (4 + 4 + 8, 3 + 4 + 5)
+    # Two chunks of 2 over a slot fed 3 times from prompt 2, prefix 1 (keys 4, 5 | 6), and a
+    # slot that finished before the rollout (prefix 5, nothing fed): it reads nothing.
+    lengths = ([2, 1], [1, 5], [4, 5])
+    assert decode_keys([2, 2], [16, 16], 3, 2, lengths, [4, 4])[0] == (4 + 8) + 8
+    assert decode_keys([2, 2], [16, 16], 3, 2, lengths, [4, None])[0] == (4 + 8) + 2 * 16 * 1
     ledger = WorkLedger()
     ledger.keys = (100, 40)
     assert ledger.to_record()["decode_keys"] == {"computed": 100, "real": 40, "efficiency": 0.4}

@@ -29,7 +29,7 @@ from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.sharding import DEFAULT_RULES, make_mesh, tracing_rules
 from oppo_jax.sim.packing import RAGGED_KEY_BLOCK
 from tests.ppo_fixtures import ACTOR, CRITIC, make_spec
-from tests.test_live_prefix import P, R, _admission, _params
+from tests.test_live_prefix import P, R, _admission, _params, _run
 
 FEW = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -177,6 +177,29 @@ def test_rollout_with_the_ragged_kernel_equals_the_xla_rollout(data, chunk, seed
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.num_generated), np.asarray(want.num_generated))
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # whole OPPO steps (admission, streamed scoring, update) twice per example
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(overcommit=st.sampled_from([0, 3]), chunk=st.sampled_from([4, 8]))
+def test_oppo_steps_with_the_ragged_kernel_equal_the_xla_steps(overcommit, chunk):
+    """Whole steps with Δ carried sequences: same batches, responses, carried work and
+    per-token quantities; the ledger counts each fed row's own keys in whole blocks."""
+    ragged, xla = (
+        _run(_kernels("ragged"), overcommit, chunk),
+        _run(_kernels("xla"), overcommit, chunk),
+    )
+    for (a, carried_a), (b, carried_b) in zip(ragged, xla, strict=True):
+        assert a.selection.batch.tolist() == b.selection.batch.tolist()
+        np.testing.assert_array_equal(a.rollout.tokens, b.rollout.tokens)
+        np.testing.assert_allclose(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)
+        assert carried_a == carried_b
+        for key in ("ref_logp", "old_values", "scores", "old_logp"):
+            np.testing.assert_allclose(
+                getattr(a.batch, key), getattr(b.batch, key), atol=1e-5, rtol=0, err_msg=key
+            )
+        (computed, real), (computed_xla, real_xla) = a.work.keys, b.work.keys
+        assert real == real_xla and real <= computed < computed_xla
 
 
 def _lowered_for_gpu(cfg, slots: int, capacity: int, width: int) -> str:

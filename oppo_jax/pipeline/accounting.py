@@ -111,23 +111,55 @@ def decode_keys(
     steps: int,
     chunk_size: int,
     lengths: tuple,
+    key_blocks: list[int | None] | None = None,
 ) -> tuple[int, int]:
     """(computed, real) cache keys the decode's attention read. Computed: chunk j reads
-    ``widths[j]`` cache columns (its live width, or the capacity) per slot per step it ran.
+    ``widths[j]`` cache columns (its live width, or the capacity) per slot per step it ran;
+    or, where ``key_blocks[j]`` is set (the ragged kernel, ``models.ragged_decode``), each
+    fed row its own keys rounded up to whole blocks of that size, and a finished row none.
     Real: a token sampled at response index t of a slot with prompt length p is fed at
     position p + t and needs the p + t + 1 keys up to it; ``lengths`` is (prompt_len,
     prefix_len, num_generated) per slot. Example: [8, 8], widths [16, 32], 12 steps, C 8 ->
-    computed 8·8·16 + 8·4·32 = 2048; one slot, prompt 2, prefix 0, 3 tokens -> real 3+4+5 = 12.
+    computed 8·8·16 + 8·4·32 = 2048; one slot, prompt 2, prefix 0, 3 tokens -> real 3+4+5 = 12
+    (ragged, blocks of 4: 4 + 4 + 8 = 16).
     """
-    computed = sum(
-        s * w * int(np.clip(steps - j * chunk_size, 0, chunk_size))
-        for j, (s, w) in enumerate(zip(slots_per_chunk, widths, strict=True))
-    )
     prompt, first, end = (np.asarray(x, np.int64) for x in lengths)
+    blocks = key_blocks or [None] * len(widths)
+    computed = 0
+    for j, (s, w, block) in enumerate(zip(slots_per_chunk, widths, blocks, strict=True)):
+        ran = int(np.clip(steps - j * chunk_size, 0, chunk_size))
+        if block is None:
+            computed += s * w * ran
+            continue
+        # Lockstep step i feeds response index first + i of a slot still running (i below
+        # end - first): contexts p + first + i + 1 for the chunk's steps.
+        lo = np.minimum(j * chunk_size, end - first)
+        hi = np.minimum(j * chunk_size + ran, end - first)
+        base = prompt + first
+        computed += int(np.sum(_block_keys(base + hi, block) - _block_keys(base + lo, block)))
     # sum over t in [first, end) of (prompt + t + 1)
     n = np.maximum(end - first, 0)
     real = int(np.sum(n * (prompt + 1) + (first + end - 1) * n // 2))
     return computed, real
+
+
+def ragged_key_blocks(actor, widths: list[int]) -> list[int | None]:
+    """Per decode chunk of live width ``widths[j]``, the ragged kernel's key block where the
+    ``actor``'s (a ModelConfig) decode steps run it (``models.attention.ragged_decode``), else
+    None (every slot reads the whole width)."""
+    from oppo_jax.models.attention import ragged_decode
+    from oppo_jax.models.ragged_decode import key_block
+
+    return [
+        key_block(w) if ragged_decode(actor.attention, actor.head_dim, w) else None for w in widths
+    ]
+
+
+def _block_keys(upto, block: int):
+    """Σ_{x=1}^{upto} ceil(x / block) · block: the keys whole-block reads take over contexts
+    1 .. upto (elementwise). Example: block 4, upto 6 -> 4·4 + 2·8 = 32."""
+    q, r = upto // block, upto % block
+    return block * (block * q * (q + 1) // 2 + r * (q + 1))
 
 
 def generated(num_generated, prefix_len) -> int:

@@ -29,6 +29,7 @@ from oppo_jax.pipeline.accounting import (
     admission_computed,
     admission_real,
     decode_keys,
+    ragged_key_blocks,
 )
 from oppo_jax.pipeline.carry import (
     AdmitRule,
@@ -250,7 +251,10 @@ def run_step(
     capacity = rollout.prompt_width + rollout.max_response_len
     read = [capacity if w is None else w for w in decode_widths]
     per_slot = (slots.prompt_len, slots.prefix_len, host.num_generated)
-    work.keys = decode_keys(decode_slots, read, int(decode_steps), plan.chunk_size, per_slot)
+    blocks = ragged_key_blocks(k.spec.actor, read)
+    work.keys = decode_keys(
+        decode_slots, read, int(decode_steps), plan.chunk_size, per_slot, blocks
+    )
     in_batch = slots.prompt_len[selection.batch] + host.num_generated[selection.batch]
     # Each PPO epoch passes over the batch once in each trained model (actor and critic);
     # one pass computes the packed rows (or the padded [B, P + R] batch) the update reports.

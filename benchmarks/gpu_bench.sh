@@ -30,8 +30,8 @@
 #
 # Carried-admission shapes compile when first met (--no-precompile): up front, all 28 of them
 # for four models would take much of the budget; the summary counts the measured steps that
-# compiled. Writes DIR/bench.json (default runs/gpu_bench), DIR/summary.txt and prints its
-# one line.
+# compiled. Writes DIR/bench.json (default runs/gpu_bench), DIR/ragged_check.json (the ragged
+# decode kernel's check, run first: see below), DIR/summary.txt and prints its one line.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,15 +103,39 @@ else
   WARMUP="${WARMUP:-2}"
 fi
 
+# The ragged decode kernel (model.attention auto or ragged runs it on the GPU) first: correct
+# against a float32 reference, and timed beside XLA's attention (benchmarks/ragged_check.py).
+# If it fails, auto measures with cuDNN's decode attention instead (the summary says so;
+# xla under --smoke);
+# an explicit --attention ragged stops here. ($RAGGED_CHECK replaces the check script: tests.)
+mkdir -p "$OUT"
+RAGGED_NOTE=""
+if [[ "$ATTENTION" == auto || "$ATTENTION" == ragged ]]; then
+  CHECK=(--out "$OUT/ragged_check.json")
+  [[ $SMOKE == 1 ]] && CHECK+=(--smoke)
+  if ! "$PYTHON" "${RAGGED_CHECK:-$ROOT/benchmarks/ragged_check.py}" "${CHECK[@]}"; then
+    if [[ "$ATTENTION" == ragged ]]; then
+      echo "gpu_bench.sh: the ragged decode kernel failed its check (above)" >&2
+      exit 4
+    fi
+    FALLBACK=cudnn  # the GPU's kernels before the ragged one (the CPU has no cuDNN: xla)
+    [[ $SMOKE == 1 ]] && FALLBACK=xla
+    echo "gpu_bench.sh: the ragged decode kernel failed its check (above); measuring with" \
+         "model.attention=$FALLBACK instead" >&2
+    SET[0]=model.attention=$FALLBACK
+    RAGGED_NOTE=" | ragged check FAILED: attention $FALLBACK"
+  fi
+fi
+
 start=$(date +%s)
 "$PYTHON" -m oppo_jax.cli bench "$CONFIG" --out "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
   --no-precompile \
   ${SET[@]+--set "${SET[@]}"}
 elapsed=$(( $(date +%s) - start ))
 
-"$PYTHON" - "$OUT" "$elapsed" <<'EOF'
+"$PYTHON" - "$OUT" "$elapsed" "$RAGGED_NOTE" <<'EOF'
 import json, sys
-out, elapsed = sys.argv[1], int(sys.argv[2])
+out, elapsed, note = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 r = json.loads(open(f"{out}/bench.json").read())
 s, shares = r["schedules"], r["sync_stage_shares"]
 device = r["machine"]["devices"][0]
@@ -122,7 +146,7 @@ line = (
     f"gpu_bench: {device} | sync {s['sync']['step_time_median_s']:.3f} s/step (median) | {speed}"
     f" | sync decode+scoring {shares['decode_plus_scoring']:.2f}"
     f" | oppo measured/ideal {r['measured_over_ideal']['oppo']:.2f}"
-    f" | {compiled}/{measured} measured steps compiled | {elapsed} s | {out}/bench.json"
+    f" | {compiled}/{measured} measured steps compiled | {elapsed} s | {out}/bench.json{note}"
 )
 open(f"{out}/summary.txt", "w").write(line + "\n")
 print(line)

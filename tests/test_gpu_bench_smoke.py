@@ -42,6 +42,29 @@ def test_smoke_run_writes_bench_json_and_a_summary_line(tmp_path):
     assert line.startswith("gpu_bench: ") and "oppo measured/ideal" in line
     assert line in done.stdout
     assert not (tmp_path / "c").exists()  # nothing built, nothing downloaded
+    # The ragged decode kernel was checked first (the interpreter's tiny shapes here).
+    check = json.loads((out / "ragged_check.json").read_text())
+    assert check["smoke"] and all(w["max_abs_error"] < 1e-5 for w in check["widths"].values())
+    assert "ragged check FAILED" not in line
+
+
+def test_a_failed_ragged_check_measures_with_the_older_kernels_and_says_so(tmp_path):
+    """auto falls back to the kernels before the ragged one (cuDNN on a GPU; XLA under --smoke,
+    the CPU having no cuDNN); an explicit ragged stops (exit 4)."""
+    failing = tmp_path / "fail.py"
+    failing.write_text("import sys; print('kernel broke', file=sys.stderr); sys.exit(1)\n")
+    env = {"RAGGED_CHECK": str(failing)}
+    out = tmp_path / "smoke"
+    done = _run("--smoke", "--out", str(out), "--steps", "1", "--warmup", "0", env_extra=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "measuring with model.attention=xla instead" in done.stderr
+    assert (
+        json.loads((out / "bench.json").read_text())["workload"]["config"]["model"]["attention"]
+        == "xla"
+    )
+    assert (out / "summary.txt").read_text().strip().endswith("ragged check FAILED: attention xla")
+    stopped = _run("--smoke", "--out", str(tmp_path / "x"), "--attention", "ragged", env_extra=env)
+    assert stopped.returncode == 4 and "failed its check" in stopped.stderr
 
 
 def test_without_a_gpu_the_real_run_says_so():

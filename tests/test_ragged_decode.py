@@ -202,6 +202,58 @@ def test_oppo_steps_with_the_ragged_kernel_equal_the_xla_steps(overcommit, chunk
         assert real == real_xla and real <= computed < computed_xla
 
 
+def _sharded_decode(attention: str, shape: tuple[int, int, int] | None):
+    """Admit 7 prompts and decode two chunks of 6 with every model's attention on
+    ``attention``, on a colocated (data, fsdp, tensor) mesh (None: one device)."""
+    from oppo_jax.pipeline.placement import Placement
+    from oppo_jax.pipeline.step import device_admission
+    from oppo_jax.sharding import make_device_groups, param_shardings
+    from tests.ppo_fixtures import fresh_slots
+
+    actor_cfg = ACTOR.replace(attention=attention)
+    spec = dataclasses.replace(make_spec(temperature=1.0), actor=actor_cfg)
+    meshes, actor, slots = {}, _params()[0], 7
+    if shape is not None:
+        n = shape[0] * shape[1] * shape[2]
+        groups = make_device_groups("colocated", *shape, 0, jax.devices()[:n])
+        place = Placement(groups)
+        meshes = {"mesh": groups.generation, "scoring_mesh": place.scoring_mesh}
+        actor = jax.device_put(actor, param_shardings(actor_cfg, groups.generation))
+        slots = place.num_slots(7)
+    rollout = RolloutSpec(
+        SamplingConfig(temperature=1.0), prompt_width=P, max_response_len=R, eos_ids=(1,),
+        **meshes,
+    )  # fmt: skip
+    kernels = build_kernels(spec, rollout, reward_model=CRITIC)
+    rng = np.random.default_rng(0)
+    pairs = [(i, rng.integers(2, 64, rng.integers(1, P + 1))) for i in range(7)]
+    admission = device_admission(fresh_slots(pairs, P, R, extra_slots=slots - 7))
+    state, _ = kernels.admit(actor, admission, jax.random.key(5))
+    rule = CutRule(admission.active, admission.must_finish, jnp.int32(7))
+    for _ in range(2):
+        state, _ = kernels.decode(6)(actor, state, rule)
+    return jax.device_get((state.tokens[:7], state.logprobs[:7], state.num_generated[:7]))
+
+
+def test_rollout_on_a_mesh_with_the_ragged_kernel_equals_one_device_xla(monkeypatch):
+    """Slots over data x fsdp, kv heads over tensor: each device runs the kernel on its own
+    slots and heads inside the sharded decode, with the same tokens as one device on XLA."""
+    seen = []  # (slots, query heads) each traced kernel call got: a device's share
+    attend = rd._attend
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape[:3:2])
+        return attend(q, *args, **kwargs)
+
+    monkeypatch.setattr(rd, "_attend", spy)
+    tokens, logprobs, lengths = _sharded_decode("ragged", (2, 2, 2))
+    assert seen and set(seen) == {(8 // 4, ACTOR.num_heads // 2)}
+    want_tokens, want_logprobs, want_lengths = _sharded_decode("xla", None)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_array_equal(lengths, want_lengths)
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5, rtol=0)
+
+
 def _lowered_for_gpu(cfg, slots: int, capacity: int, width: int) -> str:
     """The StableHLO of one layer's ragged attention lowered for CUDA (no GPU needed)."""
     from jax import export

@@ -191,6 +191,20 @@ def _run(kernels: Kernels, overcommit: int, chunk: int, steps: int = 3):
     return results
 
 
+def assert_same_steps(got, want) -> None:
+    """Two ``_run``s agree: batches, responses, carried work, and the per-token quantities
+    (behaviour and reference log-probs, values, scores) within 1e-5."""
+    for (a, carried_a), (b, carried_b) in zip(got, want, strict=True):
+        assert a.selection.batch.tolist() == b.selection.batch.tolist()
+        np.testing.assert_array_equal(a.rollout.tokens, b.rollout.tokens)
+        np.testing.assert_allclose(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)
+        assert carried_a == carried_b
+        for key in ("ref_logp", "old_values", "scores", "old_logp"):
+            np.testing.assert_allclose(
+                getattr(a.batch, key), getattr(b.batch, key), atol=1e-5, rtol=0, err_msg=key
+            )
+
+
 @pytest.mark.slow  # whole steps (admission, scoring, update) twice per example
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -208,15 +222,7 @@ def test_steps_with_carrying_equal_full_cache_steps(median, overcommit, chunk):
     live = _run(spy, overcommit, chunk)
     plain = dataclasses.replace(base, live_prefix=False, compact_slots=False)
     full = _run(plain, overcommit, chunk)
-    for (a, carried_a), (b, carried_b) in zip(live, full, strict=True):
-        assert a.selection.batch.tolist() == b.selection.batch.tolist()
-        np.testing.assert_array_equal(a.rollout.tokens, b.rollout.tokens)
-        np.testing.assert_allclose(a.rollout.logprobs, b.rollout.logprobs, atol=1e-5, rtol=0)
-        assert carried_a == carried_b
-        for key in ("ref_logp", "old_values", "scores", "old_logp"):
-            np.testing.assert_allclose(
-                getattr(a.batch, key), getattr(b.batch, key), atol=1e-5, rtol=0, err_msg=key
-            )
+    assert_same_steps(live, full)
     # Few compiled widths: all from the listed buckets (here 16 and 32), and narrower ones used.
     # The work ledger: the same live keys, fewer keys read.
     for (a, _), (b, _) in zip(live, full, strict=True):

@@ -147,14 +147,15 @@ def _attend(q, k_cache, v_cache, layer, lengths, *, width: int, interpret: bool)
     return merged[:, :, :group].reshape(s, 1, h, dh).astype(q.dtype)
 
 
-def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **static):
-    """One (slot, kv head, split): an online softmax over the split's blocks below the
-    row's length (``static``: block, split, width, scale)."""
-    block, split, scale = static["block"], static["split"], static["scale"]
+def _kernel(
+    layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block, split, width, scale
+):
+    """One (slot, kv head, split): an online softmax over the split's key blocks below the
+    row's length (and the live ``width``)."""
     row, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[()], length_ref[()]
     start = part * split
-    stop = jnp.minimum(jnp.minimum(length, start + split), static["width"])
+    stop = jnp.minimum(jnp.minimum(length, start + split), width)
     q = q_ref[...]
     lowest = jnp.finfo(jnp.float32).min  # finite: exp(lowest - max) is 0, never nan
 

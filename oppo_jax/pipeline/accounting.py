@@ -27,6 +27,9 @@ import dataclasses
 
 import numpy as np
 
+from oppo_jax.models.attention import ragged_decode
+from oppo_jax.models.ragged_decode import key_block
+
 STAGES = ("admission", "decode", "scoring", "update")
 
 
@@ -147,9 +150,6 @@ def ragged_key_blocks(actor, widths: list[int]) -> list[int | None]:
     """Per decode chunk of live width ``widths[j]``, the ragged kernel's key block where the
     ``actor``'s (a ModelConfig) decode steps run it (``models.attention.ragged_decode``), else
     None (every slot reads the whole width)."""
-    from oppo_jax.models.attention import ragged_decode
-    from oppo_jax.models.ragged_decode import key_block
-
     return [
         key_block(w) if ragged_decode(actor.attention, actor.head_dim, w) else None for w in widths
     ]

@@ -182,11 +182,10 @@ def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
     full = f.prompt_len + f.capacity
     bucket, decode, buckets = f.slots, [], []
     if engine.ragged_decode:  # each running row reads its own context, rounded up to the
-        # kernel's key block; finished rows read nothing (models.attention's ragged form)
+        # kernel's key block; finished rows read nothing (models.ragged_decode)
         running, ctx_sum = _running_contexts(f, ends)
         per_position = ctx_sum + running * (packing.RAGGED_KEY_BLOCK / 2)
-        starts = np.arange(0, f.cut, f.chunk) if f.cut else np.zeros(0, int)
-        ragged = np.add.reduceat(per_position, starts) if f.cut else np.zeros(0)
+        ragged = np.add.reduceat(per_position, np.arange(0, f.cut, f.chunk)) if f.cut else []
     for j, steps in enumerate(fwd):
         ctx, gather = full, 0.0
         if engine.compact_slots and j >= 1:

@@ -34,6 +34,7 @@ from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.sim.engine import Plan
 from oppo_jax.sim.engines import BUILT, Engine
 from oppo_jax.sim.model import CostModel
+from oppo_jax.sim.packing import UpdateGroups
 from oppo_jax.sim.trace import split_rows
 from oppo_jax.sim.work import StepFacts, Work, decode_chunks, step_work
 
@@ -81,6 +82,8 @@ class Workload:
     max_deferrals: int = 2  # steps a sequence may be carried before it must finish
     steps: int = 100  # simulated steps
     seed: int | None = 0  # sampling of new prompts' lengths; None: in order, cycled
+    # the packed update's microbatches (PPO epochs, minibatches x accumulation, batch shards)
+    update_groups: UpdateGroups = UpdateGroups()
 
     def check(self) -> None:
         """Raise ValueError on settings no engine runs."""
@@ -88,6 +91,11 @@ class Workload:
             raise ValueError(f"placement {self.placement!r}: expected one of {PLACEMENTS}")
         if self.batch < 1 or self.chunk_size < 1 or self.delta < 0 or self.steps < 1:
             raise ValueError("need batch >= 1, chunk_size >= 1, delta >= 0, steps >= 1")
+        if self.batch % self.update_groups.microbatches:
+            raise ValueError(
+                f"batch {self.batch} does not split into {self.update_groups.microbatches} "
+                "update microbatches (ppo.num_minibatches x ppo.grad_accum_steps)"
+            )
 
 
 def _plan(cost: CostModel, work: Work, streamed: bool, disagg: bool) -> Plan:
@@ -163,6 +171,7 @@ def _step(run: _Run, seqs: list[_Seq]):
         cut=cut,
         batch_lengths=np.array([seqs[i].length for i in batch]),
         chunks=chunks,
+        update_groups=w.update_groups,
     )
     work = step_work(engine, facts, run.cost.n_scorers, run.cost.trained_scorers)
     plan = _plan(run.cost, work, run.schedule.stream, w.placement == "disaggregated")

@@ -18,6 +18,7 @@ from oppo_jax.sim.engines import ACTIVE, Engine, built_for
 from oppo_jax.sim.events import Workload, simulate
 from oppo_jax.sim.lengths import LONGTAIL, LogNormal
 from oppo_jax.sim.model import CostModel
+from oppo_jax.sim.packing import UpdateGroups
 from oppo_jax.sim.roofline import TrainSettings, parse_spec, roofline_cost_model
 
 EPOCHS = (1, 2, 4)
@@ -33,6 +34,8 @@ DEFAULTS = {
     "capacity": None,
     "epochs": 4,
     "minibatches": 1,
+    "grad_accum": 1,
+    "row_multiple": 1,
     "trained": ("actor", "critic"),
     "chunk": 256,
     "delta": 16,
@@ -52,6 +55,8 @@ _SETTING = {
     "capacity": "capacity",
     "epochs": "ppo",
     "minibatches": "ppo",
+    "grad_accum": "ppo",
+    "row_multiple": "model",
     "trained": "trained",
     "chunk": "schedule",
     "delta": "schedule",
@@ -72,6 +77,7 @@ _CONFIG_KEYS = {
     "rollout.length": "lengths",
     "ppo.ppo_epochs": "ppo",
     "ppo.num_minibatches": "ppo",
+    "ppo.grad_accum_steps": "ppo",
     "pipeline.": "schedule",
     "mesh.data": "model",
     "mesh.fsdp": "model",
@@ -121,7 +127,12 @@ class Projection:
             ("prompt", f"P = {w.prompt_len} prompt tokens (one width for all prompts)"),
             ("capacity", f"R = {w.capacity} tokens of response capacity"),
             ("lengths", f"responses {self.lengths.describe()}"),
-            ("ppo", f"{t.ppo_epochs} PPO epoch(s) × {t.num_minibatches} minibatch(es)"),
+            (
+                "ppo",
+                f"{t.ppo_epochs} PPO epoch(s) × {t.num_minibatches} minibatch(es) × "
+                f"{w.update_groups.microbatches // t.num_minibatches} microbatch(es), "
+                f"each packed alone",
+            ),
             ("trained", f"trained: {' + '.join(t.trained)}{lora}; {t.n_scorers} scorers"),
             (
                 "schedule",
@@ -135,9 +146,10 @@ class Projection:
     def with_regime(self, epochs: int, median: int | float) -> Projection:
         """This projection at ``epochs`` PPO epochs and log-normal lengths of ``median``."""
         cap = int(CAP_RATIO * median)
+        groups = dataclasses.replace(self.workload.update_groups, passes=epochs)
         return dataclasses.replace(
             self,
-            workload=dataclasses.replace(self.workload, capacity=cap),
+            workload=dataclasses.replace(self.workload, capacity=cap, update_groups=groups),
             train=dataclasses.replace(self.train, ppo_epochs=epochs),
             lengths=LogNormal(float(median), SIGMA, cap),
         )
@@ -225,6 +237,12 @@ def build_projection(spec: str, config=None, overrides=(), given: dict | None = 
         max_deferrals=values["max_deferrals"],
         steps=values["steps"],
         seed=values["seed"],
+        update_groups=UpdateGroups(
+            values["epochs"],
+            values["minibatches"] * values["grad_accum"],
+            values["row_multiple"],
+            values["minibatches"],
+        ),
     )
     workload.check()
     train = TrainSettings(
@@ -253,6 +271,8 @@ def _config_values(cfg, spec: str) -> dict:
         "capacity": r.max_response_len,
         "epochs": cfg.ppo.ppo_epochs,
         "minibatches": cfg.ppo.num_minibatches,
+        "grad_accum": cfg.ppo.grad_accum_steps,
+        "row_multiple": m.data * m.fsdp,  # the batch shards the packed rows split over
         # Every run of this schema trains a critic beside the actor (LoRA and critic-free
         # runs will say so here once the schema has them).
         "trained": ("actor", "critic"),

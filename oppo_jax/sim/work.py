@@ -42,6 +42,8 @@ class StepFacts:
     cut: int  # decode position at which the rollout was cut
     batch_lengths: np.ndarray  # [B] response lengths of the batch the update takes
     chunks: int  # decode chunks dispatched
+    # how the packed update splits the batch (a trace's step: as one microbatch)
+    update_groups: packing.UpdateGroups = packing.UpdateGroups()
 
     @classmethod
     def of_trace(cls, trace: dict, chunk: int, chunks: int) -> StepFacts:
@@ -115,7 +117,9 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
             sync = packing.score_tokens(sequences, full)
         update = f.batch_lengths.size * full
         if engine.packed_update:
-            update = packing.update_tokens(sequences, full)
+            update = packing.update_tokens(sequences, full, f.update_groups)
+        if engine.packed_update and engine.minibatch_packing:
+            update = packing.minibatch_update_tokens(sequences, full, f.update_groups)
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P

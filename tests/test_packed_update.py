@@ -132,6 +132,8 @@ def test_packed_update_equals_padded(root, model_type, loss_agg):
     want_state, want = _run(padded, spec, actor, critic, batch, key)
     got_state, got = _run(packed, spec, actor, critic, batch, key)
     assert got["update_tokens_computed"] < want["update_tokens_computed"]  # it did pack
+    used = packed.plan(batch, key).indices.used
+    assert used.any(axis=-1).all() and not used.all()  # a chunk left idle: the skip is checked
     assert got["update_tokens_real"] == want["update_tokens_real"]
     for name in LOSSES + ("actor_grad_norm", "critic_grad_norm"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
@@ -164,7 +166,7 @@ def test_packed_microbatch_gradients_equal_padded(root, model_type, loss_agg):
     rows = np.array([0, 1, 5, 9])  # the empty and the full response among them
     plan = plan_packing(
         np.asarray(batch.prompt_len), np.asarray(batch.mask).sum(1),
-        rows.reshape(1, 1, 1, -1), P + R, R, granule=4,
+        rows.reshape(1, 1, 1, -1), P + R, R, granule=4, seq_mean=loss_agg == "seq_mean",
     )  # fmt: skip
     one = jax.tree.map(lambda x: jnp.asarray(x[0, 0, 0]), plan.indices)
     packed_mb = gather_microbatch(batch, one, len(rows))
@@ -175,7 +177,7 @@ def test_packed_microbatch_gradients_equal_padded(root, model_type, loss_agg):
     )
     for loss, packed_loss, params, args in cases:
         padded_grad = jax.grad(lambda p, f=loss, a=args: f(spec, p, padded_mb, *a)[0])
-        packed_grad = jax.grad(lambda p, f=packed_loss, a=args: f(spec, 4, p, packed_mb, *a)[0])
+        packed_grad = jax.grad(lambda p, f=packed_loss, a=args: f(spec, p, packed_mb, *a)[0])
         want, got = jax.jit(padded_grad)(params), jax.jit(packed_grad)(params)
         assert _relative_diff(got, want) <= 1e-5
 
@@ -202,23 +204,40 @@ def test_bucket_and_first_fit():
     assert first_fit_decreasing(np.array([8, 8]), 8) == [[0], [1]]
 
 
-def test_plan_covers_every_real_token_once_and_shapes_stay_bounded():
+@pytest.mark.parametrize("seq_mean", [False, True])
+def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean):
     rng = np.random.default_rng(0)
-    full, resp, shapes = 16 + 64, 64, set()
+    full, resp, shapes, mixed, idle = 16 + 64, 64, set(), 0, 0
     for _ in range(60):
         prompt_len, resp_len = rng.integers(1, 17, 32), rng.integers(0, resp + 1, 32)
         resp_len = np.minimum(resp_len, rng.lognormal(2.0, 1.0, 32).astype(int))  # long tail
         perms = np.stack([rng.permutation(32) for _ in range(2)])
         micro = microbatch_rows(perms, 2, 2)
-        plan = plan_packing(prompt_len, resp_len, micro, full, resp, granule=16, row_multiple=2)
+        plan = plan_packing(prompt_len, resp_len, micro, full, resp, granule=16, row_multiple=2,
+                            seq_mean=seq_mean)  # fmt: skip
         shapes.add(plan.shape)
         rows, width, slots = plan.shape
         idx = plan.indices
         assert rows % 2 == 0 and slots % 2 == 0 and width <= full
-        for e, j, a in np.ndindex(*micro.shape[:3]):
-            seqs = micro[e, j, a]
-            seg, pos, src = idx.segments[e, j, a], idx.positions[e, j, a], idx.tok_src[e, j, a]
+        for e, j in np.ndindex(*micro.shape[:2]):
+            seqs = micro[e, j].reshape(-1)  # minibatch-local index -> batch row
+            owner = np.repeat(np.arange(micro.shape[2]), micro.shape[3])  # its microbatch
+            mean_sum, loss_sum = np.zeros(micro.shape[2]), np.zeros(micro.shape[2])
+            for a in range(micro.shape[2]):
+                seg = idx.segments[e, j, a]
+                assert bool(idx.used[e, j, a]) == bool((seg < len(seqs)).any())
+                idle += not idx.used[e, j, a]
+                mixed += len(np.unique(owner[seg[seg < len(seqs)]])) > 1
+                w_mean, w_loss = idx.mean_weight[e, j, a], idx.loss_weight[e, j, a]
+                np.add.at(mean_sum, owner[np.minimum(idx.resp_seg[e, j, a], len(seqs) - 1)],
+                          np.where(idx.resp_seg[e, j, a] < len(seqs), w_mean, 0))  # fmt: skip
+                np.add.at(loss_sum, owner[np.minimum(idx.resp_seg[e, j, a], len(seqs) - 1)],
+                          np.where(idx.resp_seg[e, j, a] < len(seqs), w_loss, 0))  # fmt: skip
             for local, b in enumerate(seqs):
+                where = [a for a in range(micro.shape[2]) if (idx.segments[e, j, a] == local).any()]
+                assert len(where) == 1  # in exactly one chunk
+                a = where[0]
+                seg, pos, src = idx.segments[e, j, a], idx.positions[e, j, a], idx.tok_src[e, j, a]
                 at = seg == local
                 n = prompt_len[b] + resp_len[b]
                 assert at.sum() == n and len(np.unique(np.nonzero(at)[0])) == 1  # one row
@@ -234,13 +253,20 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded():
                 np.testing.assert_array_equal(
                     pos.reshape(-1)[flat], prompt_len[b] - 1 + np.arange(resp_len[b])
                 )
+            # Each microbatch's tokens weigh 1 in its masked means, wherever they were dealt:
+            # the padded update's per-microbatch mean (0 for a microbatch with no token).
+            has = np.array([resp_len[micro[e, j, a]].sum() > 0 for a in range(micro.shape[2])])
+            np.testing.assert_allclose(mean_sum, has.astype(float), rtol=1e-6)
+            np.testing.assert_allclose(loss_sum, has.astype(float), rtol=1e-6)
         assert plan.tokens_real == (prompt_len + resp_len).sum() * 2
-        assert plan.tokens_computed >= plan.tokens_real
+        assert plan.tokens_computed == int(idx.used.sum()) * rows * width >= plan.tokens_real
+    assert mixed > 0 and idle > 0  # chunks mixed microbatches, and some did not run
     # One width (P + R), rows {2, 4, 6, 8} and slots following them: every shape a warm-up
-    # compiles (packed_shapes, m = 8 sequences per microbatch), far fewer than the steps drawn
-    allowed = packed_shapes(8, full, resp, granule=16, row_multiple=2)
+    # compiles (packed_shapes, m = 8 sequences per microbatch, 2 chunks), far fewer than the
+    # steps drawn
+    allowed = packed_shapes(8, full, resp, granule=16, row_multiple=2, chunks=2)
     assert [r for r, _, _ in allowed] == [2, 4, 6, 8]
-    assert allowed[0] == (2, 80, 160) and allowed[-1] == (8, 80, 8 * 64)
+    assert allowed[0] == (2, 80, 160) and allowed[-1] == (8, 80, 8 * 80)
     assert shapes <= set(allowed), shapes
 
 

@@ -7,7 +7,7 @@ so it cannot call them; this keeps the copies honest."""
 import numpy as np
 import pytest
 
-from oppo_jax.ppo.packing import bucket_up
+from oppo_jax.ppo.packing import bucket_up, microbatch_rows
 from oppo_jax.ppo.packing import plan_packing as update_plan
 from oppo_jax.scoring.packed import plan_packing as score_plan
 from oppo_jax.scoring.packed_chunks import chunk_shape
@@ -38,10 +38,11 @@ def test_mirrors_count_what_the_engine_plans(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_update_mirror_packs_each_microbatch_as_the_engine(seed):
-    """With gradient accumulation and minibatches each microbatch packs alone and the step's
-    one shape is the fullest microbatch's rows, in units of the batch shards: the simulator's
-    count equals the engine's plan over the same microbatches."""
+def test_update_mirror_counts_the_engines_chunks(seed):
+    """With minibatches and gradient accumulation each minibatch packs whole and is dealt to
+    its A chunks of one height for the step, in units of the batch shards, and only chunks
+    holding sequences run: the simulator's count equals the engine's plan over the same
+    minibatches."""
     rng = np.random.default_rng(100 + seed)
     for _ in range(25):
         epochs, minibatches, accum = (int(x) for x in rng.integers(1, 4, 3))
@@ -51,42 +52,31 @@ def test_update_mirror_packs_each_microbatch_as_the_engine(seed):
         response = np.minimum(rng.lognormal(np.log(100), 0.94, b).astype(int) + 1, r)
         prompt = rng.integers(1, p + 1, b)
         lengths = prompt + response
-        groups = packing.UpdateGroups(epochs, minibatches * accum, mult)
-        micro = groups.draw(b, seed=int(lengths.sum()))
-        assert sorted(micro.reshape(-1, b).ravel()[:b]) == list(range(b))  # a pass: every row
-        engine = update_plan(prompt, response, micro[:, None, None, :], p + r, r,
-                             row_multiple=mult)  # fmt: skip
-        passes = micro.shape[0] // (minibatches * accum)
-        assert packing.update_tokens(lengths, p + r, groups) * passes == engine.tokens_computed
-        # One microbatch per pass packs the whole batch, as the default UpdateGroups does.
-        whole = update_plan(prompt, response, np.arange(b)[None, None, None], p + r, r)
-        assert packing.update_tokens(lengths, p + r) == whole.tokens_computed
+        perms = np.stack([rng.permutation(b) for _ in range(epochs)])
+        micro = microbatch_rows(perms, minibatches, accum)
+        engine = update_plan(prompt, response, micro, p + r, r, row_multiple=mult)
+        minis = micro.reshape(epochs * minibatches, accum * m)
+        assert packing.minibatch_slots(lengths, p + r, minis, accum, mult) == engine.tokens_computed
+        # One minibatch per pass: every pass packs the whole batch alike, as update_tokens says.
+        groups = packing.UpdateGroups(epochs, accum, mult)
+        one = update_plan(prompt, response, microbatch_rows(perms, 1, accum), p + r, r,
+                          row_multiple=mult)  # fmt: skip
+        assert packing.update_tokens(lengths, p + r, groups) * epochs == one.tokens_computed
 
 
-def test_accumulation_computes_more_than_one_packing_group():
-    """A microbatch of few long-prompt sequences packs worse than the whole batch: why the
-    configs' gradient accumulation counts (tokens computed, not real, go up)."""
-    rng = np.random.default_rng(0)
-    lengths = 512 + np.minimum(rng.lognormal(np.log(103), 0.94, 112).astype(int) + 1, 1024)
-    whole = packing.update_tokens(lengths, 1536)
-    split = packing.update_tokens(lengths, 1536, packing.UpdateGroups(4, 28, 1))
-    assert whole >= lengths.sum() and split > 1.15 * whole
-    with pytest.raises(ValueError, match="do not split into 28 microbatches"):
-        packing.UpdateGroups(1, 28).draw(100)
-
-
-def test_minibatch_packing_what_if_counts_whole_chunks():
-    """The what-if (not built): a minibatch packed whole, run in the chunks it fills. Hand
-    count: FFD puts [10, 10, 6, 6, 3, 3, 2, 2] in 16-wide rows as [10 6] [10 6] [3 3 2 2]."""
+def test_chunks_count_whole_chunks_that_hold_sequences():
+    """Hand count: FFD puts [10, 10, 6, 6, 3, 3, 2, 2] in 16-wide rows as [10 6] [10 6]
+    [3 3 2 2]; a config's accumulation then costs about what one packing group does."""
     lengths = np.array([10, 10, 6, 6, 3, 3, 2, 2])
     # 4 accumulation steps of m = 2: 1-row chunks, the 3 filled ones run
-    assert packing.minibatch_update_tokens(lengths, 16, packing.UpdateGroups(1, 4, 1)) == 48
+    assert packing.update_tokens(lengths, 16, packing.UpdateGroups(1, 4, 1)) == 48
     # rows over 2 shards: 2-row chunks, 2 of them
-    assert packing.minibatch_update_tokens(lengths, 16, packing.UpdateGroups(1, 4, 2)) == 64
-    # never more than each microbatch packed alone at the fullest one's rows
-    rng = np.random.default_rng(1)
-    for _ in range(20):
+    assert packing.update_tokens(lengths, 16, packing.UpdateGroups(1, 4, 2)) == 64
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # the 7B GH200 config's batch: B 112, P 512, 28 steps of 4
         lengths = 512 + np.minimum(rng.lognormal(np.log(103), 0.94, 112).astype(int) + 1, 1024)
-        groups = packing.UpdateGroups(4, 28, 1)
-        what_if = packing.minibatch_update_tokens(lengths, 1536, groups)
-        assert lengths.sum() <= what_if <= packing.update_tokens(lengths, 1536, groups)
+        chunked = packing.update_tokens(lengths, 1536, packing.UpdateGroups(4, 28, 1))
+        whole = packing.update_tokens(lengths, 1536)
+        assert lengths.sum() <= chunked <= whole + 3 * 1536  # under one 3-row chunk more
+    with pytest.raises(ValueError, match="do not split into 28 microbatches"):
+        packing.UpdateGroups(1, 28).draw(100)

@@ -1,49 +1,58 @@
 """PPO policy, value and entropy losses as pure float32 functions of masked per-token arrays:
-padded [B, T] rows, or the packed update's [N] response slots (with ``segments``)."""
+padded [B, T] rows, or the packed update's [N] response slots (with ``TokenWeights``)."""
 
 from typing import Literal
 
+import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Float, Shaped
 
 from oppo_jax.ppo.masked import Scalar, as_bool_mask, masked_mean
 
 Aggregation = Literal["token_mean", "seq_mean"]
 
 
-# Packed per-token arrays [N] name their sequence instead of holding one per row:
-# (segment id of each token [N], number of sequences m); ids >= m mark unused slots.
-Segments = tuple[Int[Array, " N"], int]
+@flax.struct.dataclass
+class TokenWeights:
+    """The packed update's per-token weights [N] (``oppo_jax.ppo.packing``): a packed chunk
+    holds tokens of several microbatches, so each reduction is a weighted sum whose weights
+    the host computed from the lengths, equal to what the padded update's per-microbatch
+    means give each token (0 on unused slots)."""
+
+    loss: Float[Array, " N"]  # the loss aggregation's: token_mean or seq_mean
+    mean: Float[Array, " N"]  # a masked token mean's (the metrics)
+
+
+def _mean(x, mask, weights: TokenWeights | None) -> Float[Array, ""]:
+    """``masked_mean(x, mask)``, or its packed form: Σ weights.mean · x over valid tokens."""
+    if weights is None:
+        return masked_mean(x, mask)
+    return jnp.sum(jnp.where(as_bool_mask(mask), weights.mean * x.astype(jnp.float32), 0.0))
 
 
 def aggregate(
     per_token: Float[Array, "*tokens"],
     mask: Shaped[Array, "*tokens"],
     agg: Aggregation,
-    segments: Segments | None = None,
+    weights: TokenWeights | None = None,
 ) -> Float[Array, ""]:
     """Reduce a per-token loss to a scalar.
 
     token_mean: Σ_{b,t} m·ℓ / Σ_{b,t} m                (every valid token weighs the same)
     seq_mean:   mean over sequences with ≥ 1 valid token of (Σ_t m·ℓ / Σ_t m)
-    A sequence is a row of [B, T] arrays, or with ``segments`` the tokens of one segment id
-    (the packed layout, ``oppo_jax.ppo.packing``).
+    A sequence is a row of [B, T] arrays. With ``weights`` (the packed layout) the same
+    reduction is Σ weights.loss · ℓ over valid tokens: the host folded the counts in.
     """
+    if agg not in ("token_mean", "seq_mean"):
+        raise ValueError(f"unknown aggregation {agg!r}; expected 'token_mean' or 'seq_mean'")
+    if weights is not None:
+        valid = as_bool_mask(mask)
+        return jnp.sum(jnp.where(valid, weights.loss * per_token.astype(jnp.float32), 0.0))
     if agg == "token_mean":
         return masked_mean(per_token, mask)
-    if agg == "seq_mean":
-        if segments is None:
-            row_mean = masked_mean(per_token, mask, axis=-1)
-            return masked_mean(row_mean, as_bool_mask(mask).any(axis=-1))
-        ids, num = segments
-        valid = as_bool_mask(mask)
-        x = jnp.where(valid, per_token.astype(jnp.float32), 0.0)
-        row_sum = jax.ops.segment_sum(x, ids, num + 1)[:num]  # id m: unused slots, dropped
-        row_count = jax.ops.segment_sum(valid.astype(jnp.float32), ids, num + 1)[:num]
-        row_mean = row_sum / jnp.maximum(row_count, 1.0)
-        return masked_mean(row_mean, row_count > 0)
-    raise ValueError(f"unknown aggregation {agg!r}; expected 'token_mean' or 'seq_mean'")
+    row_mean = masked_mean(per_token, mask, axis=-1)
+    return masked_mean(row_mean, as_bool_mask(mask).any(axis=-1))
 
 
 def _valid_f32(
@@ -62,7 +71,7 @@ def policy_loss(
     agg: Aggregation = "token_mean",
     behaviour_logp: Float[Array, "*tokens"] | None = None,
     is_clip: float | None = None,
-    segments: Segments | None = None,
+    weights: TokenWeights | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped PPO surrogate, optionally with a truncated importance weight (decoupled PPO).
 
@@ -90,13 +99,14 @@ def policy_loss(
         stale = _valid_f32(old_logp, valid) - _valid_f32(behaviour_logp, valid)
         weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(stale), is_clip))
         per_token = weight * per_token
-        aux["is_weight_mean"] = masked_mean(weight, mask)
+        aux["is_weight_mean"] = _mean(weight, mask, weights)
 
-    loss = aggregate(per_token, mask, agg, segments)
+    loss = aggregate(per_token, mask, agg, weights)
     ratio_sg = jax.lax.stop_gradient(ratio)
-    aux["clipfrac"] = masked_mean((jnp.abs(ratio_sg - 1.0) > eps).astype(jnp.float32), mask)
-    aux["approx_kl"] = masked_mean(0.5 * jnp.square(jax.lax.stop_gradient(log_ratio)), mask)
-    aux["ratio_mean"] = masked_mean(ratio_sg, mask)
+    clipped = (jnp.abs(ratio_sg - 1.0) > eps).astype(jnp.float32)
+    aux["clipfrac"] = _mean(clipped, mask, weights)
+    aux["approx_kl"] = _mean(0.5 * jnp.square(jax.lax.stop_gradient(log_ratio)), mask, weights)
+    aux["ratio_mean"] = _mean(ratio_sg, mask, weights)
     return loss, aux
 
 
@@ -107,7 +117,7 @@ def value_loss(
     mask: Shaped[Array, "*tokens"],
     cliprange_value: Scalar,
     agg: Aggregation = "token_mean",
-    segments: Segments | None = None,
+    weights: TokenWeights | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped value loss.
 
@@ -126,9 +136,9 @@ def value_loss(
     v_clipped = v_old + jnp.clip(v - v_old, -eps, eps)
     unclipped = jnp.square(v - ret)
     clipped = jnp.square(v_clipped - ret)
-    loss = 0.5 * aggregate(jnp.maximum(unclipped, clipped), mask, agg, segments)
+    loss = 0.5 * aggregate(jnp.maximum(unclipped, clipped), mask, agg, weights)
     clip_used = jax.lax.stop_gradient(clipped > unclipped).astype(jnp.float32)
-    return loss, {"vf_clipfrac": masked_mean(clip_used, mask)}
+    return loss, {"vf_clipfrac": _mean(clip_used, mask, weights)}
 
 
 def entropy_from_logits(

@@ -1,9 +1,12 @@
 """The packed PPO update (``ppo.packed_update``): the padded update's optimizer steps, each
-microbatch computed on its sequences' real tokens packed into rows (``oppo_jax.ppo.packing``).
+minibatch computed on its sequences' real tokens packed into rows and dealt to the gradient
+accumulation steps' chunks (``oppo_jax.ppo.packing``).
 
-Same microbatches (the host replays the update key's permutations), same losses, the same
-accumulation and non-finite guard (``update.optimizer_step``): only the layout differs, so the
-results equal the padded update's up to float summation order. The LM head runs at the
+Same minibatches and microbatches (the host replays the update key's permutations), the same
+losses as weighted sums, the same accumulation and non-finite guard
+(``update.optimizer_step``; a chunk holding no sequence adds zeros without running the
+models): only the layout differs, so the results equal the padded update's up to float
+summation order. The LM head runs at the
 microbatch's response slots only, in vocabulary blocks, as in the padded update.
 
 ``make_update`` builds the update a run dispatches: ``update(state, batch, key, kl_coef,
@@ -65,18 +68,17 @@ def _response_hidden(cfg, params, mb: PackedMicrobatch):
     return hidden.reshape(-1, hidden.shape[-1])[mb.resp_at]
 
 
-def packed_actor_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicrobatch, kl_coef):
-    """``update.actor_loss`` on a packed microbatch of ``num_seqs`` sequences."""
-    ppo, segments = spec.ppo, (mb.resp_seg, num_seqs)
+def packed_actor_loss(spec: UpdateSpec, params, mb: PackedMicrobatch, kl_coef):
+    """``update.actor_loss`` on a packed chunk (its reductions weighted per token)."""
     hidden = _response_hidden(spec.actor, params, mb)
     logp, entropy = token_logprobs_and_entropy(
         spec.actor, params, hidden, mb.targets, spec.temperature, VOCAB_BLOCK
     )
-    return actor_objective(ppo, logp, entropy, mb, kl_coef, segments)
+    return actor_objective(spec.ppo, logp, entropy, mb, kl_coef, mb.weights)
 
 
-def packed_critic_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicrobatch):
-    """``update.critic_loss`` on a packed microbatch of ``num_seqs`` sequences."""
+def packed_critic_loss(spec: UpdateSpec, params, mb: PackedMicrobatch):
+    """``update.critic_loss`` on a packed chunk (its reductions weighted per token)."""
     hidden = _response_hidden(spec.critic, params, mb)
     values = apply_head(spec.critic, params, hidden)[..., 0].astype(jnp.float32)
     ppo = spec.ppo
@@ -87,7 +89,7 @@ def packed_critic_loss(spec: UpdateSpec, num_seqs: int, params, mb: PackedMicrob
         mb.mask,
         ppo.cliprange_value,
         ppo.loss_agg,
-        segments=(mb.resp_seg, num_seqs),
+        weights=mb.weights,
     )
     return ppo.vf_coef * vf, {"value_loss": vf, **aux}
 
@@ -103,17 +105,17 @@ def ppo_update_packed(
     """``update.ppo_update`` with every microbatch gathered from ``batch`` onto the packed
     layout by ``plan`` (leading axes [epochs, minibatches, microbatches]); the same checks
     (the whole padded batch must be finite) and the same metrics."""
-    ppo = spec.ppo
-    num_seqs = batch.tokens.shape[0] // (ppo.num_minibatches * ppo.grad_accum_steps)
+    minibatch = batch.tokens.shape[0] // spec.ppo.num_minibatches  # sequences per minibatch
 
     def prepare(idx: PackIndices) -> PackedMicrobatch:
-        mb = gather_microbatch(batch, idx, num_seqs)
+        mb = gather_microbatch(batch, idx, minibatch)
         return mb if layout is None else layout.rows(mb)
 
     losses = Losses(
         prepare=prepare,
-        actor=functools.partial(packed_actor_loss, spec, num_seqs),
-        critic=functools.partial(packed_critic_loss, spec, num_seqs),
+        actor=functools.partial(packed_actor_loss, spec),
+        critic=functools.partial(packed_critic_loss, spec),
+        runs=lambda idx: idx.used,  # a chunk the minibatch's rows did not reach does not run
     )
     context = contextlib.nullcontext() if layout is None else layout.tracing()
     with context:
@@ -158,6 +160,7 @@ class PackedUpdate:
             batch.response_len,
             ppo.pack_granule,
             self.row_multiple,
+            seq_mean=ppo.loss_agg == "seq_mean",
         )
 
     def _per_microbatch(self, num_rows: int) -> tuple[tuple[int, int, int], int]:
@@ -170,14 +173,17 @@ class PackedUpdate:
         """Every packed shape (Rp, W, N) a batch of ``num_rows`` sequences, L = ``full_width``
         and R = ``response_width`` can take (``packing.packed_shapes``)."""
         _, m = self._per_microbatch(num_rows)
-        granule = self.spec.ppo.pack_granule
-        return packed_shapes(m, full_width, response_width, granule, self.row_multiple)
+        ppo = self.spec.ppo
+        return packed_shapes(
+            m, full_width, response_width, ppo.pack_granule, self.row_multiple,
+            chunks=ppo.grad_accum_steps,
+        )  # fmt: skip
 
     def compile_shape(self, state, batch: PPOBatch, shape: tuple[int, int, int], kl_coef):
         """Run the jitted update once at ``shape`` on a plan of padding only, so that a step
         meeting that shape finds it compiled. ``state`` is donated: pass a throwaway copy."""
         outer, m = self._per_microbatch(batch.tokens.shape[0])
-        return self.jitted(state, batch, padding_indices(outer, shape, m), kl_coef)
+        return self.jitted(state, batch, padding_indices(outer, shape, m * outer[2]), kl_coef)
 
     def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
         plan = self.plan(batch, key, lengths)

@@ -1,27 +1,40 @@
-"""Packing the update's microbatches: each microbatch's sequences, prompt + response, laid end
+"""Packing the update's minibatches: each minibatch's sequences, prompt + response, laid end
 to end in rows of a bucketed width, so the update computes on real tokens, not on [B, P + R].
 
 The host plans (``plan_packing``) from the step's lengths and the epochs' permutations; the
-update gathers each microbatch from the padded ``PPOBatch`` with the plan's indices
-(``gather_microbatch``). The microbatches are exactly the padded update's (same rows, drawn
-from the same update key), so the losses are the same functions of the same tokens.
+update gathers each chunk from the padded ``PPOBatch`` with the plan's indices
+(``gather_microbatch``). The minibatches are exactly the padded update's (same rows, drawn
+from the same update key), and so are the microbatches its loss averages over.
 
-Packed layout of one microbatch of m sequences (dimension letters: Rp packed rows, W packed
-width, N response slots):
+A minibatch of A microbatches x m sequences packs as one group: its A·m sequences first-fit
+decreasing into rows, the rows dealt in order to A chunks of Rp rows each (the gradient
+accumulation steps: no chunk is larger than the padded microbatch of m rows the config sized
+for memory), and a chunk that holds no sequence does not run (``PackIndices.used``). A chunk
+then mixes microbatches, so every reduction of the loss and the metrics is a weighted sum of
+its tokens with weights the host computes from the lengths (``losses.TokenWeights``):
+token_mean 1 / the microbatch's valid tokens, seq_mean 1 / (the sequence's valid tokens x the
+microbatch's sequences with any), a metric's masked mean the token_mean weight. Summed over
+the chunks and divided by A as the accumulation does, that is the padded update's mean over
+microbatches of their own means: the same function of the same tokens. Packing each
+microbatch alone instead ran every microbatch at the fullest one's rows (a config of 28
+accumulation steps of 4 sequences computed 1.75x its real tokens; docs/PROJECTIONS.md §4c).
+
+Packed layout of one chunk (dimension letters: Rp packed rows, W packed width, N response
+slots; n = A·m sequences in the minibatch):
 - token slots [Rp, W]: sequence i occupies a contiguous run of ``prompt_len + response_len``
   slots of one row, with positions 0.. (RoPE restarts per sequence) and its own segment id
-  (attention never crosses a segment); unused slots at a row's end hold segment m.
+  (its index in the minibatch: attention never crosses a segment); unused slots hold n.
 - response slots [N]: one per real response token, in packed order; slot k reads the packed
   output at ``resp_at[k]`` (the position before its token) and carries the token's per-token
-  PPO quantities; unused slots have segment m and are masked out.
+  PPO quantities and weights; unused slots have segment n, weight 0, and are masked out.
 
 The shape (Rp, W, N) is one per step, from a small set fixed by the config
 (``packed_shapes``), so a warm-up compiles every program the update can run: the width W is
-the padded width L = P + R rounded up to the granule (every sequence fits a row), the rows Rp
-come from a bucket set (``bucket_up``, at most a third of the rows wasted), and the response
-slots N = min(Rp · W, m · R) follow from them (a row's responses never outnumber its slots).
-The plan is a pure function of the step's data (never of which shapes compiled before): a
-resumed run packs exactly as the uninterrupted one, so resume stays bit-identical.
+the padded width L = P + R rounded up to the granule (every sequence fits a row), Rp is the
+bucket (``bucket_up``) of the rows A chunks need, at most m, and N = min(Rp · W, n · R) (a
+chunk's responses never outnumber its slots nor the minibatch's). The plan is a pure function
+of the step's data (never of which shapes compiled before): a resumed run packs exactly as
+the uninterrupted one, so resume stays bit-identical.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.losses import TokenWeights
 from oppo_jax.sharding import to_host
 
 
@@ -85,15 +99,18 @@ def microbatch_rows(perms: np.ndarray, num_minibatches: int, grad_accum: int) ->
 
 @flax.struct.dataclass
 class PackIndices:
-    """The plan's index arrays, leading axes [E, M, A] (epoch, minibatch, microbatch)."""
+    """The plan's index arrays, leading axes [E, M, A] (epoch, minibatch, chunk)."""
 
     tok_src: Int[Array, "... Rp W"]  # flat index into tokens [B·L] of each token slot
     positions: Int[Array, "... Rp W"]  # position within its sequence (RoPE)
-    segments: Int[Array, "... Rp W"]  # microbatch-local sequence index; m for unused slots
+    segments: Int[Array, "... Rp W"]  # minibatch-local sequence index; n for unused slots
     resp_at: Int[Array, "... N"]  # flat packed slot [Rp·W] whose output is the response token's
     resp_src: Int[Array, "... N"]  # flat index into response-aligned arrays [B·R]
     tgt_src: Int[Array, "... N"]  # flat index into tokens [B·L] of the response token itself
-    resp_seg: Int[Array, "... N"]  # microbatch-local sequence index; m for unused slots
+    resp_seg: Int[Array, "... N"]  # minibatch-local sequence index; n for unused slots
+    loss_weight: Float[Array, "... N"]  # TokenWeights.loss (module docstring); 0 when unused
+    mean_weight: Float[Array, "... N"]  # TokenWeights.mean; 0 when unused
+    used: Bool[Array, "..."]  # the chunk holds a sequence (else it does not run)
 
     __no_type_check__ = True  # host numpy arrays when planned, tracers inside the update
 
@@ -103,9 +120,9 @@ class PackPlan:
     """One step's packing: the indices (host arrays) and what they cost."""
 
     indices: PackIndices
-    shape: tuple[int, int, int]  # (Rp, W, N) of every microbatch of the step
+    shape: tuple[int, int, int]  # (Rp, W, N) of every chunk of the step
     tokens_real: int  # real tokens (prompt + response) the update's forward passes read
-    tokens_computed: int  # token slots they compute: microbatches x Rp x W
+    tokens_computed: int  # token slots they compute: chunks that run x Rp x W
 
 
 def packed_width(full_width: int, granule: int) -> int:
@@ -120,26 +137,45 @@ def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
 
 
 def _row_cap(num_seqs: int, multiple: int) -> int:
-    return -(-num_seqs // multiple) * multiple  # one sequence per row at most
+    return -(-num_seqs // multiple) * multiple  # m rows: the padded microbatch's
 
 
 def _slots(rows: int, width: int, num_seqs: int, response_width: int, multiple: int) -> int:
-    """N for Rp = ``rows``: every token slot could hold a response token, and a microbatch has
-    at most m · R of them (a multiple of the shards)."""
+    """N for Rp = ``rows``: every token slot could hold a response token, and a chunk holds
+    at most the minibatch's ``num_seqs`` x R of them (a multiple of the shards)."""
     return min(rows * width, -(-num_seqs * response_width // multiple) * multiple)
 
 
 def packed_shapes(
-    num_seqs: int, full_width: int, response_width: int, granule: int = 16, row_multiple: int = 1
+    num_seqs: int,
+    full_width: int,
+    response_width: int,
+    granule: int = 16,
+    row_multiple: int = 1,
+    chunks: int = 1,
 ) -> list[tuple[int, int, int]]:
-    """Every (Rp, W, N) ``plan_packing`` can pick for microbatches of ``num_seqs`` (m)
-    sequences: what a warm-up compiles so that no measured step does.
+    """Every (Rp, W, N) ``plan_packing`` can pick for minibatches of ``chunks`` microbatches
+    of ``num_seqs`` (m) sequences: what a warm-up compiles so that no measured step does.
 
-    Example: m 8, L 48, R 32, granule 16: W 48, Rp in {1, 2, 3, 4, 6, 8}, N = min(48 Rp, 256).
+    Example: m 8, L 48, R 32, granule 16, one chunk: W 48, Rp in {1, 2, 3, 4, 6, 8},
+    N = min(48 Rp, 256).
     """
     width, cap = packed_width(full_width, granule), _row_cap(num_seqs, row_multiple)
-    rows = sorted({_rows_bucket(n, cap, row_multiple) for n in range(1, cap + 1)})
-    return [(r, width, _slots(r, width, num_seqs, response_width, row_multiple)) for r in rows]
+    n = num_seqs * chunks
+    rows = sorted({_rows_bucket(k, cap, row_multiple) for k in range(1, cap + 1)})
+    return [(r, width, _slots(r, width, n, response_width, row_multiple)) for r in rows]
+
+
+def token_weights(response_len: np.ndarray, micro: np.ndarray, seq_mean: bool):
+    """(loss, mean) weight of each sequence's response tokens [B] for one minibatch's
+    microbatches ``micro`` [A, m] (module docstring); sequences outside it get 0."""
+    loss, mean = np.zeros(len(response_len)), np.zeros(len(response_len))
+    for rows in micro:
+        n = response_len[rows]
+        mean[rows] = 1.0 / max(int(n.sum()), 1)
+        with_tokens = max(int((n > 0).sum()), 1)
+        loss[rows] = 1.0 / (np.maximum(n, 1) * with_tokens) if seq_mean else mean[rows]
+    return loss.astype(np.float32), mean.astype(np.float32)
 
 
 def plan_packing(
@@ -150,56 +186,69 @@ def plan_packing(
     response_width: int,
     granule: int = 16,
     row_multiple: int = 1,
+    seq_mean: bool = False,
 ) -> PackPlan:
-    """Pack every microbatch ``micro`` [E, M, A, m] (see ``microbatch_rows``) of a batch whose
-    sequences have these lengths [B] (host ints), padded width L = ``full_width`` and response
-    width R = ``response_width``. ``row_multiple``: Rp and N are multiples of it (the devices
-    the rows shard over)."""
+    """Pack every minibatch of ``micro`` [E, M, A, m] (see ``microbatch_rows``) of a batch
+    whose sequences have these lengths [B] (host ints), padded width L = ``full_width`` and
+    response width R = ``response_width``, into A chunks each. ``row_multiple``: Rp and N are
+    multiples of it (the devices the rows shard over); ``seq_mean``: the loss aggregation."""
     prompt_len, response_len = np.asarray(prompt_len, np.int64), np.asarray(response_len)
     if (prompt_len < 1).any():
         raise ValueError("packing needs every prompt to hold at least one token")
     lengths = prompt_len + response_len
-    outer, m = micro.shape[:3], micro.shape[-1]
-    flat_micro = micro.reshape(-1, m)
-    width = packed_width(full_width, granule)
-    bins = [first_fit_decreasing(lengths[mb], width) for mb in flat_micro]
-    rows = _rows_bucket(max(len(b) for b in bins), _row_cap(m, row_multiple), row_multiple)
-    slots = _slots(rows, width, m, response_width, row_multiple)
+    epochs, minibatches, chunks, m = micro.shape
+    minis = micro.reshape(epochs * minibatches, chunks, m)
+    width, cap = packed_width(full_width, granule), _row_cap(m, row_multiple)
+    members = [mini.reshape(-1) for mini in minis]  # minibatch-local index -> batch row
+    bins = [first_fit_decreasing(lengths[rows], width) for rows in members]
+    rows = max(_rows_bucket(-(-len(b) // chunks), cap, row_multiple) for b in bins)
+    slots = _slots(rows, width, chunks * m, response_width, row_multiple)
     dims = (rows, width, slots, full_width, response_width)
-    arrays = [
-        _pack_one(mb, b, prompt_len, response_len, *dims)
-        for mb, b in zip(flat_micro, bins, strict=True)
-    ]
+    arrays = []
+    for mini, seqs, row_bins in zip(minis, members, bins, strict=True):
+        weights = token_weights(response_len, mini, seq_mean)
+        for c in range(chunks):
+            dealt = row_bins[c * rows : (c + 1) * rows]
+            arrays.append(_pack_one(seqs, dealt, prompt_len, response_len, weights, *dims))
     stacked = {
-        k: np.stack([a[k] for a in arrays]).reshape(outer + arrays[0][k].shape) for k in arrays[0]
+        k: np.stack([a[k] for a in arrays]).reshape(micro.shape[:3] + arrays[0][k].shape)
+        for k in arrays[0]
     }
+    runs = sum(-(-len(b) // rows) for b in bins)
     return PackPlan(
         indices=PackIndices(**stacked),
         shape=(rows, width, slots),
-        tokens_real=int(lengths[flat_micro].sum()),
-        tokens_computed=len(flat_micro) * rows * width,
+        tokens_real=int(lengths[micro.reshape(-1)].sum()),
+        tokens_computed=runs * rows * width,
     )
 
 
 def padding_indices(outer: tuple, shape: tuple[int, int, int], num_seqs: int) -> PackIndices:
-    """A plan of ``shape`` with every slot unused (leading axes ``outer`` = (E, M, A)): the
-    throwaway input of a warm-up that compiles the update at that shape."""
+    """A plan of ``shape`` with every slot unused (leading axes ``outer`` = (E, M, A); a
+    minibatch of ``num_seqs`` sequences): the throwaway input of a warm-up that compiles the
+    update at that shape."""
     rows, width, slots = shape
-    out = _pack_one([0] * num_seqs, [], None, None, rows, width, slots, 0, 0)
+    no_weights = (np.zeros(0, np.float32),) * 2
+    out = _pack_one([0] * num_seqs, [], None, None, no_weights, rows, width, slots, 0, 0)
     return PackIndices(**{k: np.broadcast_to(v, outer + v.shape).copy() for k, v in out.items()})
 
 
-def _pack_one(seqs, row_bins, prompt_len, response_len, rows, width, slots, full, resp_w):
-    """Index arrays of one microbatch: ``seqs`` [m] batch rows, ``row_bins`` their packing."""
-    m = len(seqs)
+def _pack_one(seqs, row_bins, prompt_len, response_len, weights, rows, width, slots, full,
+              resp_w):  # fmt: skip
+    """Index arrays of one chunk: ``seqs`` [n] the minibatch's batch rows, ``row_bins`` the
+    chunk's rows (lists of minibatch-local indices), ``weights`` (loss, mean) per batch row."""
+    n = len(seqs)
     out = {
         "tok_src": np.zeros((rows, width), np.int32),
         "positions": np.zeros((rows, width), np.int32),
-        "segments": np.full((rows, width), m, np.int32),
+        "segments": np.full((rows, width), n, np.int32),
         "resp_at": np.zeros(slots, np.int32),
         "resp_src": np.zeros(slots, np.int32),
         "tgt_src": np.zeros(slots, np.int32),
-        "resp_seg": np.full(slots, m, np.int32),
+        "resp_seg": np.full(slots, n, np.int32),
+        "loss_weight": np.zeros(slots, np.float32),
+        "mean_weight": np.zeros(slots, np.float32),
+        "used": np.asarray(bool(row_bins)),
     }
     k = 0
     for r, members in enumerate(row_bins):
@@ -207,31 +256,33 @@ def _pack_one(seqs, row_bins, prompt_len, response_len, rows, width, slots, full
         for local in members:
             b = int(seqs[local])
             p, n_resp = int(prompt_len[b]), int(response_len[b])
-            n = p + n_resp
-            pos = np.arange(n)
-            out["tok_src"][r, offset : offset + n] = b * full + pos
-            out["positions"][r, offset : offset + n] = pos
-            out["segments"][r, offset : offset + n] = local
+            length = p + n_resp
+            pos = np.arange(length)
+            out["tok_src"][r, offset : offset + length] = b * full + pos
+            out["positions"][r, offset : offset + length] = pos
+            out["segments"][r, offset : offset + length] = local
             j = np.arange(n_resp)
             out["resp_at"][k : k + n_resp] = r * width + offset + p - 1 + j
             out["resp_src"][k : k + n_resp] = b * resp_w + j
             out["tgt_src"][k : k + n_resp] = b * full + p + j
             out["resp_seg"][k : k + n_resp] = local
+            out["loss_weight"][k : k + n_resp] = weights[0][b]
+            out["mean_weight"][k : k + n_resp] = weights[1][b]
             k += n_resp
-            offset += n
+            offset += length
     return out
 
 
 @flax.struct.dataclass
 class PackedMicrobatch:
-    """One microbatch on the packed layout: token slots [Rp, W] and response slots [N]."""
+    """One chunk on the packed layout: token slots [Rp, W] and response slots [N]."""
 
     tokens: Int[Array, "Rp W"]
     positions: Int[Array, "Rp W"]
     segments: Int[Array, "Rp W"]
     resp_at: Int[Array, " N"]  # flat packed slot whose output belongs to the response token
     targets: Int[Array, " N"]  # the response tokens
-    resp_seg: Int[Array, " N"]  # which sequence (for seq_mean); m on unused slots
+    weights: TokenWeights  # the reductions' per-token weights (module docstring)
     mask: Bool[Array, " N"]
     old_logp: Float[Array, " N"]
     behaviour_logp: Float[Array, " N"]
@@ -244,7 +295,8 @@ class PackedMicrobatch:
 
 
 def gather_microbatch(batch: PPOBatch, idx: PackIndices, num_seqs: int) -> PackedMicrobatch:
-    """The packed microbatch ``idx`` (one microbatch's indices) from the padded batch."""
+    """The packed chunk ``idx`` (one chunk's indices) from the padded batch; ``num_seqs``
+    sequences per minibatch (the unused slots' segment id)."""
     tokens = batch.tokens.reshape(-1)
 
     def per_token(x):
@@ -256,7 +308,7 @@ def gather_microbatch(batch: PPOBatch, idx: PackIndices, num_seqs: int) -> Packe
         segments=idx.segments,
         resp_at=idx.resp_at,
         targets=tokens[idx.tgt_src],
-        resp_seg=idx.resp_seg,
+        weights=TokenWeights(loss=idx.loss_weight, mean=idx.mean_weight),
         mask=per_token(batch.mask) & (idx.resp_seg < num_seqs),
         **{
             name: per_token(getattr(batch, name))

@@ -137,8 +137,8 @@ def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
     return actor_objective(spec.ppo, logp, entropy, mb, kl_coef)
 
 
-def actor_objective(ppo, logp, entropy, mb, kl_coef, segments=None):
-    """The actor's loss from per-token log-probs, padded or packed (``segments``)."""
+def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
+    """The actor's loss from per-token log-probs, padded or packed (``weights``)."""
     is_clip = ppo.importance_clip if ppo.importance_correction else None
     pg, aux = policy_loss(
         logp,
@@ -149,13 +149,13 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, segments=None):
         ppo.loss_agg,
         behaviour_logp=mb.behaviour_logp if is_clip else None,
         is_clip=is_clip,
-        segments=segments,
+        weights=weights,
     )
-    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, segments)
+    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, weights)
     loss = pg - ppo.entropy_coef * mean_entropy
     if not ppo.kl_in_reward:
         kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)
-        loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, segments)
+        loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, weights)
     return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
 
 
@@ -187,6 +187,10 @@ def _nan_like(shapes):
     return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
 
 
+def _zeros_like(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Losses:
     """What one microbatch costs each model: the padded update's losses, or the packed
@@ -196,6 +200,9 @@ class Losses:
     prepare: Callable  # (microbatch inputs) -> microbatch
     actor: Callable  # (params, microbatch, kl_coef) -> (loss, aux)
     critic: Callable  # (params, microbatch) -> (loss, aux)
+    # (microbatch inputs) -> bool: whether it holds any token; one that holds none adds zero
+    # gradients and metrics without running the models (None: every microbatch runs)
+    runs: Callable | None = None
 
 
 def padded_losses(spec: UpdateSpec, layout: UpdateLayout | None) -> Losses:
@@ -222,7 +229,12 @@ def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, para
         return constrain((g_actor, g_critic)), {**a_aux, **c_aux}
 
     def guarded(mb):
-        return jax.lax.cond(batch_ok, compute, lambda _: _nan_like(shapes), mb)
+        if losses.runs is None:
+            return jax.lax.cond(batch_ok, compute, lambda _: _nan_like(shapes), mb)
+        # NaN for a non-finite batch (as above), zeros for an empty chunk, else the models
+        branch = jnp.where(batch_ok, jnp.where(losses.runs(mb), 2, 1), 0)
+        branches = (lambda _: _nan_like(shapes), lambda _: _zeros_like(shapes), compute)
+        return jax.lax.switch(branch, branches, mb)
 
     steps = spec.ppo.grad_accum_steps
     shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))

@@ -42,8 +42,6 @@ FEATURES = (
     # Not in #13's list; what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
     "packed_chunk_scoring",  # each streamed chunk's real tokens packed (pow2), not [S, C]
     "ragged_decode",  # each running row's decode attention reads its own context only
-    # What the configs' gradient accumulation needs (docs/PROJECTIONS.md §4c), not built:
-    "minibatch_packing",  # a minibatch packed whole; only the accumulation chunks it fills run
 )
 
 
@@ -66,9 +64,6 @@ class Engine:
     packed_chunk_scoring: bool = False
     # decode attention per row over its own context (whole key blocks), finished rows none
     ragged_decode: bool = False
-    # the update packs each minibatch whole into chunks of bucketed rows and runs as many as it
-    # fills (packing.minibatch_update_tokens), not each microbatch at the fullest one's rows
-    minibatch_packing: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""

@@ -2,12 +2,12 @@
 the built kernels run at (``engines.BUILT``), not an idealised packing.
 
 - ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): each
-  microbatch's sequences (prompt + response) first-fit-decreasing into rows of one width,
-  P + R rounded up to the 16-token granule; one row count for every microbatch of the step,
-  the largest any needs, bucketed by ``bucket_up`` (2^k and 1.5·2^k) in units of the batch
-  shards, at most one sequence per row (``UpdateGroups``: a config with gradient
-  accumulation packs a few sequences at a time, and its step's rows are set by the worst of
-  E · M · A microbatches).
+  minibatch's sequences (prompt + response) first-fit-decreasing into rows of one width,
+  P + R rounded up to the 16-token granule, dealt to its A accumulation chunks of one height
+  for the step (the ``bucket_up`` bucket, 2^k and 1.5·2^k in units of the batch shards, of the
+  rows A chunks need in the fullest minibatch, at most the m sequences of a microbatch); the
+  chunks holding no sequence do not run (``UpdateGroups``: the config's epochs, minibatches,
+  accumulation steps and shards).
 - ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the batch's
   sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
   row count bucketed by ``bucket_up``; the scorers' admission prefill is skipped.
@@ -66,69 +66,54 @@ class UpdateGroups:
     """How the packed update splits a step's batch (a config's ``ppo`` and mesh)."""
 
     passes: int = 1  # PPO epochs: each shuffles the batch on its own
-    microbatches: int = 1  # per pass: minibatches x gradient-accumulation steps, packed alone
+    microbatches: int = 1  # per pass: minibatches x gradient-accumulation steps
     row_multiple: int = 1  # rows are a multiple of the batch shards (data x fsdp)
     minibatches: int = 1  # of ``microbatches``: the optimizer steps per pass
 
+    @property
+    def chunks(self) -> int:
+        """A: the accumulation steps a minibatch is dealt to."""
+        return self.microbatches // self.minibatches
+
     def draw(self, n: int, seed: int = 0) -> np.ndarray:
-        """[G, n / microbatches] batch rows of every distinct microbatch of a step: shuffled
-        per pass as the engine does (its draw is JAX's; this one is NumPy's, alike in law).
-        One microbatch per pass: every pass packs the same sequences, so G = 1."""
+        """[G, n / minibatches] batch rows of every distinct minibatch of a step: shuffled per
+        pass as the engine does (its draw is JAX's; this one is NumPy's, alike in law). One
+        minibatch per pass packs the whole batch every pass, so G = 1."""
         if n % self.microbatches:
             raise ValueError(f"{n} sequences do not split into {self.microbatches} microbatches")
-        if self.microbatches == 1:
+        if self.minibatches == 1:
             return np.arange(n)[None]
         rng = np.random.default_rng(seed)
         perms = [rng.permutation(n) for _ in range(self.passes)]
-        return np.concatenate([p.reshape(-1, self.microbatches).T for p in perms])
+        return np.concatenate([p.reshape(self.minibatches, -1) for p in perms])
 
 
-def microbatch_slots(lengths, full: int, micro, row_multiple: int = 1,
-                     granule: int = GRANULE) -> int:  # fmt: skip
-    """Token slots of one packed microbatch, the shape every microbatch ``micro`` [G, m]
-    (batch rows) of sequences of ``lengths`` (prompt + response), padded width ``full`` =
-    P + R, is computed at: the rows the fullest one needs, bucketed (module docstring),
-    x the width."""
-    lengths, micro = np.asarray(lengths), np.asarray(micro)
+def minibatch_slots(lengths, full: int, minis, chunks: int = 1, row_multiple: int = 1,
+                    granule: int = GRANULE) -> int:  # fmt: skip
+    """Token slots the packed update computes over the minibatches ``minis`` [G, A·m] (batch
+    rows) of sequences of ``lengths`` (prompt + response), padded width ``full`` = P + R,
+    ``chunks`` = A accumulation steps each: one chunk height for the step, the bucket of the
+    rows A chunks need in the fullest minibatch (at most m), and only the chunks holding
+    sequences run (module docstring)."""
+    lengths, minis = np.asarray(lengths), np.asarray(minis)
     width = -(-full // granule) * granule
-    rows = max(ffd_rows(lengths[mb], width) for mb in micro)
-    cap = -(-micro.shape[1] // row_multiple) * row_multiple  # one sequence per row at most
-    return min(row_multiple * bucket_up(-(-rows // row_multiple)), cap) * width
+    rows = [ffd_rows(lengths[mini], width) for mini in minis]
+    cap = -(-(minis.shape[1] // chunks) // row_multiple) * row_multiple  # m rows at most
+    per_chunk = [-(-r // chunks) for r in rows]  # rows each chunk must hold
+    height = max(min(row_multiple * bucket_up(-(-k // row_multiple)), cap) for k in per_chunk)
+    return sum(-(-r // height) for r in rows) * height * width
 
 
-def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> int:
+def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
     """Token slots one pass of the packed update computes over sequences of ``lengths``
     (prompt + response) with padded width ``full`` = P + R, split as ``groups`` says
     (module docstring); the shuffles are seeded by the lengths, so a step is reproducible."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
-    micro = groups.draw(lengths.size, seed=int(lengths.sum()))
-    return groups.microbatches * microbatch_slots(lengths, full, micro, groups.row_multiple)
-
-
-def minibatch_update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> int:
-    """A what-if (``engines`` ``minibatch_packing``, not built): token slots one pass computes
-    when each minibatch's m x A sequences pack first-fit-decreasing as one group into rows of
-    P + R, split into chunks of Rc rows (the bucket that A chunks suffice for, at most m) and
-    only the ceil(rows / Rc) chunks holding sequences run. The loss stays a mean over the A
-    microbatches by weighting each token, so the gradient is the same function of the same
-    tokens; the waste is then under one chunk per minibatch, not the fullest microbatch's
-    rows in every one."""
-    lengths = np.asarray(lengths)
-    if lengths.size == 0:
-        return 0
-    width = -(-full // GRANULE) * GRANULE
-    mult, accum = groups.row_multiple, groups.microbatches // groups.minibatches
-    cap = -(-lengths.size // groups.microbatches // mult) * mult  # m rows: the memory budget
-    order = np.random.default_rng(int(lengths.sum())).permutation(lengths.size)
-    total = 0
-    for mini in np.array_split(order, groups.minibatches):
-        rows = ffd_rows(lengths[mini], width)
-        per_chunk = -(-rows // accum)  # rows each of the A chunks must hold
-        chunk = min(mult * bucket_up(-(-per_chunk // mult)), cap)
-        total += -(-rows // chunk) * chunk * width
-    return total
+    minis = groups.draw(lengths.size, seed=int(lengths.sum()))
+    slots = minibatch_slots(lengths, full, minis, groups.chunks, groups.row_multiple)
+    return slots / (1 if groups.minibatches == 1 else groups.passes)
 
 
 def score_tokens(lengths, full: int) -> int:

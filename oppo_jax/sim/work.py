@@ -118,8 +118,6 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         update = f.batch_lengths.size * full
         if engine.packed_update:
             update = packing.update_tokens(sequences, full, f.update_groups)
-        if engine.packed_update and engine.minibatch_packing:
-            update = packing.minibatch_update_tokens(sequences, full, f.update_groups)
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P

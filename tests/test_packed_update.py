@@ -63,10 +63,11 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("packed_hf"))
 
 
-def _spec(actor, critic, loss_agg: str) -> UpdateSpec:
+def _spec(actor, critic, loss_agg: str, width_factor: int = 1) -> UpdateSpec:
     ppo = PPOConfig(
         ppo_epochs=1, num_minibatches=2, grad_accum_steps=2, loss_agg=loss_agg,
         entropy_coef=0.01, kl_in_reward=False, importance_correction=True, pack_granule=4,
+        pack_width_factor=width_factor,
     )  # fmt: skip
     optim = OptimConfig(actor_lr=1e-3, critic_lr=1e-3)
     return UpdateSpec(
@@ -116,24 +117,29 @@ LOSSES = ("policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl", "is_w
 
 
 @pytest.mark.parametrize(
-    "model_type,loss_agg",
+    "model_type,loss_agg,width_factor",
     [
-        ("qwen2", "token_mean"),
-        ("llama", "seq_mean"),
-        pytest.param("qwen2", "seq_mean", marks=pytest.mark.slow),
-        pytest.param("llama", "token_mean", marks=pytest.mark.slow),
+        ("qwen2", "token_mean", 1),
+        ("llama", "seq_mean", 1),
+        ("qwen2", "seq_mean", 2),  # rows of 2 (P + R): any two sequences share one
+        pytest.param("qwen2", "seq_mean", 1, marks=pytest.mark.slow),
+        pytest.param("llama", "token_mean", 1, marks=pytest.mark.slow),
     ],
 )
-def test_packed_update_equals_padded(root, model_type, loss_agg):
+def test_packed_update_equals_padded(root, model_type, loss_agg, width_factor):
     actor, critic = _models(model_type, root)
-    spec = _spec(actor, critic, loss_agg)
+    spec = _spec(actor, critic, loss_agg, width_factor)
     batch, key = _batch(spec, actor.params, critic.params), jax.random.key(7)
     padded, packed = make_update(spec, packed=False), make_update(spec, packed=True)
     want_state, want = _run(padded, spec, actor, critic, batch, key)
     got_state, got = _run(packed, spec, actor, critic, batch, key)
     assert got["update_tokens_computed"] < want["update_tokens_computed"]  # it did pack
-    used = packed.plan(batch, key).indices.used
-    assert used.any(axis=-1).all() and not used.all()  # a chunk left idle: the skip is checked
+    plan = packed.plan(batch, key)
+    assert plan.shape[1] == width_factor * (P + R)  # P + R = 24, a multiple of the granule
+    used = plan.indices.used
+    assert used.any(axis=-1).all()
+    if width_factor == 1:  # a chunk left idle: the skip is checked (the wide rows fill both)
+        assert not used.all()
     assert got["update_tokens_real"] == want["update_tokens_real"]
     for name in LOSSES + ("actor_grad_norm", "critic_grad_norm"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
@@ -204,8 +210,8 @@ def test_bucket_and_first_fit():
     assert first_fit_decreasing(np.array([8, 8]), 8) == [[0], [1]]
 
 
-@pytest.mark.parametrize("seq_mean", [False, True])
-def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean):
+@pytest.mark.parametrize(("seq_mean", "factor"), [(False, 1), (True, 1), (False, 2)])
+def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean, factor):
     rng = np.random.default_rng(0)
     full, resp, shapes, mixed, idle = 16 + 64, 64, set(), 0, 0
     for _ in range(60):
@@ -214,11 +220,12 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean):
         perms = np.stack([rng.permutation(32) for _ in range(2)])
         micro = microbatch_rows(perms, 2, 2)
         plan = plan_packing(prompt_len, resp_len, micro, full, resp, granule=16, row_multiple=2,
-                            seq_mean=seq_mean)  # fmt: skip
+                            seq_mean=seq_mean, width_factor=factor)  # fmt: skip
         shapes.add(plan.shape)
         rows, width, slots = plan.shape
         idx = plan.indices
-        assert rows % 2 == 0 and slots % 2 == 0 and width <= full
+        assert rows % 2 == 0 and slots % 2 == 0 and width == factor * full
+        assert rows * width <= 8 * full  # no chunk holds more than the padded microbatch
         for e, j in np.ndindex(*micro.shape[:2]):
             seqs = micro[e, j].reshape(-1)  # minibatch-local index -> batch row
             owner = np.repeat(np.arange(micro.shape[2]), micro.shape[3])  # its microbatch
@@ -264,9 +271,13 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean):
     # One width (P + R), rows {2, 4, 6, 8} and slots following them: every shape a warm-up
     # compiles (packed_shapes, m = 8 sequences per microbatch, 2 chunks), far fewer than the
     # steps drawn
-    allowed = packed_shapes(8, full, resp, granule=16, row_multiple=2, chunks=2)
-    assert [r for r, _, _ in allowed] == [2, 4, 6, 8]
-    assert allowed[0] == (2, 80, 160) and allowed[-1] == (8, 80, 8 * 80)
+    allowed = packed_shapes(8, full, resp, granule=16, row_multiple=2, chunks=2,
+                            width_factor=factor)  # fmt: skip
+    if factor == 1:
+        assert [r for r, _, _ in allowed] == [2, 4, 6, 8]
+        assert allowed[0] == (2, 80, 160) and allowed[-1] == (8, 80, 8 * 80)
+    else:  # rows of 160: at most 4 a chunk
+        assert allowed == [(2, 160, 320), (4, 160, 640)]
     assert shapes <= set(allowed), shapes
 
 

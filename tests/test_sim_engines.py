@@ -22,7 +22,7 @@ from oppo_jax.sim import (
 from oppo_jax.sim.engines import Engine, built_for, packed, pow2, recorded_engine
 from oppo_jax.sim.lengths import LogNormal
 from oppo_jax.sim.packing import RAGGED_KEY_BLOCK
-from oppo_jax.sim.work import StepFacts, decode_chunks, step_work
+from oppo_jax.sim.work import StepFacts, _row_pairs, decode_chunks, step_work
 
 # 8 slots, P = 4, R = 64, C = 8; slot 0 carried 30 tokens in (its row bucket: 4 rows at
 # W = 4 + 32); B = 6 finish by position 12 (the cut), slots 3 and 5 run past it.
@@ -100,11 +100,26 @@ def test_each_feature_changes_only_its_stage(feature, field, want):
     base, flipped = _work(FIXED), _work(FIXED.with_features([feature]))
     assert getattr(flipped, field) == want
     others = [f.name for f in dataclasses.fields(base) if f.name != field]
-    extra = {"real_width_scoring": {"sync_admit_tokens"}}.get(feature, set())
+    extra = {"real_width_scoring": {"sync_admit_tokens"}, "packed_update": {"update_pairs"}}
+    extra = extra.get(feature, set())
     for name in set(others) - extra:
         assert getattr(flipped, name) == getattr(base, name), (feature, name)
     if feature == "real_width_scoring":  # the packed sync call needs no admission prefill
         assert flipped.sync_admit_tokens == 0 and base.sync_admit_tokens == 3 * 160
+    if feature == "packed_update":  # XLA's attention: every key of a row, 2 x 80² vs 6 x 68²
+        assert (flipped.update_pairs, base.update_pairs) == (2 * 80**2, 6 * 68**2)
+
+
+def test_update_attention_pairs():
+    """The update's attention priced per query-key pair: the active engine each sequence's own
+    causal pairs; splash (TPU) the causal 128-key blocks of a packed row, XLA every key."""
+    lengths = 4 + np.array([32, 3, 5, 9, 12, 1])  # FACTS' batch: P 4 + its responses
+    assert _work(ACTIVE).update_pairs == sum(n * (n + 1) / 2 for n in lengths)
+    causal = _work(dataclasses.replace(FIXED.with_features(["packed_update"]),
+                                       causal_update_attention=True))  # fmt: skip
+    assert causal.update_pairs == 2 * 80**2  # one block of 80: all of it
+    wide = _row_pairs(3072, True)
+    assert wide == 128**2 * 24 * 25 / 2 and 0.5 < wide / 3072**2 < 0.53
 
 
 def test_ragged_decode_reads_each_running_rows_own_context():
@@ -121,7 +136,9 @@ def test_ragged_decode_reads_each_running_rows_own_context():
     assert w.update_tokens == _work(FIXED).update_tokens  # nothing else changes
     # The GPU's engine as built has it ("auto" picks the kernel there); the TPU's and CPU's not.
     assert built_for("gpu").ragged_decode and built_for("gpu").name == "built"
-    assert built_for("tpu") == built_for("cpu") == BUILT and not BUILT.ragged_decode
+    assert built_for("cpu") == BUILT and not BUILT.ragged_decode
+    tpu = built_for("tpu")  # splash's causal blocks in the update there, no ragged kernel
+    assert tpu.causal_update_attention and not tpu.ragged_decode and tpu.name == "built"
 
 
 def test_slot_compaction_follows_the_live_slots_one_chunk_late():

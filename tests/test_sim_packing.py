@@ -46,7 +46,7 @@ def test_update_mirror_counts_the_engines_chunks(seed):
     rng = np.random.default_rng(100 + seed)
     for _ in range(25):
         epochs, minibatches, accum = (int(x) for x in rng.integers(1, 4, 3))
-        mult = int(rng.choice([1, 2, 4]))
+        mult, k = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2]))  # shards, width factor
         m = mult * int(rng.integers(1, 5))  # the engine needs microbatches of whole shards
         b, p, r = m * minibatches * accum, int(rng.choice([4, 512])), int(rng.choice([64, 1024]))
         response = np.minimum(rng.lognormal(np.log(100), 0.94, b).astype(int) + 1, r)
@@ -54,13 +54,14 @@ def test_update_mirror_counts_the_engines_chunks(seed):
         lengths = prompt + response
         perms = np.stack([rng.permutation(b) for _ in range(epochs)])
         micro = microbatch_rows(perms, minibatches, accum)
-        engine = update_plan(prompt, response, micro, p + r, r, row_multiple=mult)
+        engine = update_plan(prompt, response, micro, p + r, r, row_multiple=mult, width_factor=k)
         minis = micro.reshape(epochs * minibatches, accum * m)
-        assert packing.minibatch_slots(lengths, p + r, minis, accum, mult) == engine.tokens_computed
+        groups = packing.UpdateGroups(epochs, minibatches * accum, mult, minibatches, k)
+        assert packing.minibatch_slots(lengths, p + r, minis, groups) == engine.tokens_computed
         # One minibatch per pass: every pass packs the whole batch alike, as update_tokens says.
-        groups = packing.UpdateGroups(epochs, accum, mult)
+        groups = packing.UpdateGroups(epochs, accum, mult, width_factor=k)
         one = update_plan(prompt, response, microbatch_rows(perms, 1, accum), p + r, r,
-                          row_multiple=mult)  # fmt: skip
+                          row_multiple=mult, width_factor=k)  # fmt: skip
         assert packing.update_tokens(lengths, p + r, groups) * epochs == one.tokens_computed
 
 

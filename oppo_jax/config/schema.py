@@ -91,6 +91,10 @@ class PPOConfig:
     # update on the sequences' real tokens packed into rows (False: the padded [B, P + R] update)
     packed_update: bool = True
     pack_granule: int = 16  # the packed update's row width is P + R rounded up to this, tokens
+    # the packed update's rows are this many times P + R wide: 2 lets any two sequences share a
+    # row (long fixed prompts pack badly in one P + R) at twice a row's attention; the chunks
+    # hold no more tokens than a padded microbatch whatever the width
+    pack_width_factor: int = 1
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
 _POSITIVE_INTS = (
     "rollout.batch_size", "rollout.max_prompt_len", "rollout.max_response_len",
     "ppo.kl_horizon", "ppo.ppo_epochs", "ppo.num_minibatches", "ppo.grad_accum_steps",
-    "ppo.pack_granule",
+    "ppo.pack_granule", "ppo.pack_width_factor",
     "mesh.data", "mesh.fsdp", "mesh.tensor",
     "pipeline.chunk_size", "pipeline.chunk_tuning_every", "pipeline.overcommit_window",
     "train.steps", "train.max_to_keep", "train.log_every", "train.max_nonfinite_in_a_row",

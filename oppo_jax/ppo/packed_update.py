@@ -161,6 +161,7 @@ class PackedUpdate:
             ppo.pack_granule,
             self.row_multiple,
             seq_mean=ppo.loss_agg == "seq_mean",
+            width_factor=ppo.pack_width_factor,
         )
 
     def _per_microbatch(self, num_rows: int) -> tuple[tuple[int, int, int], int]:
@@ -176,7 +177,7 @@ class PackedUpdate:
         ppo = self.spec.ppo
         return packed_shapes(
             m, full_width, response_width, ppo.pack_granule, self.row_multiple,
-            chunks=ppo.grad_accum_steps,
+            chunks=ppo.grad_accum_steps, width_factor=ppo.pack_width_factor,
         )  # fmt: skip
 
     def compile_shape(self, state, batch: PPOBatch, shape: tuple[int, int, int], kl_coef):

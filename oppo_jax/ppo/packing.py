@@ -30,9 +30,11 @@ slots; n = A·m sequences in the minibatch):
 
 The shape (Rp, W, N) is one per step, from a small set fixed by the config
 (``packed_shapes``), so a warm-up compiles every program the update can run: the width W is
-the padded width L = P + R rounded up to the granule (every sequence fits a row), Rp is the
-bucket (``bucket_up``) of the rows A chunks need, at most m, and N = min(Rp · W, n · R) (a
-chunk's responses never outnumber its slots nor the minibatch's). The plan is a pure function
+k x the padded width L = P + R (``ppo.pack_width_factor`` k, default 1), rounded up to the
+granule (every sequence fits a row; with k = 2 any two do, which long fixed prompts need), Rp
+is the bucket (``bucket_up``) of the rows A chunks need, at most m / k (no chunk holds more
+token slots than the padded microbatch), and N = min(Rp · W, n · R) (a chunk's responses
+never outnumber its slots nor the minibatch's). The plan is a pure function
 of the step's data (never of which shapes compiled before): a resumed run packs exactly as
 the uninterrupted one, so resume stays bit-identical.
 """
@@ -125,10 +127,11 @@ class PackPlan:
     tokens_computed: int  # token slots they compute: chunks that run x Rp x W
 
 
-def packed_width(full_width: int, granule: int) -> int:
-    """W: the padded width L rounded up to a multiple of ``granule`` (the longest sequence fits
-    one row). Example: L 48, granule 16 -> 48; L 50 -> 64."""
-    return -(-full_width // granule) * granule
+def packed_width(full_width: int, granule: int, factor: int = 1) -> int:
+    """W: ``factor`` x the padded width L rounded up to a multiple of ``granule`` (the longest
+    sequence fits one row; with factor k any k do). Example: L 48, granule 16 -> 48; L 50 ->
+    64; L 50, factor 2 -> 112."""
+    return -(-factor * full_width // granule) * granule
 
 
 def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
@@ -136,8 +139,10 @@ def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
     return min(multiple * bucket_up(-(-rows // multiple)), cap)
 
 
-def _row_cap(num_seqs: int, multiple: int) -> int:
-    return -(-num_seqs // multiple) * multiple  # m rows: the padded microbatch's
+def _row_cap(num_seqs: int, multiple: int, factor: int = 1) -> int:
+    """Rows of a chunk at most: m / factor (the padded microbatch's tokens), whole shards."""
+    rows = -(-num_seqs // factor)
+    return -(-rows // multiple) * multiple
 
 
 def _slots(rows: int, width: int, num_seqs: int, response_width: int, multiple: int) -> int:
@@ -153,6 +158,7 @@ def packed_shapes(
     granule: int = 16,
     row_multiple: int = 1,
     chunks: int = 1,
+    width_factor: int = 1,
 ) -> list[tuple[int, int, int]]:
     """Every (Rp, W, N) ``plan_packing`` can pick for minibatches of ``chunks`` microbatches
     of ``num_seqs`` (m) sequences: what a warm-up compiles so that no measured step does.
@@ -160,8 +166,8 @@ def packed_shapes(
     Example: m 8, L 48, R 32, granule 16, one chunk: W 48, Rp in {1, 2, 3, 4, 6, 8},
     N = min(48 Rp, 256).
     """
-    width, cap = packed_width(full_width, granule), _row_cap(num_seqs, row_multiple)
-    n = num_seqs * chunks
+    width = packed_width(full_width, granule, width_factor)
+    cap, n = _row_cap(num_seqs, row_multiple, width_factor), num_seqs * chunks
     rows = sorted({_rows_bucket(k, cap, row_multiple) for k in range(1, cap + 1)})
     return [(r, width, _slots(r, width, n, response_width, row_multiple)) for r in rows]
 
@@ -187,21 +193,27 @@ def plan_packing(
     granule: int = 16,
     row_multiple: int = 1,
     seq_mean: bool = False,
+    width_factor: int = 1,
 ) -> PackPlan:
     """Pack every minibatch of ``micro`` [E, M, A, m] (see ``microbatch_rows``) of a batch
     whose sequences have these lengths [B] (host ints), padded width L = ``full_width`` and
     response width R = ``response_width``, into A chunks each. ``row_multiple``: Rp and N are
-    multiples of it (the devices the rows shard over); ``seq_mean``: the loss aggregation."""
+    multiples of it (the devices the rows shard over); ``seq_mean``: the loss aggregation;
+    ``width_factor``: rows of that many times L (``packed_width``)."""
     prompt_len, response_len = np.asarray(prompt_len, np.int64), np.asarray(response_len)
     if (prompt_len < 1).any():
         raise ValueError("packing needs every prompt to hold at least one token")
     lengths = prompt_len + response_len
     epochs, minibatches, chunks, m = micro.shape
     minis = micro.reshape(epochs * minibatches, chunks, m)
-    width, cap = packed_width(full_width, granule), _row_cap(m, row_multiple)
+    width = packed_width(full_width, granule, width_factor)
+    cap = _row_cap(m, row_multiple, width_factor)
     members = [mini.reshape(-1) for mini in minis]  # minibatch-local index -> batch row
     bins = [first_fit_decreasing(lengths[rows], width) for rows in members]
     rows = max(_rows_bucket(-(-len(b) // chunks), cap, row_multiple) for b in bins)
+    # Any k sequences fit a row of k·L, so first-fit decreasing needs at most ceil(A·m / k)
+    # rows: A chunks of ``cap`` always hold them (a row left out would lose its sequences).
+    assert all(len(b) <= rows * chunks for b in bins), (rows, chunks, [len(b) for b in bins])
     slots = _slots(rows, width, chunks * m, response_width, row_multiple)
     dims = (rows, width, slots, full_width, response_width)
     arrays = []

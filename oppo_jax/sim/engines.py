@@ -64,6 +64,9 @@ class Engine:
     packed_chunk_scoring: bool = False
     # decode attention per row over its own context (whole key blocks), finished rows none
     ragged_decode: bool = False
+    # the update's attention skips key blocks above the diagonal (splash on a TPU, blocks of
+    # CAUSAL_BLOCK); False: every key of a row (XLA's attention over query blocks)
+    causal_update_attention: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -119,10 +122,18 @@ ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 
 
+CAUSAL_BLOCK = 128  # splash attention's default query and key block
+
+
 def built_for(backend: str) -> Engine:
-    """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, and on a GPU the
-    ragged decode attention that ``model.attention=auto`` picks there."""
-    return dataclasses.replace(BUILT, ragged_decode=True) if backend == "gpu" else BUILT
+    """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, on a GPU with the
+    ragged decode attention and on a TPU with splash's causal update attention, the kernels
+    ``model.attention=auto`` picks there."""
+    if backend == "gpu":
+        return dataclasses.replace(BUILT, ragged_decode=True)
+    if backend == "tpu":
+        return dataclasses.replace(BUILT, causal_update_attention=True)
+    return BUILT
 
 
 def pow2(n: int | float, floor: int = 1) -> int:

@@ -127,7 +127,7 @@ def _plan(cost: CostModel, work: Work, streamed: bool, disagg: bool) -> Plan:
         host.append((seen, cost.host_dispatch_s + cost.host_finish_s))
     p.add("build batch", gen, cost.build_s, host, needs=[scoring])
     update_deps = [(i, offset + cost.host_update_s) for i, offset in host]
-    p.add("update", gen, cost.update_s(work.update_tokens), update_deps)
+    p.add("update", gen, cost.update_s(work.update_tokens, work.update_pairs), update_deps)
     p.add("copy", gen, cost.copy_s)
     return p
 

@@ -39,6 +39,7 @@ class CostModel:
     build_s: float = 0.0  # s per step building the PPO batch (after the scores arrive)
     update_u0: float = 0.0  # s per update (optimizer steps' memory traffic, dispatch)
     update_u1: float = 0.0  # s per update token the engine computes (all epochs and models)
+    update_a: float = 0.0  # s per query-key pair the update's attention computes (likewise)
     copy_s: float = 0.0  # s per step after the update (parameter copies, host tail)
     host_admit_s: float = 0.0  # s of host work before the actor prefill is dispatched
     host_setup_s: float = 0.0  # s more before the first decode chunk is dispatched
@@ -77,9 +78,10 @@ class CostModel:
         """The actor's admission prefill of ``tokens`` tokens."""
         return self.admit_p0 + self.admit_p1 * tokens
 
-    def update_s(self, tokens: Num) -> float:
-        """The PPO update over ``tokens`` computed batch tokens."""
-        return self.update_u0 + self.update_u1 * tokens
+    def update_s(self, tokens: Num, pairs: Num = 0.0) -> float:
+        """The PPO update over ``tokens`` computed batch tokens whose attention computes
+        ``pairs`` query-key pairs."""
+        return self.update_u0 + self.update_u1 * tokens + self.update_a * pairs
 
     def to_dict(self) -> dict:
         """Plain JSON form."""

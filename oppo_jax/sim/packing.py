@@ -69,6 +69,7 @@ class UpdateGroups:
     microbatches: int = 1  # per pass: minibatches x gradient-accumulation steps
     row_multiple: int = 1  # rows are a multiple of the batch shards (data x fsdp)
     minibatches: int = 1  # of ``microbatches``: the optimizer steps per pass
+    width_factor: int = 1  # ppo.pack_width_factor: rows of k x (P + R)
 
     @property
     def chunks(self) -> int:
@@ -88,32 +89,45 @@ class UpdateGroups:
         return np.concatenate([p.reshape(self.minibatches, -1) for p in perms])
 
 
-def minibatch_slots(lengths, full: int, minis, chunks: int = 1, row_multiple: int = 1,
-                    granule: int = GRANULE) -> int:  # fmt: skip
-    """Token slots the packed update computes over the minibatches ``minis`` [G, A·m] (batch
-    rows) of sequences of ``lengths`` (prompt + response), padded width ``full`` = P + R,
-    ``chunks`` = A accumulation steps each: one chunk height for the step, the bucket of the
-    rows A chunks need in the fullest minibatch (at most m), and only the chunks holding
-    sequences run (module docstring)."""
+def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE):
+    """(rows that run, their width) of the packed update over the minibatches ``minis``
+    [G, A·m] (batch rows) of sequences of ``lengths`` (prompt + response), padded width
+    ``full`` = P + R, split as ``groups`` says: one chunk height for the step, the bucket of
+    the rows A chunks need in the fullest minibatch (at most m / k), and only the chunks
+    holding sequences run (module docstring)."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
-    width = -(-full // granule) * granule
+    k, mult, chunks = groups.width_factor, groups.row_multiple, groups.chunks
+    width = -(-k * full // granule) * granule
     rows = [ffd_rows(lengths[mini], width) for mini in minis]
-    cap = -(-(minis.shape[1] // chunks) // row_multiple) * row_multiple  # m rows at most
+    rows_cap = -(-(minis.shape[1] // chunks) // k)  # m / k rows: a padded microbatch's tokens
+    cap = -(-rows_cap // mult) * mult
     per_chunk = [-(-r // chunks) for r in rows]  # rows each chunk must hold
-    height = max(min(row_multiple * bucket_up(-(-k // row_multiple)), cap) for k in per_chunk)
-    return sum(-(-r // height) for r in rows) * height * width
+    height = max(min(mult * bucket_up(-(-n // mult)), cap) for n in per_chunk)
+    return sum(-(-r // height) for r in rows) * height, width
 
 
-def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
-    """Token slots one pass of the packed update computes over sequences of ``lengths``
+def minibatch_slots(lengths, full: int, minis, groups: UpdateGroups = UpdateGroups()) -> int:
+    """Token slots of ``minibatch_rows``."""
+    rows, width = minibatch_rows(lengths, full, minis, groups)
+    return rows * width
+
+
+def update_rows(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> tuple[float, int]:
+    """(rows, width) one pass of the packed update computes over sequences of ``lengths``
     (prompt + response) with padded width ``full`` = P + R, split as ``groups`` says
     (module docstring); the shuffles are seeded by the lengths, so a step is reproducible."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
-        return 0
+        return 0.0, 0
     minis = groups.draw(lengths.size, seed=int(lengths.sum()))
-    slots = minibatch_slots(lengths, full, minis, groups.chunks, groups.row_multiple)
-    return slots / (1 if groups.minibatches == 1 else groups.passes)
+    rows, width = minibatch_rows(lengths, full, minis, groups)
+    return rows / (1 if groups.minibatches == 1 else groups.passes), width
+
+
+def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
+    """Token slots of ``update_rows``: one pass of the packed update."""
+    rows, width = update_rows(lengths, full, groups)
+    return rows * width
 
 
 def score_tokens(lengths, full: int) -> int:

@@ -36,6 +36,7 @@ DEFAULTS = {
     "minibatches": 1,
     "grad_accum": 1,
     "row_multiple": 1,
+    "width_factor": 1,
     "trained": ("actor", "critic"),
     "chunk": 256,
     "delta": 16,
@@ -57,6 +58,7 @@ _SETTING = {
     "minibatches": "ppo",
     "grad_accum": "ppo",
     "row_multiple": "model",
+    "width_factor": "ppo",
     "trained": "trained",
     "chunk": "schedule",
     "delta": "schedule",
@@ -78,6 +80,7 @@ _CONFIG_KEYS = {
     "ppo.ppo_epochs": "ppo",
     "ppo.num_minibatches": "ppo",
     "ppo.grad_accum_steps": "ppo",
+    "ppo.pack_width_factor": "ppo",
     "pipeline.": "schedule",
     "mesh.data": "model",
     "mesh.fsdp": "model",
@@ -130,8 +133,8 @@ class Projection:
             (
                 "ppo",
                 f"{t.ppo_epochs} PPO epoch(s) × {t.num_minibatches} minibatch(es) × "
-                f"{w.update_groups.microbatches // t.num_minibatches} microbatch(es), "
-                f"each packed alone",
+                f"{w.update_groups.chunks} accumulation step(s), packed rows "
+                f"{w.update_groups.width_factor} × (P + R)",
             ),
             ("trained", f"trained: {' + '.join(t.trained)}{lora}; {t.n_scorers} scorers"),
             (
@@ -242,6 +245,7 @@ def build_projection(spec: str, config=None, overrides=(), given: dict | None = 
             values["minibatches"] * values["grad_accum"],
             values["row_multiple"],
             values["minibatches"],
+            values["width_factor"],
         ),
     )
     workload.check()
@@ -272,6 +276,7 @@ def _config_values(cfg, spec: str) -> dict:
         "epochs": cfg.ppo.ppo_epochs,
         "minibatches": cfg.ppo.num_minibatches,
         "grad_accum": cfg.ppo.grad_accum_steps,
+        "width_factor": getattr(cfg.ppo, "pack_width_factor", 1),
         "row_multiple": m.data * m.fsdp,  # the batch shards the packed rows split over
         # Every run of this schema trains a critic beside the actor (LoRA and critic-free
         # runs will say so here once the schema has them).

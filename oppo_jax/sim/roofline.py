@@ -7,9 +7,13 @@ forward + backward, per PPO epoch and per trained model (the critic has the acto
 in every config here); each optimizer step also moves parameters, gradients and two Adam
 moments through HBM. With LoRA (``lora_rank`` > 0) the frozen base needs no weight gradient:
 2× the forward per token (forward + the activations' backward), and the optimizer and the
-parameter copy move only the adapters (taken as free). Not modelled: attention FLOPs of
-prefill and update (a few percent at contexts of ~1k tokens, more at 8k+), memory limits,
-host delays (0) and contention (ρ = 1).
+parameter copy move only the adapters (taken as free). The update's attention is priced
+per query-key pair its kernel computes (4 · layers · heads · head_dim FLOPs forward, the same
+backward factor): every key of a row for XLA's attention, the causal blocks for splash on a
+TPU, each sequence's own causal pairs for the token-proportional engine; at the matmul rate,
+so XLA's unfused attention (scores through HBM) costs more than this says. Not modelled:
+attention FLOPs of prefill and scoring (a few percent at contexts of ~1k tokens, more at
+8k+), memory limits, host delays (0) and contention (ρ = 1).
 Every cost model from here is labelled PROJECTION.
 """
 
@@ -39,6 +43,7 @@ class ModelShape:
     params: float
     kv_bytes_per_token: float  # 2 (K, V) × layers × kv_heads × head_dim × 2 bytes (bf16)
     bytes_per_param: float = 2.0  # bf16
+    attention_width: float = 0.0  # layers × query heads × head_dim: a query-key pair's FLOPs / 4
 
     @property
     def weight_bytes(self) -> float:
@@ -75,10 +80,10 @@ HARDWARE = {
     "tpu-v5p": Hardware("TPU v5p (one chip)", 2.765e12, 459e12, 600e9, backend="tpu"),
 }
 MODELS = {
-    # 36 layers, 2 KV heads, head_dim 128.
-    "qwen2.5-3b": ModelShape("Qwen2.5-3B", 3.09e9, 2.0 * 36 * 2 * 128 * 2),
-    # 28 layers, 4 KV heads, head_dim 128.
-    "qwen2.5-7b": ModelShape("Qwen2.5-7B", 7.62e9, 2.0 * 28 * 4 * 128 * 2),
+    # 36 layers, 16 query heads, 2 KV heads, head_dim 128.
+    "qwen2.5-3b": ModelShape("Qwen2.5-3B", 3.09e9, 2.0 * 36 * 2 * 128 * 2, 2.0, 36.0 * 16 * 128),
+    # 28 layers, 28 query heads, 4 KV heads, head_dim 128.
+    "qwen2.5-7b": ModelShape("Qwen2.5-7B", 7.62e9, 2.0 * 28 * 4 * 128 * 2, 2.0, 28.0 * 28 * 128),
 }
 # An AdamW step reads parameters, gradients and both moments and writes parameters and
 # moments: 7 arrays of the parameters' size.
@@ -119,6 +124,8 @@ def roofline_cost_model(
         admit_p1=per_token,
         update_u0=optimizer_steps * OPTIMIZER_ARRAYS * weights,
         update_u1=backward * per_token * train.ppo_epochs * trained,
+        # QKᵀ and PV: 2 × 2 FLOPs per query-key pair and unit of attention width
+        update_a=backward * 4.0 * model.attention_width / (peak * mfu) * train.ppo_epochs * trained,
         copy_s=0.0 if train.lora_rank else model.weight_bytes / hardware.link_bytes_s,
         label=f"PROJECTION (roofline, mfu {mfu:g}): {model.name} on {chips}× {hardware.name}",
     )

@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from oppo_jax.sim import packing
-from oppo_jax.sim.engines import Engine, pow2
+from oppo_jax.sim.engines import CAUSAL_BLOCK, Engine, pow2
 from oppo_jax.sim.trace import forward_steps
 
 
@@ -75,6 +75,8 @@ class Work:
     score_chunks: list[float]  # per scored chunk (all scorers); the last chunk is never scored
     sync_score_tokens: float  # all scorers, the one call each when not streaming
     update_tokens: float
+    # query-key pairs the update's attention computes in one pass (both models alike)
+    update_pairs: float = 0.0
     # all scorers' admission when not streaming (None: as when streaming); 0: skipped, as
     # the packed sync scoring does (it scores prompt + response at once)
     sync_admit_tokens: float | None = None
@@ -100,6 +102,8 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         new_rows = int((f.prefix == 0).sum()) * f.prompt_len
         sync = real_new
         update = f.batch_lengths.size * f.prompt_len + float(f.batch_lengths.sum())
+        sequences = f.prompt_len + f.batch_lengths
+        pairs = float((sequences * (sequences + 1) / 2).sum())  # each its own causal pairs
     else:
         decode, buckets = _fixed_decode(engine, f, ends)
         per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
@@ -115,9 +119,11 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         sync = f.slots * f.capacity
         if engine.real_width_scoring:  # the batch's sequences packed, no admission prefill
             sync = packing.score_tokens(sequences, full)
-        update = f.batch_lengths.size * full
+        rows, row_width = f.batch_lengths.size, full
         if engine.packed_update:
-            update = packing.update_tokens(sequences, full, f.update_groups)
+            rows, row_width = packing.update_rows(sequences, full, f.update_groups)
+        update = rows * row_width
+        pairs = rows * _row_pairs(row_width, engine.causal_update_attention)
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P
@@ -133,8 +139,19 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         score_chunks=[float(n_scorers * t) for t in per_chunk],
         sync_score_tokens=float(n_scorers * sync),
         update_tokens=float(update),
+        update_pairs=float(pairs),
         sync_admit_tokens=None if sync_admit is None else float(sync_admit),
     )
+
+
+def _row_pairs(width: int, causal: bool) -> float:
+    """Query-key pairs the update's attention computes over one packed row of ``width``:
+    every key of the row (XLA), or the causal blocks up to and with the diagonal's (splash)."""
+    if not causal:
+        return float(width) * width
+    block = min(CAUSAL_BLOCK, width)
+    blocks = math.ceil(width / block)
+    return blocks * (blocks + 1) / 2 * block**2
 
 
 def _running(ends: np.ndarray, t: np.ndarray) -> np.ndarray:

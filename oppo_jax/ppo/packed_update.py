@@ -6,8 +6,8 @@ Same minibatches and microbatches (the host replays the update key's permutation
 losses as weighted sums, the same accumulation and non-finite guard
 (``update.optimizer_step``; a chunk holding no sequence adds zeros without running the
 models): only the layout differs, so the results equal the padded update's up to float
-summation order. The LM head runs at the
-microbatch's response slots only, in vocabulary blocks, as in the padded update.
+summation order. The LM head runs at the chunk's response slots only, in vocabulary blocks,
+as in the padded update.
 
 ``make_update`` builds the update a run dispatches: ``update(state, batch, key, kl_coef,
 lengths=None)``, where ``lengths`` = (prompt_len, response_len) host arrays of the batch's rows
@@ -102,8 +102,8 @@ def ppo_update_packed(
     kl_coef,
     layout: UpdateLayout | None = None,
 ):
-    """``update.ppo_update`` with every microbatch gathered from ``batch`` onto the packed
-    layout by ``plan`` (leading axes [epochs, minibatches, microbatches]); the same checks
+    """``update.ppo_update`` with every accumulation chunk gathered from ``batch`` onto the
+    packed layout by ``plan`` (leading axes [epochs, minibatches, chunks]); the same checks
     (the whole padded batch must be finite) and the same metrics."""
     minibatch = batch.tokens.shape[0] // spec.ppo.num_minibatches  # sequences per minibatch
 

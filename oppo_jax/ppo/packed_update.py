@@ -30,6 +30,7 @@ from oppo_jax.models import lora
 from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
 from oppo_jax.models.transformer import Transformer
 from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.finite import all_finite
 from oppo_jax.ppo.losses import value_loss
 from oppo_jax.ppo.packing import (
     PackedMicrobatch,
@@ -46,7 +47,6 @@ from oppo_jax.ppo.update import (
     UpdateLayout,
     UpdateSpec,
     actor_objective,
-    all_finite,
     batch_shardings,
     finish_update,
     optimizer_step,
@@ -176,9 +176,14 @@ class PackedUpdate:
         _, m = self._per_microbatch(num_rows)
         ppo = self.spec.ppo
         return packed_shapes(
-            m, full_width, response_width, ppo.pack_granule, self.row_multiple,
-            chunks=ppo.grad_accum_steps, width_factor=ppo.pack_width_factor,
-        )  # fmt: skip
+            m,
+            full_width,
+            response_width,
+            ppo.pack_granule,
+            self.row_multiple,
+            chunks=ppo.grad_accum_steps,
+            width_factor=ppo.pack_width_factor,
+        )
 
     def compile_shape(self, state, batch: PPOBatch, shape: tuple[int, int, int], kl_coef):
         """Run the jitted update once at ``shape`` on a plan of padding only, so that a step

@@ -221,7 +221,7 @@ def plan_packing(
         weights = token_weights(response_len, mini, seq_mean)
         for c in range(chunks):
             dealt = row_bins[c * rows : (c + 1) * rows]
-            arrays.append(_pack_one(seqs, dealt, prompt_len, response_len, weights, *dims))
+            arrays.append(_pack_one(seqs, dealt, prompt_len, response_len, weights, dims))
     stacked = {
         k: np.stack([a[k] for a in arrays]).reshape(micro.shape[:3] + arrays[0][k].shape)
         for k in arrays[0]
@@ -241,14 +241,15 @@ def padding_indices(outer: tuple, shape: tuple[int, int, int], num_seqs: int) ->
     update at that shape."""
     rows, width, slots = shape
     no_weights = (np.zeros(0, np.float32),) * 2
-    out = _pack_one([0] * num_seqs, [], None, None, no_weights, rows, width, slots, 0, 0)
+    out = _pack_one([0] * num_seqs, [], None, None, no_weights, (rows, width, slots, 0, 0))
     return PackIndices(**{k: np.broadcast_to(v, outer + v.shape).copy() for k, v in out.items()})
 
 
-def _pack_one(seqs, row_bins, prompt_len, response_len, weights, rows, width, slots, full,
-              resp_w):  # fmt: skip
+def _pack_one(seqs, row_bins, prompt_len, response_len, weights, dims):
     """Index arrays of one chunk: ``seqs`` [n] the minibatch's batch rows, ``row_bins`` the
-    chunk's rows (lists of minibatch-local indices), ``weights`` (loss, mean) per batch row."""
+    chunk's rows (lists of minibatch-local indices), ``weights`` (loss, mean) per batch row,
+    ``dims`` = (Rp, W, N, L, R)."""
+    rows, width, slots, full, resp_w = dims
     n = len(seqs)
     out = {
         "tok_src": np.zeros((rows, width), np.int32),

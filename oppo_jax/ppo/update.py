@@ -33,6 +33,7 @@ from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.advantages import kl_estimate
 from oppo_jax.ppo.batch import PPOBatch, critic_values, policy_logprobs
+from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
 from oppo_jax.ppo.losses import aggregate, policy_loss, value_loss
 from oppo_jax.sharding import (
     DEFAULT_RULES,
@@ -183,14 +184,6 @@ def _split(tree, parts: int, layout: UpdateLayout | None):
     return split if layout is None else layout.rows(split, axis=1)
 
 
-def _nan_like(shapes):
-    return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
-
-
-def _zeros_like(shapes):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
 @dataclasses.dataclass(frozen=True)
 class Losses:
     """What one microbatch costs each model: the padded update's losses, or the packed
@@ -230,10 +223,10 @@ def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, para
 
     def guarded(mb):
         if losses.runs is None:
-            return jax.lax.cond(batch_ok, compute, lambda _: _nan_like(shapes), mb)
+            return jax.lax.cond(batch_ok, compute, lambda _: nan_like(shapes), mb)
         # NaN for a non-finite batch (as above), zeros for an empty chunk, else the models
         branch = jnp.where(batch_ok, jnp.where(losses.runs(mb), 2, 1), 0)
-        branches = (lambda _: _nan_like(shapes), lambda _: _zeros_like(shapes), compute)
+        branches = (lambda _: nan_like(shapes), lambda _: zeros_like(shapes), compute)
         return jax.lax.switch(branch, branches, mb)
 
     steps = spec.ppo.grad_accum_steps
@@ -348,14 +341,6 @@ def finish_update(spec: UpdateSpec, new_state: TrainState, stacked: dict, batch_
     metrics["nonfinite_update"] = (batch_ok & (skipped > 0)).astype(jnp.float32)
     applied_any = skipped < spec.ppo.ppo_epochs * spec.ppo.num_minibatches
     return new_state.replace(step=new_state.step + applied_any.astype(jnp.int32)), metrics
-
-
-def all_finite(tree) -> jax.Array:
-    """True when every floating-point leaf of ``tree`` is free of NaN and Inf."""
-    checks = [
-        jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return jnp.stack(checks).all() if checks else jnp.bool_(True)
 
 
 def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):

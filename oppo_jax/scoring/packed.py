@@ -5,7 +5,7 @@ Without streaming, the scorers only need the B sequences the update takes, each 
 when it enters a batch (a carried sequence is scored whole in the step that takes it; nothing
 is computed for it while it waits). Their real tokens (prompt + response) are packed end to
 end into N rows of T columns (``plan_packing``: first-fit decreasing, T a power of two >= the
-longest sequence, N in 2^k and 1.5·2^k), so the forward costs about the real tokens, not
+longest sequence, N bucketed by ``bucket_up``), so the forward costs about the real tokens, not
 [S, P + R].
 A token attends only within its own sequence (segment ids) and its RoPE position restarts per
 sequence, so every quantity equals that of the sequence's own forward (up to float rounding):
@@ -20,9 +20,10 @@ little. Token accounting over 2,000 sampled batches of configs/bench_longtail_cp
 (B 16, prompts 5-10, responses lognormal median 56 / p99 448 capped at 512), tokens computed per
 real token: R wide 5.91, bucketed width 4.41, packed 1.44 (efficiency 0.69) with N a power of
 two; attention score pairs relative to R wide: 0.62 bucketed, 0.19 packed. N in 2^k and 1.5·2^k
-(``bucket_up``, as the packed update's rows) raises the efficiency to ~0.82 there and from
-~0.63 to ~0.77 at configs/bench_cpu.yaml's lengths (300 sampled batches each), for 3 row buckets
-more per width in the warm-up (8 instead of 5 for B = 16).
+raises the efficiency to ~0.82 there and from ~0.63 to ~0.77 at configs/bench_cpu.yaml's lengths
+(300 sampled batches each), for 3 row buckets more per width in the warm-up (8 instead of 5 for
+B = 16); ``bucket_up``'s four sizes per doubling (as the packed update's rows) raise it further
+for 12 row buckets per width at B = 16 (the efficiency is measured in BENCHMARKS.md).
 Dimension letters: B sequences, L sequence width (P + R), N packed rows, T packed width.
 """
 
@@ -69,7 +70,7 @@ class PackPlan:
 def plan_packing(lengths, max_width: int) -> PackPlan:
     """Pack sequences of ``lengths`` tokens into rows: first-fit decreasing (ties by index),
     T = a power of two >= the longest (at least ``MIN_WIDTH``, at most ``max_width``), and N
-    rounded up to 2^k or 1.5·2^k (``bucket_up``: at most a third of the rows wasted), so few
+    rounded up to 2^k·{1, 1.25, 1.5, 1.75} (``bucket_up``: under a fifth of the rows wasted), so few
     (N, T) shapes compile.
 
     Example: lengths [5, 12, 3], max_width 64 -> T 16; 12 -> row 0 at 0, 3 -> row 0 at 12,

@@ -1,9 +1,10 @@
 """Ragged decode attention (models.ragged_decode): each row reads only its own keys, from the
-cache buffer itself. The kernel (Pallas's interpreter on the CPU) against an independent
-softmax over the row's keys, over drawn lengths, widths and head groupings; under a mesh; a
-whole rollout with it equal to the XLA one (identical tokens, log-probs within 1e-5); and its
-lowering for a GPU at the 7B config's shapes: one Triton call taking both cache buffers whole
-(nothing sliced, transposed or copied before it)."""
+cache buffer itself. Both forms, Triton (GPU) and Mosaic (TPU, models.ragged_decode_tpu), in
+Pallas's interpreter on the CPU against an independent softmax over the row's keys, over drawn
+lengths, widths and head groupings; under a mesh; a whole rollout with it equal to the XLA one
+(identical tokens, log-probs within 1e-5); and their lowerings at the 7B configs' shapes: one
+Triton call (GH200) and one Mosaic call (TPU v5p, lowered here on the CPU) taking both cache
+buffers whole (nothing sliced, transposed or copied before them)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import ragged_decode as rd
+from oppo_jax.models import ragged_decode_tpu as rd_tpu
 from oppo_jax.models.attention import ragged_decode
 from oppo_jax.models.model_config import preset
 from oppo_jax.pipeline.kernels import build_kernels
@@ -35,7 +37,7 @@ from oppo_jax.sharding import (
     param_shardings,
     tracing_rules,
 )
-from oppo_jax.sim.packing import RAGGED_KEY_BLOCK
+from oppo_jax.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU
 from tests.ppo_fixtures import ACTOR, CRITIC, fresh_slots, make_spec
 from tests.test_live_prefix import P, R, _admission, _params, _run, assert_same_steps
 
@@ -62,13 +64,19 @@ def _inputs(s, heads, kv, capacity, dh, seed):
     return jax.random.normal(keys[2], (s, 1, heads, dh)), k_cache, v_cache
 
 
+LOWERINGS = ("triton", "mosaic")
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
 @FEW
 @given(
     data=st.data(),
-    shape=st.sampled_from([(4, 2, 80, 80), (6, 2, 96, 64), (2, 1, 40, 24), (8, 4, 256, 128)]),
+    shape=st.sampled_from(
+        [(4, 2, 80, 80), (6, 2, 96, 64), (2, 1, 40, 24), (8, 4, 256, 128), (4, 2, 64, 48)]
+    ),
     seed=st.integers(0, 9),
 )
-def test_kernel_equals_a_softmax_over_each_rows_keys(data, shape, seed):
+def test_kernel_equals_a_softmax_over_each_rows_keys(lowering, data, shape, seed):
     """Drawn lengths (0, the width, anything between; past the width is clipped to it)."""
     heads, kv, capacity, width = shape
     s = 5
@@ -76,8 +84,8 @@ def test_kernel_equals_a_softmax_over_each_rows_keys(data, shape, seed):
     lengths = jnp.asarray(lengths, jnp.int32)
     q, k_cache, v_cache = _inputs(s, heads, kv, capacity, 16, seed)
     layer = jnp.int32(data.draw(st.integers(0, 2)))
-    got = jax.jit(rd.ragged_decode_attention, static_argnums=5)(
-        q, k_cache, v_cache, layer, lengths, width
+    got = jax.jit(rd.ragged_decode_attention, static_argnums=(5, 6))(
+        q, k_cache, v_cache, layer, lengths, width, lowering
     )
     want = _reference(q, k_cache, v_cache, layer, jnp.minimum(lengths, width), width)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
@@ -95,22 +103,49 @@ def test_long_rows_split_over_programs_and_combine_exactly():
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
 
 
+def test_mosaic_rows_span_several_key_blocks_and_stop_at_their_length():
+    """Width 4096: four blocks of 1024; rows end mid-block, on a block edge, at 0 and at the
+    width. The index map repeats a row's last block past its length (no further copy)."""
+    width = 4096
+    q, k_cache, v_cache = _inputs(5, 4, 2, width, 16, 3)
+    lengths = jnp.asarray([1500, 1024, 0, width, 1], jnp.int32)
+    got = rd.ragged_decode_attention(q, k_cache, v_cache, jnp.int32(1), lengths, width, "mosaic")
+    want = _reference(q, k_cache, v_cache, 1, lengths, width)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+    assert not np.asarray(got)[2].any()
+    index = functools.partial(rd_tpu.cache_block_index, layer_ref=jnp.asarray([2]), block=1024)
+    blocks = [[int(index(s, n, lengths_ref=lengths)[3]) for n in range(4)] for s in range(5)]
+    assert blocks == [[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3], [0, 0, 0, 0]]
+    assert int(index(0, 3, lengths_ref=lengths)[0]) == 2  # the layer from the prefetched scalar
+
+
 def test_key_blocks_splits_and_the_auto_choice():
-    assert rd.KEY_BLOCK == RAGGED_KEY_BLOCK  # the block the simulator prices
+    assert rd.KEY_BLOCK == RAGGED_KEY_BLOCK  # the blocks the simulator prices
+    assert rd_tpu.KEY_BLOCK == RAGGED_KEY_BLOCK_TPU
     assert [rd.key_block(w) for w in (1536, 1024, 80, 24, 16)] == [128, 128, 16, 8, 16]
+    assert [rd_tpu.key_block(w) for w in (2048, 2304, 1536, 528, 24)] == [1024, 256, 512, 16, 8]
+    assert rd.block_for(2048, "mosaic") == 1024 and rd.block_for(2048, "triton") == 128
     assert rd.fits_gpu(128, 1536) and not rd.fits_gpu(8, 1536) and not rd.fits_gpu(128, 24)
     assert not rd.fits_gpu(96, 1024)  # Triton wants power-of-two heads
-    # auto: the ragged kernel for a decode step on a GPU only, where Triton takes the shapes
+    # auto: the ragged kernel for a decode step on a GPU or a TPU, where its form takes the
+    # shapes (a key block of >= 16); on a CPU only when asked for
     assert ragged_decode("auto", 128, 1024, backend="gpu")
     assert not ragged_decode("auto", 128, 1024, backend="cpu")
-    assert not ragged_decode("auto", 128, 1024, backend="tpu")
+    assert ragged_decode("auto", 128, 1024, backend="tpu")
+    assert ragged_decode("auto", 96, 1536, backend="tpu")  # any head width: a block spans it
+    assert not ragged_decode("auto", 128, 24, backend="tpu")
+    assert rd.lowering_for("tpu") == "mosaic" and rd.lowering_for("gpu") == "triton"
+    with pytest.raises(ValueError, match="lowering 'cuda'"):
+        rd.ragged_decode_attention(*_inputs(1, 2, 1, 16, 16, 0), jnp.int32(0),
+                                   jnp.asarray([3]), 16, "cuda")  # fmt: skip
     assert not ragged_decode("auto", 8, 1024, backend="gpu")
     assert not ragged_decode("xla", 128, 1024, backend="gpu")
     assert not ragged_decode("cudnn", 128, 1024, backend="gpu")
     assert ragged_decode("ragged", 8, 24, backend="cpu")  # asked for: the interpreter
 
 
-def test_under_a_mesh_each_device_runs_its_slots_and_heads():
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_under_a_mesh_each_device_runs_its_slots_and_heads(lowering):
     mesh = make_mesh(2, 1, 2, jax.devices()[:4])
     q, k_cache, v_cache = _inputs(4, 4, 2, 64, 16, 1)
     lengths = jnp.asarray([0, 7, 64, 33], jnp.int32)
@@ -120,7 +155,9 @@ def test_under_a_mesh_each_device_runs_its_slots_and_heads():
 
     def sharded(q, k_cache, v_cache, lengths):
         with tracing_rules(mesh, DEFAULT_RULES):
-            return rd.ragged_decode_attention(q, k_cache, v_cache, jnp.int32(1), lengths, 64)
+            return rd.ragged_decode_attention(
+                q, k_cache, v_cache, jnp.int32(1), lengths, 64, lowering
+            )
 
     args = (jax.device_put(q, heads), jax.device_put(k_cache, cache),
             jax.device_put(v_cache, cache), jax.device_put(lengths, rows))  # fmt: skip
@@ -262,7 +299,7 @@ def _lowered_for_gpu(cfg, slots: int, capacity: int, width: int) -> str:
         jax.ShapeDtypeStruct((), jnp.int32),
         jax.ShapeDtypeStruct((slots,), jnp.int32),
     )
-    run = functools.partial(rd._attend, width=width, interpret=False)
+    run = functools.partial(rd._attend, width=width, lowering="triton", interpret=False)
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     return export.export(jax.jit(run), platforms=["cuda"], disabled_checks=[triton])(
         *args
@@ -282,3 +319,44 @@ def test_lowers_to_one_triton_call_reading_the_cache_buffers_whole():
     assert calls[0].count(whole) == 2  # both buffers, whole
     assert "stablehlo.transpose" not in text
     assert "dynamic_slice" not in text  # the one slice left drops the padded query heads
+
+
+def test_lowers_for_tpu_to_one_mosaic_call_reading_the_cache_buffers_whole():
+    """Qwen2.5-7B on a TPU v5p-8 (configs/qwen2.5-7b_tpu-v5p-8.yaml: fsdp 2 x tensor 2): one
+    device's share of B + Δ = 104 slots (52) and of the kv heads (2 of 4), P + R = 1536 cache
+    columns, a live width of 1024 (one block). Lowered for a TPU on this CPU (the Mosaic
+    lowering runs in Python; only its compilation needs a TPU)."""
+    cfg, slots, capacity, width = preset("qwen2.5-7b"), 52, 1536, 1024
+    heads, kv = cfg.num_heads // 2, cfg.num_kv_heads // 2
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, slots, kv, capacity, cfg.head_dim), jnp.bfloat16)
+    args = (
+        jax.ShapeDtypeStruct((slots, 1, heads, cfg.head_dim), jnp.bfloat16),
+        cache,
+        cache,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+    )
+    run = functools.partial(
+        rd.ragged_decode_attention, width=width, lowering="mosaic", interpret=False
+    )
+    text = jax.jit(run).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
+    assert len(calls) == 1, calls
+    whole = f"tensor<{cfg.num_layers}x{slots}x{kv}x{capacity}x{cfg.head_dim}xbf16>"
+    assert calls[0].count(whole) >= 2  # both buffers, whole, as operands
+    assert "stablehlo.transpose" not in text
+    assert "dynamic_slice" not in text and "stablehlo.slice" in text  # drops padded rows only
+    assert rd_tpu.fits_tpu(cfg.head_dim, width) and rd_tpu.key_block(width) == 1024
+
+
+def test_rollout_with_the_mosaic_form_equals_the_xla_rollout(monkeypatch):
+    """The TPU form inside a whole decode (interpreted): finished slots and carried prefixes
+    ride along; identical tokens, log-probs within 1e-5."""
+    monkeypatch.setattr(rd, "lowering_for", lambda backend: "mosaic")
+    admission = _admission([3, 1, 4, 2], [0, 2, 5, 0], 1)
+    targets = [4, 9, 12, 1]
+    got = _decode(_kernels.__wrapped__("ragged"), admission, targets, 4)
+    want = _decode(_kernels("xla"), admission, targets, 4)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.num_generated), np.asarray(want.num_generated))
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

@@ -21,7 +21,7 @@ from oppo_jax.sim import (
 )
 from oppo_jax.sim.engines import Engine, built_for, packed, pow2, recorded_engine
 from oppo_jax.sim.lengths import LogNormal
-from oppo_jax.sim.packing import RAGGED_KEY_BLOCK
+from oppo_jax.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU
 from oppo_jax.sim.work import StepFacts, _row_pairs, decode_chunks, step_work
 
 # 8 slots, P = 4, R = 64, C = 8; slot 0 carried 30 tokens in (its row bucket: 4 rows at
@@ -91,9 +91,9 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks' real tokens (43 and 13) packed into 2^k or 1.5·2^k (at least
-        # pow2(S·C) / 16 = 4): 43 into 48 (below the whole [8, 8] chunk's 64), 13 into 16.
-        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
+        # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.25, 1.5, 1.75} (at
+        # least pow2(S·C) / 16 = 4): 43 into 48 (below the whole [8, 8] chunk's 64), 13 into 14.
+        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 14]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):
@@ -134,11 +134,18 @@ def test_ragged_decode_reads_each_running_rows_own_context():
     assert w.decode == [(8, 64, reads[0]), (4, 32, reads[1]), (0, 0, 0)]
     assert reads[0] < 64 * 68  # below every slot reading the whole cache (the fixed engine)
     assert w.update_tokens == _work(FIXED).update_tokens  # nothing else changes
-    # The GPU's engine as built has it ("auto" picks the kernel there); the TPU's and CPU's not.
+    # The GPU's and TPU's engines as built have it ("auto" picks the kernel there), the TPU's
+    # in its Mosaic form's blocks of 1024 keys; the CPU's not.
     assert built_for("gpu").ragged_decode and built_for("gpu").name == "built"
+    assert built_for("gpu").ragged_key_block == RAGGED_KEY_BLOCK
     assert built_for("cpu") == BUILT and not BUILT.ragged_decode
-    tpu = built_for("tpu")  # splash's causal blocks in the update there, no ragged kernel
-    assert tpu.causal_update_attention and not tpu.ragged_decode and tpu.name == "built"
+    tpu = built_for("tpu")  # and splash's causal blocks in the update
+    assert tpu.causal_update_attention and tpu.ragged_decode and tpu.name == "built"
+    assert tpu.ragged_key_block == RAGGED_KEY_BLOCK_TPU == 1024
+    tpu_work = step_work(tpu, FACTS, 3, 1)  # half a block more per running row than the GPU's
+    gpu_work = step_work(built_for("gpu"), FACTS, 3, 1)
+    extra = (RAGGED_KEY_BLOCK_TPU - RAGGED_KEY_BLOCK) / 2 * sum(running[:8])
+    assert tpu_work.decode[0][2] - gpu_work.decode[0][2] == pytest.approx(extra)
 
 
 def test_slot_compaction_follows_the_live_slots_one_chunk_late():
@@ -178,7 +185,7 @@ def test_slot_compaction_stops_at_its_floor_and_follows_the_engines_rule():
 def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots():
     # Six slots finish at 1, one at 5, one at 12; C = 2. Chunks 2 and 3 run in bucket 2, 4 and
     # 5 in bucket 1. Packing scorers stay in the admission's 8 slots (pipeline.slot_map), so
-    # every chunk packs its real tokens over S·C = 16 (floor 1): chunk 0 holds 10 -> 12,
+    # every chunk packs its real tokens over S·C = 16 (floor 1): chunk 0 holds 10 -> 10,
     # chunk 1 4, chunk 2 3 (slot 6's last and slot 7's two), then 2 each; a compacted chunk
     # is not scored over its bucket (chunk 2 would be 2 x 2 = 4).
     facts = dataclasses.replace(
@@ -188,7 +195,7 @@ def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots()
     engine = FIXED.with_features(["compact_slots", "packed_chunk_scoring"])
     w = step_work(engine, facts, 3, 1)
     assert [d[1] for d in w.decode] == [16, 16, 4, 4, 2, 1, 0]
-    assert w.score_chunks == [3 * 12, 3 * 4, 3 * 3, 3 * 2, 3 * 2, 3 * 2]
+    assert w.score_chunks == [3 * 10, 3 * 4, 3 * 3, 3 * 2, 3 * 2, 3 * 2]
 
 
 def test_active_engine_counts_real_tokens():

@@ -10,15 +10,16 @@ it without materialising one:
 ``implementation`` ("auto" | "xla" | "cudnn" | "splash" | "ragged", ``model.attention``)
 picks the kernel; a form the chosen kernel cannot take runs on XLA. "auto" is cuDNN on a GPU
 for bfloat16/float16 heads of width <= 128 (what cuDNN's flash attention supports), splash on
-a TPU, XLA otherwise; and for a decode step on a GPU the ragged kernel
-(``models.ragged_decode``: each row reads only its own keys, straight from the cache buffer)
-where Triton takes the shapes. "ragged" asks for that kernel off a GPU too (Pallas's
-interpreter: for tests), XLA for every other form. cuDNN gets padding and causal masks as
-sequence lengths and mask types (never segments: those stay on XLA), splash gets causal masks
-and segment ids; all compute the same function as XLA's kernel (tests/test_attention.py runs
-the forms cuDNN receives through XLA with the same arguments, and splash itself in Pallas
-interpret mode on the CPU; tests/test_ragged_decode.py the ragged kernel likewise). The ragged
-kernel is called from ``models.transformer``, before a layer's keys are read out of the cache.
+a TPU, XLA otherwise; and for a decode step on a GPU or a TPU the ragged kernel
+(``models.ragged_decode``: each row reads only its own keys, straight from the cache buffer;
+Triton on a GPU, Mosaic on a TPU) where its form takes the shapes. "ragged" asks for that
+kernel on a CPU too (Pallas's interpreter: for tests), XLA for every other form. cuDNN gets
+padding and causal masks as sequence lengths and mask types (never segments: those stay on
+XLA), splash gets causal masks and segment ids; all compute the same function as XLA's kernel
+(tests/test_attention.py runs the forms cuDNN receives through XLA with the same arguments, and
+splash itself in Pallas interpret mode on the CPU; tests/test_ragged_decode.py the ragged
+kernel likewise). The ragged kernel is called from ``models.transformer``, before a layer's
+keys are read out of the cache.
 
 Dimension letters: S rows, T queries, Tc keys, H query heads, K kv-heads, Dh head width.
 """
@@ -60,11 +61,11 @@ def resolve(implementation: Implementation, dtype, head_dim: int, backend: str |
 
 def ragged_decode(implementation: Implementation, head_dim: int, width: int, backend=None):
     """Whether a decode step over ``width`` cache columns runs the ragged kernel: asked for,
-    or "auto" on a GPU where Triton takes the shapes (``ragged_decode.fits_gpu``)."""
+    or "auto" on a GPU or a TPU where its lowering takes the shapes (``ragged_decode.fits``)."""
     if implementation == "ragged":
         return True
-    gpu = (backend or jax.default_backend()) == "gpu"
-    return implementation == "auto" and gpu and ragged_decode_kernel.fits_gpu(head_dim, width)
+    backend = backend or jax.default_backend()
+    return implementation == "auto" and ragged_decode_kernel.fits(head_dim, width, backend)
 
 
 def attend(

@@ -18,8 +18,11 @@ Grid (slot, kv head, key split), flash-decoding style: each program holds its kv
 G = H / K query heads (padded to ``MIN_GROUP`` rows, Triton's smallest dot), runs an online
 softmax over its split's key blocks that lie below the row's length, and writes an unscaled
 output with its running max and sum; XLA combines the splits, so a few long rows still spread
-over the GPU's cores. Pallas lowers it to Triton on a GPU; elsewhere it runs in Pallas's
-interpreter (tests, and ``model.attention=ragged`` off a GPU).
+over the GPU's cores. Pallas lowers it to Triton on a GPU. On a TPU the kernel is
+``models.ragged_decode_tpu``'s (Mosaic: key blocks as a grid axis whose block index stops at
+the row's length, so the pipeline's copies do). Elsewhere the Triton form runs in Pallas's
+interpreter (tests, and ``model.attention=ragged`` on a CPU); ``lowering`` picks a form
+explicitly, so the TPU one is tested in the interpreter too.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
+
+from oppo_jax.models import ragged_decode_tpu
 
 KEY_BLOCK = 128  # keys per block at most (sim.packing.RAGGED_KEY_BLOCK prices whole blocks)
 MIN_GROUP = 16  # query rows per program at least: Triton's smallest dot
@@ -53,6 +58,28 @@ def fits_gpu(head_dim: int, width: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and key_block(width) >= 16
 
 
+def fits(head_dim: int, width: int, backend: str) -> bool:
+    """Whether ``backend``'s lowering takes these shapes (a CPU has none: the interpreter is
+    for tests)."""
+    if backend == "tpu":
+        return ragged_decode_tpu.fits_tpu(head_dim, width)
+    return backend == "gpu" and fits_gpu(head_dim, width)
+
+
+def lowering_for(backend: str) -> str:
+    """The kernel's form on ``backend``: "mosaic" on a TPU, "triton" elsewhere."""
+    return "mosaic" if backend == "tpu" else "triton"
+
+
+def block_for(width: int, lowering: str | None = None) -> int:
+    """The keys a row reads at a time (whole blocks) in ``lowering`` (default: the backend's)
+    at live ``width``: what the work ledger counts. Example: 2048 -> 128 (Triton), 512
+    (Mosaic)."""
+    if (lowering or lowering_for(jax.default_backend())) == "mosaic":
+        return ragged_decode_tpu.key_block(width)
+    return key_block(width)
+
+
 def splits_for(width: int) -> int:
     """Key splits per row: one per SPLIT_KEYS keys, at most MAX_SPLITS (a power of two)."""
     n = 1
@@ -68,14 +95,23 @@ def ragged_decode_attention(
     layer: Int[Array, ""],
     lengths: Int[Array, " S"],
     width: int,
+    lowering: str | None = None,
+    interpret: bool | None = None,
 ) -> Float[Array, "S 1 H Dh"]:
     """Attention of each row's query over its keys ``0 .. lengths[s] - 1`` of cache layer
-    ``layer`` (module docstring); no key at or past ``width`` (static) is read. Under a mesh
-    each device runs the kernel on its own slots and kv heads (``shard_map``: a Pallas call
-    is not partitioned by the compiler)."""
-    interpret = jax.default_backend() != "gpu"
+    ``layer`` (module docstring); no key at or past ``width`` (static) is read. ``lowering``
+    ("triton" | "mosaic"; default ``lowering_for`` the backend) runs in the interpreter off
+    its own backend unless ``interpret`` says (False: lower it for its backend, to inspect
+    on another one). Under a mesh each device runs the kernel on its own slots and kv heads
+    (``shard_map``: a Pallas call is not partitioned by the compiler)."""
+    backend = jax.default_backend()
+    lowering = lowering or lowering_for(backend)
+    if lowering not in ("triton", "mosaic"):
+        raise ValueError(f"ragged decode lowering {lowering!r}: expected 'triton' or 'mosaic'")
+    if interpret is None:
+        interpret = backend != {"triton": "gpu", "mosaic": "tpu"}[lowering]
     lengths = jnp.clip(lengths, 0, width).astype(jnp.int32)
-    run = functools.partial(_attend, width=width, interpret=interpret)
+    run = functools.partial(_attend, width=width, lowering=lowering, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return run(q, k_cache, v_cache, layer, lengths)
@@ -103,15 +139,26 @@ def _size(mesh, axes) -> int:
     return int(math.prod(mesh.shape[a] for a in names))
 
 
-def _attend(q, k_cache, v_cache, layer, lengths, *, width: int, interpret: bool):
-    """One device's rows: the kernel over (slot, kv head, split), then the splits combined."""
+def _attend(q, k_cache, v_cache, layer, lengths, *, width: int, lowering: str, interpret: bool):
+    """One device's rows: each kv head's query rows grouped, then the kernel of ``lowering``."""
     s, _, h, dh = q.shape
     kv = k_cache.shape[2]
     group = h // kv
     rows = max(MIN_GROUP, 1 << (group - 1).bit_length())
     grouped = q[:, 0].reshape(s, kv, group, dh)
     grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    block, splits = key_block(width), splits_for(width)
+    if lowering == "mosaic":
+        run = functools.partial(ragged_decode_tpu.attend, width=width)
+    else:
+        run = functools.partial(_attend_triton, block=key_block(width), width=width)
+    out = run(grouped, k_cache, v_cache, layer, lengths, interpret=interpret)
+    return out[:, :, :group].reshape(s, 1, h, dh).astype(q.dtype)
+
+
+def _attend_triton(grouped, k_cache, v_cache, layer, lengths, *, block, width, interpret):
+    """The Triton form: the kernel over (slot, kv head, split), then the splits combined."""
+    s, kv, rows, dh = grouped.shape
+    splits = splits_for(width)
     split = -(-width // splits // block) * block  # keys per split, whole blocks
     kernel = functools.partial(_kernel, block=block, split=split, width=width, scale=dh**-0.5)
     out, top, total = pl.pallas_call(
@@ -143,8 +190,7 @@ def _attend(q, k_cache, v_cache, layer, lengths, *, width: int, interpret: bool)
     weight = jnp.exp(top - best)
     norm = jnp.sum(total * weight, axis=2)
     merged = jnp.sum(out * weight[..., None], axis=2)
-    merged = merged / jnp.where(norm > 0, norm, 1.0)[..., None]  # a row with no keys: zeros
-    return merged[:, :, :group].reshape(s, 1, h, dh).astype(q.dtype)
+    return merged / jnp.where(norm > 0, norm, 1.0)[..., None]  # a row with no keys: zeros
 
 
 def _kernel(

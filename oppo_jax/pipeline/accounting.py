@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 from oppo_jax.models.attention import ragged_decode
-from oppo_jax.models.ragged_decode import key_block
+from oppo_jax.models.ragged_decode import block_for
 
 STAGES = ("admission", "decode", "scoring", "update")
 
@@ -151,7 +151,7 @@ def ragged_key_blocks(actor, widths: list[int]) -> list[int | None]:
     ``actor``'s (a ModelConfig) decode steps run it (``models.attention.ragged_decode``), else
     None (every slot reads the whole width)."""
     return [
-        key_block(w) if ragged_decode(actor.attention, actor.head_dim, w) else None for w in widths
+        block_for(w) if ragged_decode(actor.attention, actor.head_dim, w) else None for w in widths
     ]
 
 

@@ -32,6 +32,8 @@ import dataclasses
 import json
 import math
 
+from oppo_jax.sim import packing
+
 # Issue #13's engine changes, in the order the issue lists them.
 FEATURES = (
     "packed_update",  # the update over the batch's real tokens, packed into rows
@@ -64,6 +66,7 @@ class Engine:
     packed_chunk_scoring: bool = False
     # decode attention per row over its own context (whole key blocks), finished rows none
     ragged_decode: bool = False
+    ragged_key_block: int = packing.RAGGED_KEY_BLOCK  # keys a ragged row reads at a time
     # the update's attention skips key blocks above the diagonal (splash on a TPU, blocks of
     # CAUSAL_BLOCK); False: every key of a row (XLA's attention over query blocks)
     causal_update_attention: bool = False
@@ -116,8 +119,9 @@ BUILT = Engine(
     kept_scorer_caches=True,
     packed_chunk_scoring=True,
 )
-# On a GPU the decode step's attention runs the ragged kernel (models.ragged_decode: "auto" picks
-# it there), so each running row reads its own keys and finished rows none: ``built_for``.
+# On a GPU and a TPU the decode step's attention runs the ragged kernel (models.ragged_decode:
+# "auto" picks it there), so each running row reads its own keys and finished rows none (in
+# blocks of 128 keys on a GPU, 1024 on a TPU): ``built_for``.
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 
@@ -127,12 +131,17 @@ CAUSAL_BLOCK = 128  # splash attention's default query and key block
 
 def built_for(backend: str) -> Engine:
     """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, on a GPU with the
-    ragged decode attention and on a TPU with splash's causal update attention, the kernels
-    ``model.attention=auto`` picks there."""
+    ragged decode attention (Triton) and on a TPU with the ragged decode attention (Mosaic) and
+    splash's causal update attention, the kernels ``model.attention=auto`` picks there."""
     if backend == "gpu":
         return dataclasses.replace(BUILT, ragged_decode=True)
     if backend == "tpu":
-        return dataclasses.replace(BUILT, causal_update_attention=True)
+        return dataclasses.replace(
+            BUILT,
+            ragged_decode=True,
+            ragged_key_block=packing.RAGGED_KEY_BLOCK_TPU,
+            causal_update_attention=True,
+        )
     return BUILT
 
 

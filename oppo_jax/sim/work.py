@@ -203,7 +203,7 @@ def _fixed_decode(engine: Engine, f: StepFacts, ends: np.ndarray):
     if engine.ragged_decode:  # each running row reads its own context, rounded up to the
         # kernel's key block; finished rows read nothing (models.ragged_decode)
         running, ctx_sum = _running_contexts(f, ends)
-        per_position = ctx_sum + running * (packing.RAGGED_KEY_BLOCK / 2)
+        per_position = ctx_sum + running * (engine.ragged_key_block / 2)
         ragged = np.add.reduceat(per_position, np.arange(0, f.cut, f.chunk)) if f.cut else []
     for j, steps in enumerate(fwd):
         ctx, gather = full, 0.0

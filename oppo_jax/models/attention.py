@@ -13,12 +13,16 @@ for bfloat16/float16 heads of width <= 128 (what cuDNN's flash attention support
 a TPU, XLA otherwise; and for a decode step on a GPU or a TPU the ragged kernel
 (``models.ragged_decode``: each row reads only its own keys, straight from the cache buffer;
 Triton on a GPU, Mosaic on a TPU) where its form takes the shapes. "ragged" asks for that
-kernel on a CPU too (Pallas's interpreter: for tests), XLA for every other form. cuDNN gets
-padding and causal masks as sequence lengths and mask types (never segments: those stay on
-XLA), splash gets causal masks and segment ids; all compute the same function as XLA's kernel
-(tests/test_attention.py runs the forms cuDNN receives through XLA with the same arguments, and
-splash itself in Pallas interpret mode on the CPU; tests/test_ragged_decode.py the ragged
-kernel likewise). The ragged kernel is called from ``models.transformer``, before a layer's
+kernel on a CPU too (Pallas's interpreter: for tests), XLA for every other form. Packed rows
+(causal within segments: the packed update, sync's packed scoring) go on a GPU, and with
+"ragged" anywhere, to ``models.segment_attention``, which visits only the key blocks a query
+block's segment reaches; cuDNN takes no segments. cuDNN gets padding and causal masks as
+sequence lengths and mask types, splash gets causal masks and segment ids; all compute the
+same function as XLA's kernel (tests/test_attention.py runs the forms cuDNN receives through
+XLA with the same arguments, and splash itself in Pallas interpret mode on the CPU;
+tests/test_ragged_decode.py and tests/test_segment_attention.py the Pallas kernels likewise;
+the segment kernel yields zeros for blocks of padding only, which nothing reads). The ragged
+kernel is called from ``models.transformer``, before a layer's
 keys are read out of the cache.
 
 Dimension letters: S rows, T queries, Tc keys, H query heads, K kv-heads, Dh head width.
@@ -36,6 +40,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.models import ragged_decode as ragged_decode_kernel
+from oppo_jax.models import segment_attention as segment_kernel
 from oppo_jax.models.query_blocks import attention as blocked_xla_attention
 
 Implementation = Literal["auto", "xla", "cudnn", "splash", "ragged"]
@@ -84,6 +89,9 @@ def attend(
     kernel = resolve(implementation, q.dtype, q.shape[-1])
     t, tc = q.shape[1], k.shape[1]
     decode_step = kv_lengths is not None and t == 1
+    packed_rows = segment_ids is not None and causal and t == tc and mask is None
+    if packed_rows and kernel in ("cudnn", "ragged") and segment_kernel.fits(q.shape[-1], t):
+        return segment_kernel.segment_attention(q, k, v, segment_ids)
     if kernel == "cudnn" and segment_ids is None and (causal or decode_step):
         return fused_arguments_attention(q, k, v, causal, kv_lengths, "cudnn")
     if kernel == "splash" and causal and t == tc and t % SPLASH_BLOCK == 0:

@@ -23,7 +23,8 @@ Packed layout of one chunk (dimension letters: Rp packed rows, W packed width, N
 slots; n = A·m sequences in the minibatch):
 - token slots [Rp, W]: sequence i occupies a contiguous run of ``prompt_len + response_len``
   slots of one row, with positions 0.. (RoPE restarts per sequence) and its own segment id
-  (its index in the minibatch: attention never crosses a segment); unused slots hold n.
+  (its index in the minibatch: attention never crosses a segment); unused slots hold -1,
+  padding, which the segment attention skips by whole blocks (``models.segment_attention``).
 - response slots [N]: one per real response token, in packed order; slot k reads the packed
   output at ``resp_at[k]`` (the position before its token) and carries the token's per-token
   PPO quantities and weights; unused slots have segment n, weight 0, and are masked out.
@@ -114,7 +115,7 @@ class PackIndices:
 
     tok_src: Int[Array, "... Rp W"]  # flat index into tokens [B·L] of each token slot
     positions: Int[Array, "... Rp W"]  # position within its sequence (RoPE)
-    segments: Int[Array, "... Rp W"]  # minibatch-local sequence index; n for unused slots
+    segments: Int[Array, "... Rp W"]  # minibatch-local sequence index; -1 for unused slots
     resp_at: Int[Array, "... N"]  # flat packed slot [Rp·W] whose output is the response token's
     resp_src: Int[Array, "... N"]  # flat index into response-aligned arrays [B·R]
     tgt_src: Int[Array, "... N"]  # flat index into tokens [B·L] of the response token itself
@@ -263,7 +264,7 @@ def _pack_one(seqs, row_bins, prompt_len, response_len, weights, dims):
     out = {
         "tok_src": np.zeros((rows, width), np.int32),
         "positions": np.zeros((rows, width), np.int32),
-        "segments": np.full((rows, width), n, np.int32),
+        "segments": np.full((rows, width), -1, np.int32),
         "resp_at": np.zeros(slots, np.int32),
         "resp_src": np.zeros(slots, np.int32),
         "tgt_src": np.zeros(slots, np.int32),

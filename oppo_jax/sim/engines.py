@@ -44,6 +44,8 @@ FEATURES = (
     # Not in #13's list; what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
     "packed_chunk_scoring",  # each streamed chunk's real tokens packed (pow2), not [S, C]
     "ragged_decode",  # each running row's decode attention reads its own context only
+    # the packed update's attention visits each query block's own segment's key blocks only
+    "segment_update_attention",
 )
 
 
@@ -70,6 +72,9 @@ class Engine:
     # the update's attention skips key blocks above the diagonal (splash on a TPU, blocks of
     # CAUSAL_BLOCK); False: every key of a row (XLA's attention over query blocks)
     causal_update_attention: bool = False
+    # the update's attention visits, per query block, the key blocks from its first query's
+    # segment start to the diagonal, none for padding (models.segment_attention, a GPU)
+    segment_update_attention: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -121,7 +126,8 @@ BUILT = Engine(
 )
 # On a GPU and a TPU the decode step's attention runs the ragged kernel (models.ragged_decode:
 # "auto" picks it there), so each running row reads its own keys and finished rows none (in
-# blocks of 128 keys on a GPU, 1024 on a TPU): ``built_for``.
+# blocks of 128 keys on a GPU, 1024 on a TPU); on a GPU the packed update's attention runs the
+# segment kernel (models.segment_attention): ``built_for``.
 ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 
@@ -131,10 +137,11 @@ CAUSAL_BLOCK = 128  # splash attention's default query and key block
 
 def built_for(backend: str) -> Engine:
     """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, on a GPU with the
-    ragged decode attention (Triton) and on a TPU with the ragged decode attention (Mosaic) and
-    splash's causal update attention, the kernels ``model.attention=auto`` picks there."""
+    ragged decode attention and the segment attention of the packed update (both Triton), and
+    on a TPU with the ragged decode attention (Mosaic) and splash's causal update attention,
+    the kernels ``model.attention=auto`` picks there."""
     if backend == "gpu":
-        return dataclasses.replace(BUILT, ragged_decode=True)
+        return dataclasses.replace(BUILT, ragged_decode=True, segment_update_attention=True)
     if backend == "tpu":
         return dataclasses.replace(
             BUILT,

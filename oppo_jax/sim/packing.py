@@ -15,6 +15,9 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
   real tokens rounded up by ``bucket_up`` (2^k·{1, 1.25, 1.5, 1.75}), at least pow2(S·C) / 16,
   and [S, C] when that is not below S·C. S is the admission's slots even when the decode has
   compacted: packing scorers stay in that layout (``oppo_jax.pipeline.slot_map``).
+- ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
+  a GPU (``models.segment_attention``): per first-fit row, each query block's key blocks from
+  its first query's segment start to the diagonal (``row_segment_pairs``).
 - ``live_width``: the columns a decode chunk reads (``models.kv_cache.live_width``): the power
   of two (at least 16) over the longest context the chunk can reach, capped at P + R.
 """
@@ -50,16 +53,24 @@ def pow2_at_least(n: int | float, floor: int = 1) -> int:
 def ffd_rows(lengths, width: int) -> int:
     """Rows first-fit decreasing needs for ``lengths`` in rows of ``width`` (each <= width).
     Example: [5, 3, 4, 2] in 8 -> 2."""
+    return len(ffd_place(lengths, width))
+
+
+def ffd_place(lengths, width: int) -> list[list[int]]:
+    """The rows first-fit decreasing fills, each its sequences' lengths from column 0, as
+    ``oppo_jax.ppo.packing.first_fit_decreasing`` places them. Example: [5, 3, 4, 2] in 8 ->
+    [[5, 3], [4, 2]]."""
     room = np.empty(len(lengths), np.int64)
-    used = 0
+    rows: list[list[int]] = []
     for n in sorted((int(x) for x in lengths), reverse=True):
-        fits = np.flatnonzero(room[:used] >= n)
+        fits = np.flatnonzero(room[: len(rows)] >= n)
         if fits.size:
             room[fits[0]] -= n
+            rows[fits[0]].append(n)
         else:
-            room[used] = width - n
-            used += 1
-    return used
+            room[len(rows)] = width - n
+            rows.append([n])
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +118,19 @@ def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int
     return sum(-(-r // height) for r in rows) * height, width
 
 
+def minibatch_pairs(lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE):
+    """Query-key pairs the segment attention visits over ``minibatch_rows``' rows: each
+    minibatch's first-fit rows by ``row_segment_pairs``; the chunks' padding rows, none."""
+    lengths, minis = np.asarray(lengths), np.asarray(minis)
+    width = -(-groups.width_factor * full // granule) * granule
+    block = segment_block(width)
+    return sum(
+        row_segment_pairs(row, width, block)
+        for mini in minis
+        for row in ffd_place(lengths[mini], width)
+    )
+
+
 def minibatch_slots(lengths, full: int, minis, groups: UpdateGroups = UpdateGroups()) -> int:
     """Token slots of ``minibatch_rows``."""
     rows, width = minibatch_rows(lengths, full, minis, groups)
@@ -123,6 +147,17 @@ def update_rows(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> tu
     minis = groups.draw(lengths.size, seed=int(lengths.sum()))
     rows, width = minibatch_rows(lengths, full, minis, groups)
     return rows / (1 if groups.minibatches == 1 else groups.passes), width
+
+
+def update_segment_pairs(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
+    """Query-key pairs one pass of the packed update's segment attention visits (the rows of
+    ``update_rows``, drawn alike)."""
+    lengths = np.asarray(lengths)
+    if lengths.size == 0:
+        return 0.0
+    minis = groups.draw(lengths.size, seed=int(lengths.sum()))
+    pairs = minibatch_pairs(lengths, full, minis, groups)
+    return pairs / (1 if groups.minibatches == 1 else groups.passes)
 
 
 def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
@@ -155,3 +190,30 @@ def chunk_tokens(real: int | float, slots: int, chunk: int) -> int:
 def live_width(longest: int | float, capacity: int) -> int:
     """Cache columns read when no position reaches ``longest``. Example: cap 528: 70 -> 128."""
     return min(pow2_at_least(longest, MIN_WIDTH), capacity)
+
+
+SEGMENT_BLOCK = 64  # models.segment_attention.BLOCK: query and key blocks of packed rows
+
+
+def segment_block(width: int) -> int:
+    """``models.segment_attention.block_for``: the largest power of two <= SEGMENT_BLOCK
+    dividing the row width. Example: 1536 -> 64, 80 -> 16."""
+    return width & -width if width & -width < SEGMENT_BLOCK else SEGMENT_BLOCK
+
+
+def row_segment_pairs(lengths, width: int, block: int | None = None) -> int:
+    """Query-key pairs the segment attention (``models.segment_attention``) visits over one
+    packed row of ``width`` holding sequences of ``lengths`` from column 0 (the unused tail
+    padding): each query block holding a sequence's token, the key blocks from its first
+    query's segment start to the diagonal, whole; a block of padding only, none.
+    Example: [10, 30] in 64, blocks of 16 -> (1 + 2 + 3 + 0)·256."""
+    block = block or segment_block(width)
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    starts = np.concatenate([[0], ends[:-1]]) if ends.size else np.zeros(1, np.int64)
+    used = int(ends[-1]) if ends.size else 0
+    if 0 < used < width:
+        starts = np.append(starts, used)
+    first = np.arange(0, width, block)
+    run_start = starts[np.searchsorted(starts, first, side="right") - 1]
+    visited = np.where(first < used, first // block - run_start // block + 1, 0)
+    return int(visited.sum()) * block * block

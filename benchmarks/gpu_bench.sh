@@ -7,10 +7,11 @@
 #                           [--compact on|off|auto]
 #
 # --attention: model.attention (default auto: cuDNN flash attention on the GPU for the bf16
-# models, and the ragged decode kernel for decode steps, each row reading only its own keys;
-# xla runs XLA's kernel for everything, e.g. to compare, or where cuDNN rejects a shape;
-# ragged: the ragged decode kernel, XLA for the rest). `--attention ragged` beside
-# `--attention xla` measures what the ragged decode attention saves (docs/PROJECTIONS.md §4b).
+# models, the ragged decode kernel for decode steps, each row reading only its own keys, and
+# the segment attention for the packed update's rows; xla runs XLA's kernel for everything,
+# e.g. to compare, or where cuDNN rejects a shape; ragged: the two Pallas kernels, XLA for the
+# rest). `--attention ragged` beside `--attention xla` measures what they save
+# (docs/PROJECTIONS.md §4b, §4e).
 # --compact: pipeline.compact_slots (default auto: the backend's default, off on a GPU). The
 # simulator projects that slot compaction pays on accelerators too at long responses
 # (docs/PROJECTIONS.md §4); a run with `--compact on --out runs/gpu_bench_compact` beside the
@@ -30,8 +31,8 @@
 #
 # Carried-admission shapes compile when first met (--no-precompile): up front, all 28 of them
 # for four models would take much of the budget; the summary counts the measured steps that
-# compiled. Writes DIR/bench.json (default runs/gpu_bench), DIR/ragged_check.json (the ragged
-# decode kernel's check, run first: see below), DIR/summary.txt and prints its one line.
+# compiled. Writes DIR/bench.json (default runs/gpu_bench), DIR/ragged_check.json (the Pallas
+# kernels' check, run first: see below), DIR/summary.txt and prints its one line.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,8 +104,9 @@ else
   WARMUP="${WARMUP:-2}"
 fi
 
-# The ragged decode kernel (model.attention auto or ragged runs it on the GPU) first: correct
-# against a float32 reference, and timed beside XLA's attention (benchmarks/ragged_check.py).
+# The Pallas kernels (model.attention auto or ragged runs them on the GPU: the ragged decode
+# attention and the packed update's segment attention) first: correct against float32
+# references, and timed beside XLA's attention (benchmarks/ragged_check.py).
 # If it fails, auto measures with cuDNN's decode attention instead (the summary says so;
 # xla under --smoke);
 # an explicit --attention ragged stops here. ($RAGGED_CHECK replaces the check script: tests.)

@@ -1,4 +1,4 @@
-"""The ragged decode attention on this machine's accelerator, before a benchmark relies on it.
+"""The Pallas attention kernels on this machine's accelerator, before a benchmark relies on them.
 
     python benchmarks/ragged_check.py [--smoke] [--out FILE]
 
@@ -10,6 +10,13 @@ keys) and the rest at drawn lengths, at live widths 1,024 and 4,096:
 - timed, side by side in this process: the ragged kernel against XLA's attention over the live
   width (what ``model.attention=xla`` runs), median of 20 calls each, reported as a ratio.
 
+Then the segment attention of packed rows (``oppo_jax.models.segment_attention``, what the
+packed update runs on a GPU) at the 7B config's packed-update shapes (4 rows of 1,536 columns
+holding long-tailed sequences, 28 / 4 heads of 128, bf16): its output and the gradients of q,
+k and v against XLA's same-segment causal attention in float32 (max abs error, relative to the
+reference's largest magnitude; fails above 0.03), and forward + backward timed beside XLA's
+masked attention (what ran before it), median of 10 calls each, as a ratio.
+
 Exit 0 and a JSON report when correct; 1 when the kernel fails to compile or is wrong (the
 message says which). ``benchmarks/gpu_bench.sh`` runs it first and, when it fails, measures
 with ``model.attention=cudnn`` instead of letting a broken kernel sink the run. ``--smoke``:
@@ -19,6 +26,7 @@ tiny shapes on the CPU (Pallas's interpreter), no timing, so a test keeps the sc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -52,6 +60,62 @@ def _dense(q, k_cache, v_cache, lengths, width):
     v = read_layer(v_cache, jnp.int32(1), width)
     mask = (jnp.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
     return xla_attention(q, k, v, mask, False)
+
+
+def _packed_segments(rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """Segment ids of packed rows: long-tailed sequences first-fit from column 0 until a row is
+    full, the unused tail padding (-1), as ``ppo.packing`` lays them out."""
+    rng = np.random.default_rng(seed)
+    seg = np.full((rows, width), -1, np.int32)
+    next_id = 0
+    for r in range(rows):
+        offset = 0
+        while offset < width - 16:
+            n = int(min(rng.lognormal(np.log(width / 6), 0.9) + 1, width - offset))
+            seg[r, offset : offset + n] = next_id
+            offset, next_id = offset + n, next_id + 1
+    return seg
+
+
+def _segment_check(smoke: bool) -> dict:
+    """The segment attention's errors against float32 XLA and (not ``smoke``) its time."""
+    from oppo_jax.models import segment_attention as sa
+
+    rows, width, heads, kv, dh, dtype = (
+        (2, 64, 4, 2, 16, jnp.float32) if smoke else (4, 1536, 28, 4, 128, jnp.bfloat16)
+    )
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (rows, width, heads, dh), dtype)
+    k, v = (jax.random.normal(key, (rows, width, kv, dh), dtype) for key in keys[1:3])
+    seg = jnp.asarray(_packed_segments(rows, width))
+    real = (seg >= 0)[:, :, None, None]
+    weight = jax.random.normal(keys[3], q.shape, jnp.float32) * real  # padding is read by none
+    same = (seg[:, None, :, None] == seg[:, None, None, :]) & (seg >= 0)[:, None, :, None]
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * weight)
+
+    kernel = lambda q, k, v: sa.segment_attention(q, k, v, seg)  # noqa: E731
+    xla = lambda q, k, v: xla_attention(q, k, v, same, True)  # noqa: E731
+    both = {name: jax.jit(jax.value_and_grad(functools.partial(loss, fn), (0, 1, 2)))
+            for name, fn in (("kernel", kernel), ("xla", xla))}  # fmt: skip
+    out = jax.jit(kernel)(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want_out = xla(*f32)
+    _, got = both["kernel"](q, k, v)
+    _, want = jax.jit(jax.value_and_grad(functools.partial(loss, xla), (0, 1, 2)))(*f32)
+    errors = {"out": (out * real, want_out * real)}
+    errors |= {f"d{n}": (g, w) for n, g, w in zip("qkv", got, want, strict=True)}
+    row = {
+        f"{name}_error": float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
+        / max(float(jnp.max(jnp.abs(b))), 1e-30)
+        for name, (a, b) in errors.items()
+    }
+    if not smoke:
+        t_kernel = _median_s(both["kernel"], q, k, v, calls=10)
+        t_xla = _median_s(both["xla"], q, k, v, calls=10)
+        row |= {"segment_s": t_kernel, "xla_s": t_xla, "xla_over_segment": t_xla / t_kernel}
+    return row
 
 
 def _median_s(fn, *args, calls: int) -> float:
@@ -114,6 +178,17 @@ def main(argv=None) -> int:
         if error > TOLERANCE:
             print(f"ragged_check: max abs error {error:.3g} > {TOLERANCE}", file=sys.stderr)
             return 1
+    try:
+        row = _segment_check(args.smoke)
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure is the finding
+        print(f"ragged_check: the segment attention failed: {e}", file=sys.stderr)
+        return 1
+    report["segment"] = row
+    print("ragged_check: segment attention: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()))
+    worst = max(v for name, v in row.items() if name.endswith("_error"))
+    if worst > TOLERANCE:
+        print(f"ragged_check: segment attention error {worst:.3g} > {TOLERANCE}", file=sys.stderr)
+        return 1
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

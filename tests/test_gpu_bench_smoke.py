@@ -45,6 +45,7 @@ def test_smoke_run_writes_bench_json_and_a_summary_line(tmp_path):
     # The ragged decode kernel was checked first (the interpreter's tiny shapes here).
     check = json.loads((out / "ragged_check.json").read_text())
     assert check["smoke"] and all(w["max_abs_error"] < 1e-5 for w in check["widths"].values())
+    assert max(check["segment"].values()) < 1e-5  # the segment attention's errors, checked too
     assert "ragged check FAILED" not in line
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tests.test_packed_update as packed_update
+from oppo_jax.models import attention
 from oppo_jax.models import segment_attention as sa
 from oppo_jax.models.attention import attend
 from oppo_jax.models.model_config import preset
@@ -142,7 +143,8 @@ def test_blocks_and_shapes_it_takes():
 
 def test_attend_routes_packed_rows_to_it_and_only_those():
     """Packed rows (causal within segments, no cache) with "ragged" (on a GPU: "auto" for half
-    heads) take the kernel; any other form, or heads it cannot take, stay on XLA."""
+    heads) take the kernel; any other form, heads it cannot take, or an explicit "cudnn" (the
+    kernels before the Pallas ones) stay on XLA."""
     rng = np.random.default_rng(1)
     q, k, v = _qkv(rng, 2, 64, 4, 2, 16)
     seg = jnp.asarray(_segments([[20, 30], [64]], 64))
@@ -157,10 +159,16 @@ def test_attend_routes_packed_rows_to_it_and_only_those():
         mp.setattr(sa, "segment_attention", spy)
         got = attend(q, k, v, implementation="ragged", causal=True, segment_ids=seg)
         attend(q, k, v, implementation="xla", causal=True, segment_ids=seg)
+        attend(q, k, v, implementation="cudnn", causal=True, segment_ids=seg)  # the fallback
         attend(q, k, v, implementation="ragged", causal=True)  # no segments
         attend(q[..., :8], k[..., :8], v[..., :8], implementation="ragged", causal=True,
                segment_ids=seg)  # fmt: skip
-    assert calls == [q.shape]
+        # "auto" on a GPU (resolved as there) for bfloat16 heads: the kernel.
+        resolve = attention.resolve
+        mp.setattr(attention, "resolve", lambda i, d, h: resolve(i, d, h, "gpu"))
+        half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        attend(*half, implementation="auto", causal=True, segment_ids=seg)
+    assert calls == [q.shape, q.shape]
     np.testing.assert_allclose(got, _xla(q, k, v, seg), atol=1e-5, rtol=0)
 
 
@@ -248,3 +256,11 @@ def test_lowers_for_gpu_at_the_7b_packed_update_shapes():
     calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
     assert len(calls) == 3, calls
     assert f"x{width}x{width}x" not in text  # no score or probability tensor of the row
+
+
+def test_a_mesh_that_splits_query_groups_is_a_clear_error():
+    mesh = make_mesh(1, 1, 4, jax.devices()[:4])  # 4 tensor shards, 2 kv heads
+    q, k, v = _qkv(np.random.default_rng(3), 1, 32, 4, 2, 16)
+    seg = jnp.zeros((1, 32), jnp.int32)
+    with tracing_rules(mesh, DEFAULT_RULES), pytest.raises(ValueError, match="whole groups"):
+        jax.jit(lambda *a: sa.segment_attention(*a, block=16))(q, k, v, seg)

@@ -192,8 +192,9 @@ MUST_SHOW = pytest.mark.xfail(
 )
 
 
-# Met in every setting, the update's attention priced (sim.roofline): GH200 labelled 1.05x and
-# 1.06x, GH200 configs 1.25x (7B) and 1.28x (3B) since the packed update packs each minibatch
+# Met in every setting, the update's attention priced (sim.roofline): GH200 labelled 1.044x and
+# 1.046x, GH200 configs 1.22x (7B) and 1.23x (3B) with the segment attention (1.25x and 1.28x
+# before it, 1.05x and 1.06x labelled) since the packed update packs each minibatch
 # whole into its accumulation chunks (each microbatch alone, at the fullest one's rows, was
 # 1.76x / 1.64x, which the simulator counted as one group until it mirrored the microbatches);
 # TPU v5p configs 1.19x and 1.22x with rows of 2 (P + R) and the ragged Mosaic decode (1.23x
@@ -216,9 +217,10 @@ def test_built_sync_within_1_3x_of_active(spec, config, given):
 # config's (0.043) since the TPU decode runs the ragged kernel's Mosaic form (before: 5/9
 # cells, 0.097: every slot decoded over the longest live width, which OPPO's cut saves) and the
 # data-bucketed shapes take four sizes per doubling (ppo.packing.BUCKET_STEPS; with two, TPU
-# 0.050 and GH200 0.049). Not met: the labelled one-epoch setting (0/9, 0.181: OPPO's own
-# carried-row and streamed-scoring overhead, and at long responses the dense attention of P + R
-# rows; docs/PROJECTIONS.md §4b-d).
+# 0.050 and GH200 0.049). Not met: the labelled one-epoch setting (1/9, 0.142 with the GPU's
+# segment attention for the update; 0/9, 0.181 before it): OPPO's carried rows are admitted at
+# one power-of-two width over their longest prefix, 2.2x their real tokens
+# (docs/PROJECTIONS.md §4e).
 REGIME_MET = {
     ("qwen2.5-7b:gh200", "qwen2.5-7b_gh200x1"),
     ("qwen2.5-7b:tpu-v5p", "qwen2.5-7b_tpu-v5p-8"),

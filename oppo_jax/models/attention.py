@@ -14,9 +14,10 @@ a TPU, XLA otherwise; and for a decode step on a GPU or a TPU the ragged kernel
 (``models.ragged_decode``: each row reads only its own keys, straight from the cache buffer;
 Triton on a GPU, Mosaic on a TPU) where its form takes the shapes. "ragged" asks for that
 kernel on a CPU too (Pallas's interpreter: for tests), XLA for every other form. Packed rows
-(causal within segments: the packed update, sync's packed scoring) go on a GPU, and with
-"ragged" anywhere, to ``models.segment_attention``, which visits only the key blocks a query
-block's segment reaches; cuDNN takes no segments. cuDNN gets padding and causal masks as
+(causal within segments: the packed update, sync's packed scoring) go with "auto" on a GPU,
+and with "ragged" anywhere, to ``models.segment_attention``, which visits only the key
+blocks a query block's segment reaches (an explicit "cudnn" leaves them on XLA: cuDNN takes
+no segments). cuDNN gets padding and causal masks as
 sequence lengths and mask types, splash gets causal masks and segment ids; all compute the
 same function as XLA's kernel (tests/test_attention.py runs the forms cuDNN receives through
 XLA with the same arguments, and splash itself in Pallas interpret mode on the CPU;
@@ -90,7 +91,10 @@ def attend(
     t, tc = q.shape[1], k.shape[1]
     decode_step = kv_lengths is not None and t == 1
     packed_rows = segment_ids is not None and causal and t == tc and mask is None
-    if packed_rows and kernel in ("cudnn", "ragged") and segment_kernel.fits(q.shape[-1], t):
+    # auto's GPU kernels or "ragged"; an explicit "cudnn" keeps the kernels before the Pallas
+    # ones (benchmarks/gpu_bench.sh falls back to it when a Pallas kernel fails its check).
+    pallas = implementation == "ragged" or (implementation == "auto" and kernel == "cudnn")
+    if packed_rows and pallas and segment_kernel.fits(q.shape[-1], t):
         return segment_kernel.segment_attention(q, k, v, segment_ids)
     if kernel == "cudnn" and segment_ids is None and (causal or decode_step):
         return fused_arguments_attention(q, k, v, causal, kv_lengths, "cudnn")

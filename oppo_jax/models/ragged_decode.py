@@ -120,8 +120,8 @@ def ragged_decode_attention(
     cache = nn.logical_to_mesh_axes(CACHE_AXES)
     if (
         heads[2] != cache[2]
-        or q.shape[2] % _size(mesh, heads[2])
-        or (k_cache.shape[2] % _size(mesh, cache[2]))
+        or q.shape[2] % mesh_size(mesh, heads[2])
+        or (k_cache.shape[2] % mesh_size(mesh, cache[2]))
     ):  # each device must hold whole query groups with their kv heads
         raise ValueError(
             f"ragged decode attention: {q.shape[2]} query heads over {heads[2]} and "
@@ -133,7 +133,7 @@ def ragged_decode_attention(
     return shard(q, k_cache, v_cache, layer, lengths)
 
 
-def _size(mesh, axes) -> int:
+def mesh_size(mesh, axes) -> int:
     """Devices a spec entry (None, an axis name or a tuple of them) splits a dimension over."""
     names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return int(math.prod(mesh.shape[a] for a in names))

@@ -42,6 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.models import ragged_decode
+
 BLOCK = 64  # queries and keys per block at most (sim.packing.SEGMENT_BLOCK prices it)
 MIN_BLOCK = 16  # Triton's smallest dot
 
@@ -102,6 +104,13 @@ def segment_attention(
         return run(q, k, v, segment_ids)
     rows = nn.logical_to_mesh_axes(("batch", "length"))
     heads = nn.logical_to_mesh_axes(("batch", "length", "heads", None))
+    split = ragged_decode.mesh_size(mesh, heads[2])
+    if q.shape[2] % split or k.shape[2] % split:  # each device: whole query groups
+        raise ValueError(
+            f"segment attention: {q.shape[2]} query heads and {k.shape[2]} kv heads do not "
+            f"split into whole groups over {heads[2]} ({split} devices); use "
+            "model.attention=xla for this mesh"
+        )
     specs = (heads, heads, heads, rows)
     shard = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
     return shard(q, k, v, segment_ids)

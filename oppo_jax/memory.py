@@ -41,6 +41,8 @@ from oppo_jax.memory_target import target_devices, target_note
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.ppo.optimizer import make_optimizer
+from oppo_jax.ppo.packed_update import make_update
+from oppo_jax.ppo.packing import padding_indices
 from oppo_jax.ppo.update import (
     UpdateSpec,
     make_sharded_update,
@@ -136,13 +138,34 @@ class _Run:
         )
         return on_slots(admission, mesh)
 
+    @functools.cached_property
+    def packed_update_shape(self) -> tuple[int, int, int] | None:
+        """(Rp, W, N) the packed update is compiled at here: of every shape a batch can take
+        (``PackedUpdate.all_shapes``), the one of the most token slots (then response slots),
+        whose activations are the largest; None for the padded update."""
+        if not self.spec.ppo.packed_update:
+            return None
+        s = self.shapes
+        full = s.prompt_len + s.response_len
+        shapes = make_update(self.spec, self.mesh).all_shapes(s.batch_size, full, s.response_len)
+        return max(shapes, key=lambda shape: (shape[0] * shape[1], shape[2]))
+
     def update(self):
-        """(the sharded update as the run jits it, its abstract arguments)."""
-        update, state_sh = make_sharded_update(self.spec, self.mesh)
-        s, key = self.shapes, sds((), jax.random.key(0).dtype, replicated(self.mesh))
+        """(the update as the run jits it: packed at ``packed_update_shape`` or padded over
+        [B, P + R]; its abstract arguments)."""
+        padded, state_sh = make_sharded_update(self.spec, self.mesh)
+        s, repl = self.shapes, replicated(self.mesh)
+        key = sds((), jax.random.key(0).dtype, repl)
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, self.mesh)
         state = abstract_tree(_abstract_state(self.spec, self.master), state_sh)
-        return update, (state, batch, key, sds((), jnp.float32, replicated(self.mesh)))
+        kl_coef = sds((), jnp.float32, repl)
+        if self.packed_update_shape is None:
+            return padded, (state, batch, key, kl_coef)
+        packed = make_update(self.spec, self.mesh)
+        outer, m = packed.per_microbatch(s.batch_size)
+        indices = padding_indices(outer, self.packed_update_shape, m * outer[2])
+        indices = jax.tree.map(lambda x: sds(x.shape, x.dtype, repl), indices)
+        return packed.jitted, (state, batch, indices, kl_coef)
 
     def admit(self):
         """(the actor's admission prefill, its abstract arguments)."""
@@ -333,7 +356,8 @@ def memory_report(
             n: _describe(m)
             for n, m in zip(("actor", "critic", "reward"), (*trained, reward), strict=True)
         },
-        "shapes": dataclasses.asdict(shapes) | {"slots_padded": run.slots},
+        "shapes": dataclasses.asdict(shapes)
+        | {"slots_padded": run.slots, "packed_update": run.packed_update_shape},
         "note": note,
         "bytes": state,
         "resident": resident,

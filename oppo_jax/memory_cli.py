@@ -110,8 +110,16 @@ def format_table(report: dict) -> str:
         fields = ("argument", "output", "alias", "temp", "peak", "with_resident", "with_live")
         cells = (k[f] for f in fields)
         lines.append(f"| {name} | " + " | ".join(map(fmt, cells)) + " |")
+    packed = report["shapes"].get("packed_update")
+    update = (
+        f"the update: packed, at its largest shape {packed[0]} rows x {packed[1]} columns, "
+        f"{packed[2]} response slots"
+        if packed
+        else "the update: padded over [B, P + R]"
+    )
     lines += [
         "",
+        update + ".",
         "with resident: a kernel's temporaries and new outputs on top of everything resident "
         "(an upper bound); with live: on top of what the step holds while it runs (the "
         "admission before, the update after the KV caches but the frozen scorers' kept rows).",

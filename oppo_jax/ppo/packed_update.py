@@ -164,7 +164,7 @@ class PackedUpdate:
             width_factor=ppo.pack_width_factor,
         )
 
-    def _per_microbatch(self, num_rows: int) -> tuple[tuple[int, int, int], int]:
+    def per_microbatch(self, num_rows: int) -> tuple[tuple[int, int, int], int]:
         """(E, M, A) and m, the sequences of one microbatch, for a batch of ``num_rows``."""
         ppo = self.spec.ppo
         m = num_rows // (ppo.num_minibatches * ppo.grad_accum_steps)
@@ -173,7 +173,7 @@ class PackedUpdate:
     def all_shapes(self, num_rows: int, full_width: int, response_width: int) -> list:
         """Every packed shape (Rp, W, N) a batch of ``num_rows`` sequences, L = ``full_width``
         and R = ``response_width`` can take (``packing.packed_shapes``)."""
-        _, m = self._per_microbatch(num_rows)
+        _, m = self.per_microbatch(num_rows)
         ppo = self.spec.ppo
         return packed_shapes(
             m,
@@ -188,7 +188,7 @@ class PackedUpdate:
     def compile_shape(self, state, batch: PPOBatch, shape: tuple[int, int, int], kl_coef):
         """Run the jitted update once at ``shape`` on a plan of padding only, so that a step
         meeting that shape finds it compiled. ``state`` is donated: pass a throwaway copy."""
-        outer, m = self._per_microbatch(batch.tokens.shape[0])
+        outer, m = self.per_microbatch(batch.tokens.shape[0])
         return self.jitted(state, batch, padding_indices(outer, shape, m * outer[2]), kl_coef)
 
     def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):

@@ -264,3 +264,42 @@ def test_a_mesh_that_splits_query_groups_is_a_clear_error():
     seg = jnp.zeros((1, 32), jnp.int32)
     with tracing_rules(mesh, DEFAULT_RULES), pytest.raises(ValueError, match="whole groups"):
         jax.jit(lambda *a: sa.segment_attention(*a, block=16))(q, k, v, seg)
+
+
+def test_sync_packed_scoring_with_it_equals_xla_and_each_sequences_own_forward(monkeypatch):
+    """Sync's packed scoring (scoring.packed: rows of pow2(longest), padding -1, whole rows of
+    it in the row bucket) through the kernel: reference log-probs equal XLA's packed scoring
+    and each sequence's own padded forward within 1e-5."""
+    from oppo_jax.models import init_params
+    from oppo_jax.models.model_config import ModelConfig
+    from oppo_jax.ppo.batch import policy_logprobs
+    from oppo_jax.rollout.layout import assemble_sequences
+    from oppo_jax.scoring.packed import PackedBatch, plan_packing, score_packed
+    from oppo_jax.scoring.stream import ScorerSpec
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16)  # fmt: skip
+    params = init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    rows, width, resp = 9, 6, 26
+    prompt_len, resp_len = rng.integers(1, width + 1, rows), rng.integers(1, resp + 1, rows)
+    prompts, response = np.zeros((rows, width), np.int32), np.zeros((rows, resp), np.int32)
+    for b in range(rows):
+        prompts[b, : prompt_len[b]] = rng.integers(2, 64, prompt_len[b])
+        response[b, : resp_len[b]] = rng.integers(2, 64, resp_len[b])
+    seqs = assemble_sequences(*map(jnp.asarray, (prompts, prompt_len, response, resp_len)))
+    plan = plan_packing(prompt_len + resp_len, seqs.shape[1])
+    assert plan.seq.shape[1] == 32 and (plan.seq < 0).all(axis=1).any()  # a row of padding
+    batch = PackedBatch(seqs, jnp.asarray(prompt_len), jnp.asarray(resp_len),
+                        *map(jnp.asarray, (plan.seq, plan.col, plan.row, plan.offset)))  # fmt: skip
+    traced, real = [], sa.segment_attention
+    monkeypatch.setattr(
+        sa, "segment_attention", lambda *a, **kw: traced.append(1) or real(*a, **kw)
+    )
+    got = score_packed(ScorerSpec(cfg.replace(attention="ragged"), "logprob", resp), params, batch)
+    assert len(traced) == cfg.num_layers  # the kernel ran in every layer
+    xla = score_packed(ScorerSpec(cfg.replace(attention="xla"), "logprob", resp), params, batch)
+    own, _ = policy_logprobs(cfg, params, seqs, jnp.asarray(prompt_len), resp, 1.0)
+    mask = np.arange(resp)[None, :] < resp_len[:, None]
+    np.testing.assert_allclose(got, xla, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, np.where(mask, own, 0.0), atol=1e-5, rtol=0)

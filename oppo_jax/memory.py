@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -37,7 +36,7 @@ from oppo_jax.memory_abstract import (
     shape_checks_off,
     shaped,
 )
-from oppo_jax.memory_target import target_devices, target_note
+from oppo_jax.memory_target import target_meshes, target_note
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.ppo.optimizer import make_optimizer
@@ -54,7 +53,6 @@ from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
 from oppo_jax.sharding import (
     abstract_params,
-    make_mesh,
     padded_slot_count,
     param_shardings,
     per_device_bytes,
@@ -253,18 +251,6 @@ class _Run:
         }
 
 
-def _meshes(mesh_shape, scoring_shape, target: str = "cpu"):
-    """(training/generation mesh, scoring mesh) on ``target``'s devices (fake CPU ones, or a
-    deviceless TPU topology); the scoring mesh is the same one when ``scoring_shape`` is None
-    (colocated), else on the devices after it."""
-    n, extra = math.prod(mesh_shape), math.prod(scoring_shape or (0,))
-    devices = target_devices(target, n + extra)
-    mesh = make_mesh(*mesh_shape, devices[:n])
-    return mesh, mesh if scoring_shape is None else make_mesh(
-        *scoring_shape, devices[n : n + extra]
-    )
-
-
 def _model(model: ModelConfig | str, head: str) -> ModelConfig:
     return preset(model, head=head) if isinstance(model, str) else model
 
@@ -336,7 +322,7 @@ def memory_report(
     txs = [make_optimizer(optim, lr, 1000) for lr in (optim.actor_lr, optim.critic_lr)]
     txs = [offload.offloaded(tx) if optim.offload else tx for tx in txs]
     spec = UpdateSpec(*trained, ppo, sampling.temperature, *txs)
-    meshes = _meshes(mesh, scoring_mesh, lowering.target)
+    meshes = target_meshes(mesh, scoring_mesh, lowering.target)
     run = _Run(spec, optim.master_dtype, actor, reward, shapes, sampling, *meshes)
     state = run.resident()
     device = {k: v for k, v in state.items() if k != "host"}

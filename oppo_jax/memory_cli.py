@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    try:  # only possible before JAX has started its backends; _meshes says so otherwise
+    try:  # only possible before JAX has started its backends; target_meshes says so otherwise
         jax.config.update("jax_num_cpu_devices", devices_needed(cfg))
     except RuntimeError:
         pass

@@ -11,7 +11,11 @@ present; the program is compiled, never run.
 
 from __future__ import annotations
 
+import math
+
 import jax
+
+from oppo_jax.sharding import make_mesh
 
 TARGETS = ("cpu", "tpu-v5p")
 CPU_NOTE = (
@@ -65,3 +69,15 @@ def _v5p_devices(count: int) -> list:
                 ) from err
             return list(topology.devices)[:count]
     raise ValueError(f"no v5p topology here holds {count} chips")
+
+
+def target_meshes(mesh_shape, scoring_shape, target: str = "cpu"):
+    """(training/generation mesh, scoring mesh) on ``target``'s devices (fake CPU ones, or a
+    deviceless TPU topology); the scoring mesh is the same one when ``scoring_shape`` is None
+    (colocated), else on the devices after it."""
+    n, extra = math.prod(mesh_shape), math.prod(scoring_shape or (0,))
+    devices = target_devices(target, n + extra)
+    mesh = make_mesh(*mesh_shape, devices[:n])
+    return mesh, mesh if scoring_shape is None else make_mesh(
+        *scoring_shape, devices[n : n + extra]
+    )

@@ -9,7 +9,6 @@ lowering at the 7B config's packed-update shapes: three Triton calls, no [T, T] 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +85,7 @@ def test_equals_xla_with_the_segment_mask_in_values_and_gradients(case, seed):
 
     kernel = lambda q, k, v: sa.segment_attention(q, k, v, seg, block=block)  # noqa: E731
     xla = lambda q, k, v: _xla(q, k, v, seg)  # noqa: E731
-    grad = functools.partial(jax.value_and_grad(loss, (1, 2, 3), has_aux=True))
+    grad = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)
     (_, got), got_grads = grad(kernel, q, k, v)
     (_, want), want_grads = grad(xla, q, k, v)
     np.testing.assert_allclose(got * real, want * real, atol=1e-5, rtol=0)
@@ -134,6 +133,8 @@ def test_visited_blocks_cover_every_kept_pair_and_are_what_the_simulator_prices(
 
 def test_blocks_and_shapes_it_takes():
     assert (sa.block_for(1536), sa.block_for(80), sa.block_for(1024)) == (64, 16, 64)
+    # The simulator's JAX-free copy of the rule prices the blocks the kernel runs.
+    assert all(sim_packing.segment_block(w) == sa.block_for(w) for w in range(16, 4097, 16))
     assert sa.fits(128, 1536) and sa.fits(16, 48)
     assert not sa.fits(8, 64) and not sa.fits(128, 24) and not sa.fits(96, 64)
     q, k, v = _qkv(np.random.default_rng(0), 1, 48, 2, 1, 16)

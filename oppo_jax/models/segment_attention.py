@@ -2,7 +2,7 @@
 block's segment can see: the packed update's attention on a GPU.
 
 A packed row holds several sequences side by side, each a contiguous run of one segment id
-(``ppo.packing``: first-fit decreasing from column 0; the unused tail is one more run). XLA's
+(``ppo.packing``: first-fit decreasing from column 0; the unused tail is padding, -1). XLA's
 attention masks the cross-segment pairs but computes them: every query against every key of
 the row, W² pairs per row of width W, so a row of 16,384 columns holding six sequences of
 ~2,700 tokens computes 268M pairs where the sequences' own causal pairs are 22M. cuDNN's fused
@@ -26,7 +26,7 @@ other query equals XLA's ``attention`` with the mask ``same segment & key <= que
 each segment id is one contiguous run of a row (the packings' layout; a repeated id elsewhere
 would still see only its own run here). Pallas lowers it to Triton on a GPU; elsewhere it runs in
 Pallas's interpreter (tests, and ``model.attention=ragged`` on a CPU). The simulator's
-``segment_update_attention`` prices the pairs it visits (``sim.packing.segment_pairs``).
+``segment_update_attention`` prices the pairs it visits (``sim.packing.row_segment_pairs``).
 
 Dimension letters: S rows, T positions, H query heads, K kv heads, Dh head width, b block.
 """
@@ -56,7 +56,7 @@ def block_for(width: int) -> int:
 
 def fits(head_dim: int, width: int) -> bool:
     """Whether the Triton form takes these shapes: power-of-two heads of >= 16 and blocks of
-    >= 16 (packed rows are multiples of the 16-token granule, so every packed update fits)."""
+    >= 16 (packed update rows at the default 16-token ``ppo.pack_granule`` always are)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and block_for(width) >= MIN_BLOCK
 
 
@@ -195,7 +195,7 @@ def _forward(q, k, v, segments, first, block, interpret):
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, seg_ref, first_ref, o_ref, lse_ref, *, block, group, scale
-):  # fmt: skip
+):
     row, head, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head, q_first = head // group, qb * block
     q = q_ref[...]
@@ -258,9 +258,20 @@ def _backward_dq(q, k, v, segments, d_out, lse, delta, first, block, interpret):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, first_ref, dq_ref, *, block, group,
+    q_ref,
+    k_ref,
+    v_ref,
+    seg_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    first_ref,
+    dq_ref,
+    *,
+    block,
+    group,
     scale,
-):  # fmt: skip
+):
     row, head, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head, q_first = head // group, qb * block
     q, d_out = q_ref[...], do_ref[...]
@@ -315,9 +326,21 @@ def _backward_dkv(q, k, v, segments, d_out, lse, delta, end, block, interpret):
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, end_ref, dk_ref, dv_ref, *, block,
-    group, scale,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    seg_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    end_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    block,
+    group,
+    scale,
+):
     row, head, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head, k_first = head // group, kb * block
     keys = k_ref[row, kv_head, pl.ds(k_first, block), :]

@@ -123,9 +123,10 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         if engine.packed_update:
             rows, row_width = packing.update_rows(sequences, full, f.update_groups)
         update = rows * row_width
-        pairs = rows * _row_pairs(row_width, engine.causal_update_attention)
         if engine.packed_update and engine.segment_update_attention:
             pairs = packing.update_segment_pairs(sequences, full, f.update_groups)
+        else:
+            pairs = rows * _row_pairs(row_width, engine.causal_update_attention)
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P

@@ -65,15 +65,6 @@ def _lanes(cfg: Config, ctx: RunContext, state, seeds: int) -> list[_Lane]:
     return lanes
 
 
-def compile_admissions(lane: _Lane) -> int:
-    """Compile, before anything is measured, every admission shape a carrying lane can meet
-    (``pipeline.warmup.compile_admissions``, which ``train``'s warm-up runs too). Left to the
-    measured steps, a long-tailed run meets the widest buckets only now and then, and each
-    first time stalls that step (and the lane's time to target) for the compilations. Returns
-    how many shapes were run."""
-    return warm.compile_admissions(lane.ctx, lane.host, lane.state)
-
-
 def _moving_average(xs: list[float], window: int = MOVING_AVERAGE) -> np.ndarray:
     xs = np.asarray(xs, float)
     return np.array([xs[max(0, i - window + 1) : i + 1].mean() for i in range(len(xs))])
@@ -152,7 +143,6 @@ def run_bench(
         rotation = step % len(SCHEDULES)  # who goes first rotates, against order effects
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
-            carrying = lane.host.deltas.slots_needed > 0
             # the smallest bucket its decode compacts into, for the trace (0: no compaction)
             compacted = lane.ctx.kernels.compaction_floor(lane.ctx.placement.num_slots(1)) or 0
             compiles.take()  # from here: this step's compilations
@@ -161,9 +151,7 @@ def run_bench(
             )
             record["compiles"], record["compile_s"] = compiles.take()
             if step >= warmup:  # the first steps compile
-                record["trace"] = step_trace(
-                    result, carried, cfg.rollout.max_prompt_len, carrying, compacted
-                )
+                record["trace"] = step_trace(result, carried, cfg.rollout.max_prompt_len, compacted)
                 lane.records.append(record)
                 lane.events = result.events
             bar.update(1)

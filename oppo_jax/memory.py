@@ -31,6 +31,7 @@ from oppo_jax.memory_abstract import (
     abstract_model_params,
     abstract_ppo_batch,
     abstract_tree,
+    live_during,
     on_slots,
     sds,
     shape_checks_off,
@@ -50,6 +51,7 @@ from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, admit_decode, decode_chunk_emit
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.scoring.replay import REPLAY_CHUNK, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
 from oppo_jax.sharding import (
     abstract_params,
@@ -61,7 +63,7 @@ from oppo_jax.sharding import (
 )
 from oppo_jax.trained_params import abstract_train_state
 
-KERNELS = ("update", "admission", "decode_chunk", "score_chunk")
+KERNELS = ("update", "admission", "replay", "decode_chunk", "score_chunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,7 @@ class RunShapes:
     response_len: int  # R, response capacity, tokens
     slots: int  # S, rollout slots (B + Δ_max), before padding to a multiple of data x fsdp
     chunk_size: int  # C, decode steps per chunk (and the scorer chunk's width), tokens
-    carried_rows: int = 0  # admission slots prefilled at the full width P + R (carried ones)
+    replay_rows: int = 0  # leading slots of the widest replay of carried prefixes (0: none)
 
 
 def _abstract_state(spec: UpdateSpec, master: str):
@@ -118,7 +120,7 @@ class _Run:
         )
 
     def admission(self, mesh) -> Admission:
-        """Abstract admission of every slot, the first ``carried_rows`` at width P + R."""
+        """Abstract admission of every slot, with room for a carried prefix of R tokens."""
         s, r, n = self.shapes, self.shapes.response_len, self.slots
         i32, flag = ((n,), jnp.int32), ((n,), jnp.bool_)
         admission = shaped(
@@ -132,7 +134,6 @@ class _Run:
             i32,
             flag,
             flag,
-            carried_rows=min(s.carried_rows, n),
         )
         return on_slots(admission, mesh)
 
@@ -166,18 +167,33 @@ class _Run:
         return packed.jitted, (state, batch, indices, kl_coef)
 
     def admit(self):
-        """(the actor's admission prefill, its abstract arguments)."""
+        """(the actor's admission: its prompt prefill and the decode state started from it;
+        its abstract arguments)."""
         s, actor = self.shapes, self.policy
         rollout = RolloutSpec(
             self.sampling, s.prompt_len, s.response_len, (1,), 0, self.mesh, self.scoring_mesh
         )
 
         def admit(params, admission, key):
-            return admit_decode(actor, params, admission, key, rollout, self.sampling.temperature)
+            return admit_decode(actor, params, admission, key, rollout)
 
         key = sds((), jax.random.key(0).dtype, replicated(self.mesh))
         params = abstract_model_params(actor, self.mesh)
         return jax.jit(admit), (params, self.admission(self.mesh), key)
+
+    def replay(self):
+        """(the actor's widest replay chunk of carried prefixes, donating its state: the
+        ``replay_rows`` leading slots reading the whole P + R cache; its abstract arguments)."""
+        s, mesh, n = self.shapes, self.mesh, self.slots
+        spec = ScorerSpec(self.policy, "logprob", s.response_len, self.sampling.temperature, mesh)
+        params = abstract_model_params(self.policy, mesh)
+        admit = functools.partial(scorer_admit, spec, prompt_width=s.prompt_len)
+        state = on_slots(jax.eval_shape(admit, params, self.admission(mesh)), mesh)
+        rows, repl = max(min(s.replay_rows, n), 1), replicated(mesh)
+        tokens = sds((rows, REPLAY_CHUNK), jnp.int32, repl)
+        count = sds((rows,), jnp.int32, repl)
+        fn = functools.partial(replay_chunk, spec, kv_width=s.prompt_len + s.response_len)
+        return jax.jit(fn, donate_argnums=(1,)), (params, state, tokens, count)
 
     def decode_chunk(self):
         """(one decode chunk, donating its state, and its abstract arguments)."""
@@ -366,21 +382,6 @@ def memory_report(
             "with_live": live + mem.temp + mem.output - mem.alias,
         }
     return report
-
-
-def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) -> int:
-    """Bytes a step holds on a device while ``kernel`` runs, in ``pipeline.step``'s order.
-
-    The actor's admission runs before any of this step's KV caches exists (it returns the
-    actor's, counted as its output) and the update after the step has dropped all four; both
-    see only the frozen scorers' kept rows of carried sequences (at most Δ_max of the slots:
-    ``kept_fraction`` of the reference's and reward model's caches). Decode and scorer chunks
-    run with all four caches resident.
-    """
-    if kernel not in ("update", "admission"):
-        return resident
-    kept = kept_fraction * (caches["reference"] + caches["reward"])
-    return resident - sum(caches.values()) + int(kept)
 
 
 def _describe(cfg: ModelConfig) -> dict:

@@ -1,5 +1,6 @@
 """Abstract inputs of the memory report: ShapeDtypeStruct trees carrying the run's shardings,
-and one kernel's bytes from XLA's memory analysis. Nothing is allocated."""
+one kernel's bytes from XLA's memory analysis, and what a step holds beside it. Nothing is
+allocated."""
 
 from __future__ import annotations
 
@@ -107,3 +108,20 @@ def abstract_ppo_batch(rows: int, prompt: int, response: int, mesh) -> PPOBatch:
     )
     sh = batch_shardings(mesh)
     return PPOBatch(**{n: sds(*s, getattr(sh, n)) for n, s in shapes.items()})
+
+
+def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) -> int:
+    """Bytes a step holds on a device while ``kernel`` runs, in ``pipeline.step``'s order.
+
+    The actor's admission runs before any of this step's KV caches exists (it returns the
+    actor's, counted as its output) and the update after the step has dropped all four; both
+    see only the frozen scorers' kept rows of carried sequences (at most Δ_max of the slots:
+    ``kept_fraction`` of the reference's and reward model's caches). The actor's replay of
+    carried prefixes runs on its admitted cache (donated in and out) beside those kept rows.
+    Decode and scorer chunks run with all four caches resident.
+    """
+    if kernel not in ("update", "admission", "replay"):
+        return resident
+    kept = kept_fraction * (caches["reference"] + caches["reward"])
+    own = caches["actor"] if kernel == "replay" else 0
+    return resident - sum(caches.values()) + int(kept) + own

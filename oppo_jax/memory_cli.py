@@ -35,10 +35,10 @@ def config_memory_report(
 ) -> dict:
     """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
     ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
-    carry), the largest chunk size it may use, and the widest carried-row admission bucket."""
+    carry), the largest chunk size it may use, and the widest replay of carried prefixes."""
     # Higher layers, imported here only: the report itself needs no pipeline.
-    from oppo_jax.pipeline.carry import carried_bucket
     from oppo_jax.pipeline.schedule import Schedule
+    from oppo_jax.scoring.replay import row_bucket
     from oppo_jax.specs import preset_models
 
     if cfg.model.preset is None:
@@ -62,7 +62,7 @@ def config_memory_report(
         r.max_response_len,
         slots,
         chunk,
-        carried_rows=carried_bucket(delta, slots) if delta else 0,
+        replay_rows=row_bucket(delta, slots),
     )
     scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
     settings = ReportSettings(

@@ -28,6 +28,7 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec
+from oppo_jax.scoring.replay import ReplayChunk
 from oppo_jax.sharding import make_device_groups
 from oppo_jax.sim import packing as sim_packing
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
@@ -78,17 +79,17 @@ def _steps(mode: str, chunk: int, batch: int, delta: int, steps: int, compact: b
 def _expected(result, plan, stream: bool, packed_update: bool = True) -> dict:
     """(computed, real) per stage, counted from the step's slots, lengths and cut."""
     slots, host, sel = result.slots, result.rollout, result.selection
-    s, width = slots.context.shape
-    k = slots.carried_rows
+    s = slots.num_slots
     prompt, prefix = slots.prompt_len.astype(int), slots.prefix_len.astype(int)
     new = int((host.num_generated - prefix).sum())
     rows = sel.batch
     sequences = prompt[rows] + host.num_generated[rows]  # the batch's prompt + response
-    # Admission: the actor and each scorer that admits prefill K rows at W and S - K at P;
-    # streaming, the frozen scorers (reference, reward) that kept the carried rows' caches
-    # from the step before prefill every slot's prompt at P instead. The packed sync scoring
-    # admits nothing.
-    per_model = k * width + (s - k) * P
+    # Admission: the actor and each scorer that admits prefill every slot's prompt at P, then
+    # replay the carried prefixes over leading row buckets (the simulator's copy of the plan,
+    # checked against the engine's in tests/test_sim_packing.py); streaming, the frozen
+    # scorers (reference, reward) that kept the carried rows' caches from the step before
+    # prefill the prompts only. The packed sync scoring admits nothing.
+    per_model = s * P + sim_packing.replay_tokens(prefix, s)
     occupied = slots.active.astype(bool)
     fresh = occupied & (prefix == 0) & ~slots.prefix_finished.astype(bool)
     full_real, fresh_real = int((prompt + prefix)[occupied].sum()), int(prompt[fresh].sum())
@@ -176,8 +177,9 @@ def test_step_record_carries_tokens_and_efficiency_per_stage():
 
 
 def test_ledger_helpers_on_hand_counted_cases():
-    assert admission_computed((8, 48), 2, 16) == 2 * 48 + 6 * 16
-    assert admission_computed((8, 48), None, 16) == 8 * 48
+    chunk = ReplayChunk(np.zeros((4, 64), np.int32), np.zeros(4, np.int32), 128)
+    assert admission_computed(8, 16, [chunk]) == 8 * 16 + 4 * 64  # the docstring's example
+    assert admission_computed(8, 16) == 8 * 16
     assert decode_computed([8, 8, 4], 20, 8) == 8 * 8 + 8 * 8 + 4 * 4
     assert decode_computed([8, 8, 8], 8, 8) == 64  # the chunk after the cut runs no step
     ledger = WorkLedger()

@@ -65,11 +65,12 @@ def test_every_prompt_once_none_lost_bounded_staleness(lengths, delta, max_defer
     for step in range(steps):
         rule = AdmitRule(_B + delta, _B + delta, True, max_deferrals)
         slots = admit(buffer, prompts, rule, 2, R)
-        # Split admission: rows past carried_rows are new (or empty) and fit the prompt width.
-        fresh = slice(slots.carried_rows, None)
-        assert 0 <= slots.carried_rows <= slots.num_slots
+        # Carried sequences come first; the rows after them are new (or empty) and hold their
+        # prompt only (the replay of prefixes runs over leading rows: scoring.replay).
+        slots.check_carried_first()
+        fresh = slice(int((slots.deferrals > 0).sum()), None)
         assert not slots.prefix_len[fresh].any() and not slots.prefix_finished[fresh].any()
-        assert not slots.context[fresh, 2:].any()
+        assert not slots.context[fresh, 2:].any() and slots.context.shape[1] == 2 + R
         selection, carried = _simulate_step(slots, lengths, chunk, step)
         assert selection is not None and len(selection.batch) == _B
         batch_ids = slots.prompt_ids[selection.batch].tolist()
@@ -118,10 +119,3 @@ def test_select_batch_worked_example():
     sel = select_batch(np.array([3, 1, 1, 5]), np.ones(4, bool), must, 2)
     assert sel.batch.tolist() == [3, 1] and sel.cut == 5
     assert select_batch(np.array([3, 1, 1, -1]), np.ones(4, bool), must, 2) is None
-
-
-def test_prefix_bucket_worked_example():
-    from oppo_jax.pipeline.carry import prefix_bucket
-
-    assert [prefix_bucket(n, 64) for n in (0, 5, 16, 17, 40, 64)] == [0, 16, 16, 32, 64, 64]
-    assert prefix_bucket(30, 24) == 24

@@ -11,8 +11,9 @@ import torch
 
 import oppo_jax
 from oppo_jax.models import ModelConfig, Transformer, init_cache, init_params
-from oppo_jax.pipeline.kernels import make_actor_admit, make_decode_chunk, make_start_decode
+from oppo_jax.pipeline.kernels import make_decode_chunk, make_start_decode
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig, prefill
+from oppo_jax.rollout.decode import admit_decode
 from tests.hf_fixtures import save_tiny_hf_model
 
 TINY = ModelConfig(
@@ -72,7 +73,8 @@ def _decode(cfg, params, prompts, sampling, chunk, max_len, eos=(1,), prompt_ids
     ids = jnp.arange(n) if prompt_ids is None else jnp.asarray(prompt_ids)
     rollout = RolloutSpec(sampling, width, max_len, eos)
     admission = Admission.fresh(padded, lens, max_len, prompt_id=ids)
-    state, _ = make_actor_admit(cfg, rollout, 1.0)(params, admission, jax.random.key(key))
+    admit = jax.jit(functools.partial(admit_decode, cfg, rollout=rollout))
+    state = admit(params, admission, jax.random.key(key))
     step = make_decode_chunk(cfg, sampling, chunk)
     for _ in range(-(-max_len // chunk)):
         state = step(params, state)

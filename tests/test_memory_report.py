@@ -23,7 +23,7 @@ MODEL = ModelConfig(
     num_kv_heads=2, head_dim=16,
 )  # fmt: skip
 SHAPES = RunShapes(batch_size=8, prompt_len=8, response_len=16, slots=10, chunk_size=4,
-                   carried_rows=2)  # fmt: skip
+                   replay_rows=2)  # fmt: skip
 FSDP = 4
 
 
@@ -78,6 +78,9 @@ def test_kernels_are_compiled_with_positive_temporaries():
     kept = int(2 / 12 * (caches["reference"] + caches["reward"]))
     for name in ("admission", "update"):
         assert kernels[name]["live"] == report["resident"] - sum(caches.values()) + kept
+    # The replay of carried prefixes runs on the actor's admitted cache, donated in and out.
+    assert kernels["replay"]["live"] == kernels["admission"]["live"] + caches["actor"]
+    assert kernels["replay"]["alias"] >= caches["actor"]
     assert kernels["decode_chunk"]["live"] == kernels["score_chunk"]["live"] == report["resident"]
     b = report["bytes"]
     state = b["actor_params"] + b["critic_params"] + b["optimizer"] + 4  # + the step counter

@@ -227,10 +227,16 @@ def test_remat_changes_memory_not_results():
 
 
 def test_rollout_kernels_hold_no_vocabulary_sized_activation():
-    """The actor's admission prefill (with carried prefixes) and the reference scorer's chunk
-    never hold logits for a whole row: the only vocabulary-wide arrays are the head itself and
-    the actor's next-token logits, one row per slot (what sampling needs)."""
-    from oppo_jax.pipeline.kernels import make_actor_admit, make_scorer_chunk
+    """The actor's admission (prompt prefill, replay of carried prefixes, start of the decode)
+    and the reference scorer's chunk never hold logits for a whole row: the only
+    vocabulary-wide arrays are the head itself and the actor's next-token logits, one row per
+    slot (what sampling needs)."""
+    from oppo_jax.pipeline.kernels import (
+        make_actor_start,
+        make_replay,
+        make_scorer_admit,
+        make_scorer_chunk,
+    )
     from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
     from oppo_jax.rollout.decode import ChunkTokens
     from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
@@ -239,21 +245,27 @@ def test_rollout_kernels_hold_no_vocabulary_sized_activation():
     vocab, slots, prompt, response, chunk = 5000, 3, 6, 20, 5
     cfg = CFG.replace(vocab_size=vocab, hidden_size=48, head_dim=12)
     params = init_params(cfg, jax.random.key(0))
-    context = jnp.full((slots, prompt + 16), 7, jnp.int32)  # room for carried prefixes
+    context = jnp.full((slots, prompt + response), 7, jnp.int32)  # room for carried prefixes
     admission = Admission.fresh(context, jnp.full((slots,), prompt), response)
-    admission = admission.replace(prefix_len=jnp.array([9, 4, 0]), carried_rows=None)
+    admission = admission.replace(prefix_len=jnp.array([9, 4, 0]))
     rollout = RolloutSpec(SamplingConfig(temperature=0.7), prompt, response, (1,))
-    admit = make_actor_admit(cfg, rollout, 0.7)
     spec = ScorerSpec(cfg, "logprob", response, temperature=0.7)
     state = scorer_admit(spec, params, admission, prompt)
     fed = ChunkTokens(jnp.ones((slots, chunk), jnp.int32), state.num_fed, jnp.full((slots,), chunk),
                       jnp.bool_(True))  # fmt: skip
+    prefix, count = jnp.ones((slots, 8), jnp.int32), jnp.array([8, 4, 0], jnp.int32)
+    key = jax.random.key(0)
     jaxtyping.config.update("jaxtyping_disable", True)  # lowering rebuilds typed structs
     try:
-        hlos = [
-            compile_as_in_production(admit.lower(params, admission, jax.random.key(0))).as_text(),
-            compile_as_in_production(make_scorer_chunk(spec).lower(params, state, fed)).as_text(),
+        lowered = [
+            make_scorer_admit(spec, prompt).lower(params, admission),
+            make_replay(spec, 16).lower(params, state, prefix, count),
+            make_actor_start(cfg, rollout).lower(
+                params, admission, key, state.cache, state.last_hidden, state.per_token
+            ),
+            make_scorer_chunk(spec).lower(params, state, fed),
         ]
+        hlos = [compile_as_in_production(low).as_text() for low in lowered]
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
     for hlo in hlos:

@@ -19,9 +19,7 @@ from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
     build_kernels,
-    make_actor_admit,
     make_decode_chunk_emit,
-    make_scorer_admit,
     make_scorer_chunk,
 )
 from oppo_jax.pipeline.placement import Placement
@@ -43,6 +41,7 @@ from oppo_jax.scoring.packed_chunks import (
     padding_plan,
     plan_chunk,
 )
+from oppo_jax.scoring.replay import admit_actor, admit_scorer, plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import (
@@ -136,7 +135,6 @@ def _carried_admission():
         prefix_len=jnp.asarray(prefix_len, jnp.int32),
         prefix_behaviour=jnp.zeros((6, R), jnp.float32),
         active=jnp.asarray(active),
-        carried_rows=2,
     )
 
 
@@ -147,13 +145,15 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
         SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(3.0, 15.0)
     )
     admission = _carried_admission()
-    state, _ = make_actor_admit(ACTOR, rollout, 1.0)(actor, admission, jax.random.key(9))
+    c, n = (np.asarray(x) for x in (admission.context, admission.prompt_len))
+    plan = plan_replay(c, n, np.asarray(admission.prefix_len), (P, R))
+    state = admit_actor(ACTOR, actor, admission, jax.random.key(9), rollout, 1.0, plan)
     specs = {
         "ref": (ScorerSpec(ACTOR, "logprob", R, temperature=1.0), ref),
         "critic": (ScorerSpec(CRITIC, "value", R), critic),
         "reward": (ScorerSpec(CRITIC, "score", R), reward),
     }
-    admit = {n: make_scorer_admit(s, P)(p, admission)[0] for n, (s, p) in specs.items()}
+    admit = {n: admit_scorer(s, p, admission, P, plan) for n, (s, p) in specs.items()}
     every = dict(admit)
     live = jax.tree.map(jnp.copy, admit)
     decode = make_decode_chunk_emit(ACTOR, rollout.sampling, chunk, None)

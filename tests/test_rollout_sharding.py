@@ -14,18 +14,17 @@ from oppo_jax.models import init_params
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import (
     build_kernels,
-    make_actor_admit,
     make_decode_chunk_emit,
-    make_scorer_admit,
     make_scorer_chunk,
 )
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.scoring_kernels import packs_chunks
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, SamplingConfig
-from oppo_jax.rollout.decode import CutRule
+from oppo_jax.rollout.decode import CutRule, admit_decode
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import plan_chunk
+from oppo_jax.scoring.replay import admit_scorer, plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import (
     abstract_params,
@@ -190,7 +189,7 @@ def test_one_scoring_device_keeps_whole_parameters():
     )
 
 
-def test_split_admission_with_carried_prefixes_shards_and_agrees():
+def test_replayed_admission_with_carried_prefixes_shards_and_agrees():
     mesh = _placement("colocated", 2, 2, 2).groups.training
     buffer = CarryBuffer()
     rng = np.random.default_rng(2)
@@ -200,11 +199,14 @@ def test_split_admission_with_carried_prefixes_shards_and_agrees():
         buffer.extend([Carried(i, prompt.tolist(), prefix.tolist(), [-1.0] * 5, [0] * 5, 1)])
     pairs = [(10 + i, rng.integers(2, 64, 3)) for i in range(5)]
     slots = admit(buffer, ListPrompts(pairs), AdmitRule(8, 8, True, max_deferrals=2), P, R)
-    assert slots.carried_rows == 4 and int(slots.prefix_len[:3].min()) == 5
+    assert int(slots.prefix_len[:3].min()) == 5
     admission = device_admission(slots)
+    plan = plan_replay(slots.context, slots.prompt_len, slots.prefix_len, (P, R))
     actor = _models()[0]
     sharded, whole = (
-        make_scorer_admit(ScorerSpec(ACTOR, "logprob", R, mesh=m), P)(p, admission)[0]
+        jax.jit(functools.partial(admit_scorer, prompt_width=P, plan=plan), static_argnums=0)(
+            ScorerSpec(ACTOR, "logprob", R, mesh=m), p, admission
+        )
         for m, p in ((mesh, jax.device_put(actor, param_shardings(ACTOR, mesh))), (None, actor))
     )
     assert sharded.cache.k.addressable_shards[0].data.shape[1] == 8 // 4
@@ -262,7 +264,9 @@ def test_decode_activations_are_split_along_the_slots():
     params = jax.device_put(init_params(cfg, jax.random.key(0)), param_shardings(cfg, mesh))
     rollout = RolloutSpec(SamplingConfig(temperature=1.0), P, R, (20,), mesh=mesh)
     admission = Admission.fresh(jnp.full((8, P), 5, jnp.int32), jnp.full((8,), P), R)
-    state, _ = make_actor_admit(cfg, rollout, 1.0)(params, admission, jax.random.key(0))
+    state = jax.jit(functools.partial(admit_decode, cfg, rollout=rollout))(
+        params, admission, jax.random.key(0)
+    )
     rule = CutRule(jnp.ones(8, bool), jnp.zeros(8, bool), jnp.int32(8))
     decode = make_decode_chunk_emit(cfg, rollout.sampling, CHUNK, mesh)
     # Lowering rebuilds the typed state with abstract leaves, which the runtime shape checks

@@ -16,12 +16,13 @@ from oppo_jax.sim import (
     PADDED,
     CostModel,
     Workload,
+    packing,
     simulate,
     validate,
 )
 from oppo_jax.sim.engines import Engine, built_for, packed, pow2, recorded_engine
 from oppo_jax.sim.lengths import LogNormal
-from oppo_jax.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU
+from oppo_jax.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU, REPLAY_CHUNK
 from oppo_jax.sim.work import StepFacts, _row_pairs, decode_chunks, step_work
 
 # 8 slots, P = 4, R = 64, C = 8; slot 0 carried 30 tokens in (its row bucket: 4 rows at
@@ -196,6 +197,23 @@ def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots()
     w = step_work(engine, facts, 3, 1)
     assert [d[1] for d in w.decode] == [16, 16, 4, 4, 2, 1, 0]
     assert w.score_chunks == [3 * 10, 3 * 4, 3 * 3, 3 * 2, 3 * 2, 3 * 2]
+
+
+def test_built_engine_replays_carried_prefixes():
+    """The actor (and each scorer that does not keep the carried caches) prefills every prompt
+    at P, then replays the carried prefix in chunks over leading row buckets: slot 0's 30
+    tokens in one chunk of 32 over 4 rows, not 4 rows at W = 36 (the split admission)."""
+    w, split = _work(BUILT), _work(FIXED)
+    assert (
+        w.actor_tokens == 8 * 4 + 4 * REPLAY_CHUNK == 8 * 4 + packing.replay_tokens(FACTS.prefix, 8)
+    )
+    assert split.actor_tokens == 4 * 36 + 4 * 4
+    # the critic replays too; the two frozen scorers keep the carried row's cache: prompts only
+    assert w.scorer_admit_tokens == w.actor_tokens + 2 * 8 * 4
+    assert BUILT.replayed_admission and not FIXED.replayed_admission
+    longer = dataclasses.replace(FACTS, prefix=np.array([70, 40, 0, 0, 0, 0, 0, 33]))
+    # chunks 0 and 1 need all 8 rows (slot 7: 33 tokens), chunk 2 only slot 0's 4-row bucket
+    assert step_work(BUILT, longer, 3, 1).actor_tokens == 8 * 4 + (8 + 8 + 4) * 32
 
 
 def test_active_engine_counts_real_tokens():

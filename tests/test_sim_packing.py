@@ -1,8 +1,8 @@
 """The simulator's copies of the engine's shape rules (oppo_jax.sim.packing) against the
 engine's own planners on random ragged batches: the packed update's plan (oppo_jax.ppo.packing),
-the packed sync scoring's plan (oppo_jax.scoring.packed) and a streamed chunk's packing
-(oppo_jax.scoring.packed_chunks). The simulator stays JAX-free,
-so it cannot call them; this keeps the copies honest."""
+the packed sync scoring's plan (oppo_jax.scoring.packed), a streamed chunk's packing
+(oppo_jax.scoring.packed_chunks) and the replay of carried prefixes (oppo_jax.scoring.replay).
+The simulator stays JAX-free, so it cannot call them; this keeps the copies honest."""
 
 import numpy as np
 import pytest
@@ -11,6 +11,7 @@ from oppo_jax.ppo.packing import bucket_up, microbatch_rows
 from oppo_jax.ppo.packing import plan_packing as update_plan
 from oppo_jax.scoring.packed import plan_packing as score_plan
 from oppo_jax.scoring.packed_chunks import chunk_shape
+from oppo_jax.scoring.replay import REPLAY_CHUNK, plan_replay, row_bucket
 from oppo_jax.sim import packing
 
 
@@ -35,6 +36,26 @@ def test_mirrors_count_what_the_engine_plans(seed):
         shape = chunk_shape(counts, c)
         want = slots * c if shape is None else shape[1]
         assert packing.chunk_tokens(int(counts.sum()), slots, c) == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replay_mirror_counts_the_engines_plan(seed):
+    assert packing.REPLAY_CHUNK == REPLAY_CHUNK
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        slots, r, p = int(rng.integers(1, 130)), int(rng.choice([64, 1024, 4096])), 8
+        carried = int(rng.integers(0, slots + 1))
+        prefix = np.zeros(slots, int)
+        prefix[:carried] = rng.integers(0, r + 1, carried)  # FIFO order: any lengths
+        context = np.zeros((slots, p + r), np.int32)
+        plan = plan_replay(context, np.full(slots, p), prefix, (p, r))
+        assert packing.replay_tokens(prefix, slots) == sum(c.tokens.size for c in plan)
+        assert packing.row_bucket(carried, slots) == row_bucket(carried, slots)
+    # The split admission before the replay (recorded benches): the rows bucket covers every
+    # carried prefix, and the width the longest one's power of two.
+    assert [packing.prefix_bucket(n, 64) for n in (0, 5, 16, 17, 40, 64)] == [0, 16, 16, 32, 64, 64]
+    assert packing.prefix_bucket(30, 24) == 24
+    assert packing.split_rows([3, 0, 5, 0, 0], 8) == 4 and packing.split_rows([0, 0], 8) == 0
 
 
 @pytest.mark.parametrize("seed", range(3))

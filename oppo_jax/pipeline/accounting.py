@@ -7,7 +7,7 @@ this module), the *real* tokens from the valid tokens in them (host-side lengths
 counts once per model pass over it, so the ratio ``efficiency = real / computed`` is what a
 stage spends on real work:
 
-    admission  every model's prefill of the slots' prompts and carried prefixes
+    admission  every model's prefill of the slots' prompts and replay of carried prefixes
                (actor + each scorer); real: prompt + prefix tokens of the occupied slots
                for trained models, only new prompts' tokens for the frozen scorers
     decode     one token per slot per lockstep decode step; real: tokens the running slots
@@ -76,13 +76,12 @@ def token_count(tokens) -> int:
     return int(rows) * int(width)
 
 
-def admission_computed(context_shape: tuple[int, int], carried_rows: int | None, prompt_width: int):
-    """Tokens one model's admission prefill computes: the leading ``carried_rows`` slots at the
-    full context width W, the rest at the prompt width P (``admission_prefill``); every slot at
-    W when ``carried_rows`` is None. Example: S 8, W 48, K 2, P 16 -> 2·48 + 6·16 = 192."""
-    slots, width = context_shape
-    k = slots if carried_rows is None else min(carried_rows, slots)
-    return k * width + (slots - k) * min(prompt_width, width)
+def admission_computed(num_slots: int, prompt_width: int, replay=()) -> int:
+    """Tokens one model's admission computes: every slot's prompt at the prompt width P
+    (``rollout.admission.prompt_prefill``), then each chunk of the carried prefixes' ``replay``
+    over its leading rows (``scoring.replay``). Example: S 8, P 16, one replay chunk of 4 rows
+    x 64 -> 8·16 + 256 = 384."""
+    return num_slots * prompt_width + sum(chunk.computed_tokens for chunk in replay)
 
 
 def admission_real(prompt_len, prefix_len, active, carrying, trained: int, frozen: int) -> int:

@@ -114,54 +114,18 @@ class SlotBatch:
         return len(self.prompt_len)
 
     @property
-    def carried_rows(self) -> int:
-        """Leading slots the admission prefills at the full context width (a static bucket):
-        all that carry a prefix come first, so the rest need only the prompt width."""
-        return leading_carried_rows(self.carrying, self.num_slots)
-
-    @property
     def carrying(self) -> np.ndarray:
         """[S] bool: the slot brings work from an earlier step (a prefix, or a whole response)."""
         return (self.prefix_len > 0) | self.prefix_finished
 
     def check_carried_first(self) -> None:
-        """Raise unless carried sequences fill the leading slots and every slot with carried
-        work lies within ``carried_rows``: the split admission prefills the other slots at
-        the prompt width only, so a prefix there would be silently dropped."""
+        """Raise unless carried sequences fill the leading slots and no other slot brings
+        work: the frozen scorers' kept rows are restored into the leading slots, and the
+        replay of carried prefixes runs over leading row buckets (``scoring.replay``)."""
         from_buffer = self.deferrals > 0
-        n, k = int(from_buffer.sum()), self.carried_rows
+        n = int(from_buffer.sum())
         if not from_buffer[:n].all() or (self.carrying & ~from_buffer).any():
             raise AssertionError("carried sequences must fill the leading slots, before new ones")
-        if self.carrying[k:].any():
-            raise AssertionError(f"a carried slot sits past the leading {k} carried rows")
-
-
-def prefix_bucket(longest_prefix: int, response_len: int) -> int:
-    """Context room for carried prefixes: 0, or a power of two >= 16, capped at R.
-
-    Example: R = 64: 0 -> 0, 5 -> 16, 17 -> 32, 40 -> 64, 64 -> 64.
-    """
-    if longest_prefix <= 0:
-        return 0
-    return min(max(16, 1 << (longest_prefix - 1).bit_length()), response_len)
-
-
-def leading_carried_rows(carrying, num_slots: int) -> int:
-    """The bucket of leading slots that covers every slot with ``carrying`` work (a prefix,
-    or a finished response); carried sequences are admitted first, so the rest are new."""
-    rows = np.flatnonzero(carrying)
-    return carried_bucket(int(rows[-1]) + 1 if rows.size else 0, num_slots)
-
-
-def carried_bucket(num_carried: int, num_slots: int) -> int:
-    """Rows prefilled at the full context width: 0, or a power of two >= 4, capped at S.
-
-    Few distinct values bound the admission kernels' compilations (per context width).
-    Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8, 8 -> 8, 9 -> 16, 17 -> 24.
-    """
-    if num_carried <= 0:
-        return 0
-    return min(max(4, 1 << (num_carried - 1).bit_length()), num_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +134,7 @@ class AdmitRule:
 
     num_sequences: int  # B + Δ sequences to start
     num_slots: int  # S >= num_sequences (rounded up so slots shard evenly; the rest stay empty)
-    room_for_prefix: bool  # contexts get room for carried prefixes (carrying is on)
+    room_for_prefix: bool  # contexts get R columns for carried prefixes (carrying is on)
     max_deferrals: int  # a sequence carried this often must finish in this step
 
 
@@ -185,16 +149,15 @@ def admit(
     """Fill ``rule.num_sequences`` of ``rule.num_slots`` slots: carried first (FIFO), then new
     prompts.
 
-    ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)]. The context is P wide plus room for
-    the longest carried prefix, rounded up to a power-of-two bucket (at least 16, at most R),
-    so the admission prefill costs what the carried work needs and compiles for a few widths.
+    ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)]. The context is P wide, P + R when
+    ``rule.room_for_prefix`` (one width for every step of a carrying run: the admission
+    prefills the prompts and replays each prefix at its own length, ``scoring.replay``).
     """
     n, num_slots = rule.num_sequences, rule.num_slots
     entries: list = buffer.take(n)
     for prompt_id, tokens in prompts.take(n - len(entries)):
         entries.append(Carried(int(prompt_id), [int(t) for t in tokens], [], [], [], 0))
-    longest = max((len(c.response) for c in entries), default=0)
-    room = prefix_bucket(longest, response_len) if rule.room_for_prefix else 0
+    room = response_len if rule.room_for_prefix else 0
     s = SlotBatch(
         context=np.full((num_slots, prompt_width + room), pad_id, np.int32),
         prompt_len=np.zeros(num_slots, np.int32),

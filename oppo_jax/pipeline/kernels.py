@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from oppo_jax.rollout.decode import (
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
+from oppo_jax.scoring.replay import ReplayChunk, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
 from oppo_jax.sharding import with_rules
 
@@ -66,14 +67,29 @@ def make_start_decode(cfg: ModelConfig, rollout: RolloutSpec):
 
 
 @functools.cache
-def make_actor_admit(cfg: ModelConfig, rollout: RolloutSpec, temperature: float):
-    def run(params, admission, base_key):
-        state = admit_decode(cfg, params, admission, base_key, rollout, temperature)
+def make_actor_start(cfg: ModelConfig, rollout: RolloutSpec):
+    """(params, admission, base_key, cache, last hidden states, prefix log-probs) ->
+    (DecodeState, marker): the decode state from the actor's admitted cache (prompt + replayed
+    prefixes, ``Kernels.admit``), which it donates."""
+
+    def run(params, admission, base_key, cache, last_hidden, logprobs):
+        made = (cache, last_hidden, logprobs)
+        state = admit_decode(cfg, params, admission, base_key, rollout, made)
         return state, state.num_generated + 0  # a fresh marker: the state itself gets donated
 
-    return jax.jit(
-        with_rules(run, rollout.mesh)
-    )  # one compilation per admission shape (width, carried-row bucket)
+    return jax.jit(with_rules(run, rollout.mesh), donate_argnums=(3,))
+
+
+@functools.cache
+def make_replay(spec: ScorerSpec, kv_width: int):
+    """``replay.replay_chunk`` jitted for one model and live width (one compilation per row
+    bucket), donating the state: (params, state, tokens [N, c], count [N]) -> (state, marker)."""
+
+    def run(params, state, tokens, count):
+        new = replay_chunk(spec, params, state, tokens, count, kv_width)
+        return new, jnp.sum(new.num_fed)
+
+    return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
 
 
 @functools.cache
@@ -129,11 +145,35 @@ class Kernels:
         not compact (``slot_map.compaction_floor``)."""
         return compaction_floor(self.compact_slots, shards, self.compact_min_slots)
 
-    def admit(self, params, admission, base_key):
-        """The actor's admission prefill: (DecodeState, marker)."""
-        return make_actor_admit(self.spec.actor, self.rollout, self.spec.temperature)(
-            params, admission, base_key
-        )
+    @functools.cached_property
+    def actor_spec(self) -> ScorerSpec:
+        """The actor as the consumer of its own carried prefixes (log-probs at the sampling
+        temperature, on the generation mesh): what its admission prefill and replay run."""
+        r = self.rollout
+        temperature = self.spec.temperature
+        return ScorerSpec(self.spec.actor, "logprob", r.max_response_len, temperature, r.mesh)
+
+    def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk] = ()):
+        """The actor's admission: every slot's prompt prefilled, the carried prefixes of
+        ``replay`` (``scoring.replay.plan_replay``) fed after it, and the decode state started
+        from that cache: (DecodeState, marker)."""
+        prompt_width = self.rollout.prompt_width
+        prompts = admission.replace(context=admission.context[:, :prompt_width])
+        prefilled, _ = make_scorer_admit(self.actor_spec, prompt_width)(params, prompts)
+        prefilled, _ = self.replay(self.actor_spec, params, prefilled, replay)
+        start = make_actor_start(self.spec.actor, self.rollout)
+        p = prefilled
+        return start(params, admission, base_key, p.cache, p.last_hidden, p.per_token)
+
+    @staticmethod
+    def replay(spec: ScorerSpec, params, state, replay: Sequence[ReplayChunk]):
+        """(``state`` with every chunk of ``replay`` fed, one compiled call each (donated), the
+        last call's marker or None when there is nothing to feed)."""
+        marker = None
+        for chunk in replay:
+            run = make_replay(spec, chunk.kv_width)
+            state, marker = run(params, state, chunk.tokens, chunk.count)
+        return state, marker
 
     def decode(self, chunk_size: int, kv_width: int | None = None) -> Callable:
         """(params, state, cut rule) -> (state, ChunkTokens) for this chunk size, reading the

@@ -52,6 +52,7 @@ from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_tim
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, DecodeState
 from oppo_jax.scoring.kept import row_ids
+from oppo_jax.scoring.replay import ReplayChunk, plan_replay
 from oppo_jax.sharding import to_host
 
 
@@ -147,14 +148,14 @@ def run_step(
     )
     kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
     admission = device_admission(slots)
-    # 2. Prefill the actor under the current parameters (a carried prefix gets this step's
-    #    old log-probs from the same pass).
+    # 2. Prefill the actor under the current parameters: every prompt, then each carried
+    #    prefix replayed at its own length, which gives it this step's old log-probs.
     actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
-    decoding, marker = k.admit(actor, admission, engine.sample_key)
+    replay = admission_replay(slots, rollout)
+    decoding, marker = k.admit(actor, admission, engine.sample_key, replay)
     timeline.track("prefill actor", GENERATION, marker)
     work = WorkLedger()
-    shape = slots.context.shape
-    work.add("admission", admission_computed(shape, admission.carried_rows, rollout.prompt_width))
+    work.add("admission", admission_computed(slots.num_slots, rollout.prompt_width, replay))
     # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
     #    actor decodes the next. Not streaming: they score whole responses afterwards.
     scorers = StepScorers(engine, train_state.critic_model_params, timeline, work)
@@ -181,7 +182,7 @@ def run_step(
     if schedule.stream:
         from_buffer = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(from_buffer) if kept is not None else 0
-        scorers.admit(on_scoring, kept, used)
+        scorers.admit(on_scoring, replay, kept, used)
         kept = None  # its rows live on in the scorers' states only (memory: Δ_max rows once)
         decoding = _decode(
             k,
@@ -202,7 +203,7 @@ def run_step(
             k, timeline, actor, decoding, chunking, dispatched=dispatched, compaction=compaction
         )
         if not engine.packed_scoring:  # every slot's responses past its prefix, R wide
-            scorers.admit(on_scoring)
+            scorers.admit(on_scoring, replay)
             scorers.feed(place.to_scoring(k.responses(decoding, admission.prefix_len)))
     # 4. Cut: the first B completed sequences, in the fixed batch order.
     finish_step, decode_steps = to_host((decoding.finish_step, decoding.step))
@@ -219,11 +220,8 @@ def run_step(
     scored = place.to_generation(scorers.outputs())
     if fn_rewards is not None:  # score = reward.model_weight x RM + sum weight x function
         scored = fn_rewards.combine(scored, decoding, selection.batch)
-    # Only the prompt columns, and no carried-row bucket (static, unused here): one compilation
-    # for every admission width and bucket.
-    prompts_only = admission.replace(
-        context=jnp.asarray(slots.context[:, : rollout.prompt_width]), carried_rows=None
-    )
+    # Only the prompt columns: one compilation with or without room for carried prefixes.
+    prompts_only = admission.replace(context=jnp.asarray(slots.context[:, : rollout.prompt_width]))
     rows = jnp.asarray(selection.batch, jnp.int32)
     batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
     timeline.track("build batch", GENERATION, stats["reward"])
@@ -271,9 +269,16 @@ def run_step(
     return train_state, carried, result
 
 
+def admission_replay(slots: SlotBatch, rollout) -> list[ReplayChunk]:
+    """The replay of the slots' carried prefixes after their prompts (``scoring.replay``),
+    planned on the host from the admitted lengths."""
+    shape = (rollout.prompt_width, rollout.max_response_len)
+    return plan_replay(slots.context, slots.prompt_len, slots.prefix_len, shape)
+
+
 def device_admission(slots: SlotBatch) -> Admission:
-    """The slots as device arrays for the admission kernels, after checking the split
-    admission's invariant (carried sequences first; see ``SlotBatch.check_carried_first``)."""
+    """The slots as device arrays for the admission kernels, after checking that carried
+    sequences come first (``SlotBatch.check_carried_first``)."""
     slots.check_carried_first()
     return Admission(
         context=jnp.asarray(slots.context),
@@ -285,7 +290,6 @@ def device_admission(slots: SlotBatch) -> Admission:
         sample_index=jnp.zeros(slots.num_slots, jnp.int32),
         active=jnp.asarray(slots.active),
         must_finish=jnp.asarray(slots.must_finish),
-        carried_rows=slots.carried_rows,
     )
 
 

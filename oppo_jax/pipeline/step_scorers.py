@@ -5,7 +5,7 @@ packed scoring of non-streaming schedules, and the work each call adds to the st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +22,7 @@ from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState
 from oppo_jax.scoring.kept import FROZEN, KeptCaches, kept_bucket
 from oppo_jax.scoring.packed_chunks import plan_chunk
+from oppo_jax.scoring.replay import ReplayChunk
 from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
 
 if TYPE_CHECKING:
@@ -53,19 +54,34 @@ class StepScorers:
         self.timeline.track(f"{stage} {role}", self.group, marker)
         return state
 
-    def admit(self, admission: Admission, kept: KeptCaches | None = None, used: int = 0) -> None:
-        """Prefill every scorer with the prompts and carried prefixes; the frozen ones take
-        the first ``used`` slots from ``kept`` instead and prefill only the prompts."""
+    def admit(
+        self,
+        admission: Admission,
+        replay: Sequence[ReplayChunk] = (),
+        kept: KeptCaches | None = None,
+        used: int = 0,
+    ) -> None:
+        """Prefill every scorer with the prompts, then feed the carried prefixes of ``replay``
+        (``scoring.replay``); the frozen ones take the first ``used`` slots from ``kept``
+        instead of replaying them."""
         prompts = admission.replace(context=admission.context[:, : self.prompt_width])
+        head = admission_computed(admission.num_slots, self.prompt_width)
         states = {}
         for role in self.roles:
             reuse = used > 0 and role in FROZEN and role in kept.states
-            a = prompts.replace(carried_rows=0) if reuse else admission
-            shape, rows = a.context.shape, a.carried_rows
+            params = getattr(self.params, role)
+            state, marker = self.kernels.scorer_admit(role)(params, prompts)
+            if reuse:
+                state, computed = restore_rows(state, kept.states[role], used), head
+            else:
+                spec = getattr(self.kernels.scorer_specs, role)
+                state, fed = self.kernels.replay(spec, params, state, replay)
+                marker = marker if fed is None else fed
+                computed = admission_computed(admission.num_slots, self.prompt_width, replay)
+            self.timeline.track(f"prefill {role}", self.group, marker)
             real = self.admit_real["critic" if role == "critic" else "frozen"]
-            self.work.add("admission", admission_computed(shape, rows, self.prompt_width), real)
-            state = self._dispatch("prefill", role, self.kernels.scorer_admit(role), a)
-            states[role] = restore_rows(state, kept.states[role], used) if reuse else state
+            self.work.add("admission", computed, real)
+            states[role] = state
         self.states = ScorerStates(**states)
 
     def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots: SlotBatch) -> None:

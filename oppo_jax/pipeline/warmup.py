@@ -22,17 +22,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from oppo_jax.host_maps import check_map_room
-from oppo_jax.pipeline.carry import (
-    AdmitRule,
-    Carried,
-    CarryBuffer,
-    admit,
-    carried_bucket,
-    prefix_bucket,
-)
+from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.scoring_kernels import (
     compile_packed_chunks,
@@ -46,6 +40,7 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.pipeline.warmup_compaction import compaction_moves, compile_compaction, scorer_params
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.kept import FROZEN, kept_bucket
+from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk, replay_shapes
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
 _lock = threading.Lock()
@@ -91,8 +86,7 @@ class WarmupShapes:
     """The shapes a run can meet beyond those of its first step."""
 
     chunk_sizes: tuple[int, ...]  # C of every decode chunk (and streamed scorer chunk)
-    prefix_widths: tuple[int, ...]  # context room for carried prefixes (admission), tokens
-    carried_rows: tuple[int, ...]  # buckets of leading carried rows (admission)
+    replay: tuple[tuple[int, int], ...]  # (rows, live width) of carried prefixes' replay
     update_shapes: tuple[tuple[int, int, int], ...]  # (Rp, W, N) of the packed update
     kept_rows: tuple[int, ...]  # row buckets of the frozen scorers' kept caches
     compaction_moves: tuple[tuple[int, int], ...]  # (rows, bucket) of slot compaction
@@ -108,9 +102,9 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     r, plan = k.rollout, host.plan(cfg)
     sizes = {chunks.current, *(chunks.candidates if chunks.tuning else ())}
     slots = place.num_slots(plan.reserved)
-    widths, rows, kept = (), (), ()
+    replay, kept = (), ()
     if schedule.carry and host.deltas.slots_needed > 0:
-        widths, rows = carried_shapes(ctx, host)
+        replay = replay_shapes(slots, slots - plan.batch_size, (r.prompt_width, r.max_response_len))
         if schedule.stream and engine.keep_frozen_caches:
             carried = range(1, slots - plan.batch_size + 1)
             kept = sorted({kept_bucket(n, plan.reserved - plan.batch_size) for n in carried})
@@ -125,22 +119,12 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
         scoring = scoring_shapes(plan.batch_size, full)
     return WarmupShapes(
         chunk_sizes=tuple(sorted(sizes)),
-        prefix_widths=tuple(widths),
-        carried_rows=tuple(rows),
+        replay=tuple(replay),
         update_shapes=tuple(update),
         kept_rows=tuple(kept),
         compaction_moves=tuple(moves),
         packed_scoring=tuple(scoring),
     )
-
-
-def carried_shapes(ctx, host) -> tuple[list[int], list[int]]:
-    """(prefix widths, carried-row buckets) of the admissions of a carrying run."""
-    r, plan = ctx.engine.kernels.rollout, host.plan(ctx.cfg)
-    slots, longest = ctx.engine.placement.num_slots(plan.reserved), r.max_response_len
-    widths = sorted({prefix_bucket(n, longest) for n in range(1, longest + 1)})
-    rows = sorted({carried_bucket(n, slots) for n in range(1, slots - plan.batch_size + 1)})
-    return widths, rows
 
 
 class _Prompts:
@@ -154,36 +138,36 @@ class _Prompts:
         return taken
 
 
-def _admission(ctx, host, width: int, rows: int):
-    """A throwaway admission with ``rows`` carried sequences of ``width`` prefix tokens (two
-    token prompts; the shapes, not the values, matter)."""
+def _admission(ctx, host):
+    """A throwaway admission of the run's B + Δ new prompts (two tokens each; the shapes, not
+    the values, matter), with the room for carried prefixes a step of the run gives."""
     cfg, engine = ctx.cfg, ctx.engine
     r, plan = engine.kernels.rollout, host.plan(cfg)
     slots = engine.placement.num_slots(plan.reserved)
     rule = AdmitRule(plan.batch_size + plan.overcommit, slots, plan.reserved > plan.batch_size,
                      engine.max_deferrals)  # fmt: skip
-    token, prompt = r.pad_id + 2, [r.pad_id + 2] * 2
-    carried = [
-        Carried(10**9 + i, prompt, [token] * width, [0.0] * width, [0] * width, 1)
-        for i in range(rows)
-    ]
-    fresh = _Prompts([(i, prompt) for i in range(rule.num_sequences)])
-    slot_batch = admit(CarryBuffer(carried), fresh, rule, r.prompt_width, r.max_response_len,
-                       r.pad_id)  # fmt: skip
+    fresh = _Prompts([(i, [r.pad_id + 2] * 2) for i in range(rule.num_sequences)])
+    slot_batch = admit(CarryBuffer(), fresh, rule, r.prompt_width, r.max_response_len, r.pad_id)
     return device_admission(slot_batch)
 
 
-def compile_admission(ctx, host, state, width: int, rows: int) -> None:
-    """Run the actor's and every scorer's admission prefill once at (prefix width, carried
-    rows), so that the first step meeting that shape finds it compiled."""
+def compile_replay(ctx, host, state, rows: int, kv_width: int) -> None:
+    """Feed a replay chunk of ``rows`` leading rows reading ``kv_width`` cache columns into a
+    fresh admission of the actor and of every scorer, so that the first step replaying
+    carried prefixes at that shape finds it compiled."""
     k, place = ctx.engine.kernels, ctx.engine.placement
-    admission = _admission(ctx, host, width, rows)
-    outputs = [k.admit(state.actor_model_params, admission, ctx.engine.sample_key)]
+    admission = _admission(ctx, host)
+    prompt_width = k.rollout.prompt_width
+    chunk = ReplayChunk(
+        np.zeros((rows, REPLAY_CHUNK), np.int32), np.zeros(rows, np.int32), kv_width
+    )
+    outputs = [k.admit(state.actor_model_params, admission, ctx.engine.sample_key, [chunk])]
     on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
+    prompts = on_scoring.replace(context=on_scoring.context[:, :prompt_width])
     for role in k.scorer_specs.present():
-        outputs.append(k.scorer_admit(role)(params[role], on_scoring))
-    # The scorers that reuse kept caches prefill the prompt columns alone (an eager slice).
-    outputs.append(on_scoring.context[:, : k.rollout.prompt_width])
+        fresh, _ = k.scorer_admit(role)(params[role], prompts)
+        spec = getattr(k.scorer_specs, role)
+        outputs.append(k.replay(spec, params[role], fresh, [chunk]))
     jax.block_until_ready(outputs)
 
 
@@ -191,7 +175,7 @@ def compile_kept(ctx, host, state, rows: int) -> None:
     """Keep ``rows`` (a kept bucket) of every frozen scorer's state and restore them into a
     fresh admission's, as a step that carries that many rows and the next one do."""
     k, place = ctx.engine.kernels, ctx.engine.placement
-    on_scoring, params = place.to_scoring(_admission(ctx, host, 0, 0)), scorer_params(ctx, state)
+    on_scoring, params = place.to_scoring(_admission(ctx, host)), scorer_params(ctx, state)
     roles = [r for r in k.scorer_specs.present() if r in FROZEN]
     states = {r: k.scorer_admit(r)(params[r], on_scoring)[0] for r in roles}
     kept = keep_rows(states, [0], rows, [])
@@ -205,19 +189,6 @@ def compile_update(ctx, state, batch, shape) -> None:
     copy = jax.tree.map(jnp.copy, state)  # the update donates it
     update = ctx.engine.kernels.update
     jax.block_until_ready(update.compile_shape(copy, batch, shape, jnp.float32(0.0)))
-
-
-def compile_admissions(ctx, host, state) -> int:
-    """Compile every carried-admission shape ``warmup_shapes`` lists: context width P + each
-    prefix bucket by each bucket of leading carried rows, for the actor and the scorers.
-    Returns how many shapes were run."""
-    if host.deltas.slots_needed <= 0:
-        return 0
-    widths, carried = carried_shapes(ctx, host)
-    for width in widths:
-        for rows in carried:
-            compile_admission(ctx, host, state, width, rows)
-    return len(widths) * len(carried)
 
 
 def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
@@ -240,7 +211,7 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
     engine, plan = ctx.engine, host.plan(ctx.cfg)
     k, place = engine.kernels, engine.placement
     width = () if kv_width is None else (kv_width,)  # kernels without live widths take C only
-    admission = _admission(ctx, host, 0, 0)
+    admission = _admission(ctx, host)
     decoding, _ = k.admit(state.actor_model_params, admission, engine.sample_key)
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     decoding, chunk = k.decode(chunk_size, *width)(state.actor_model_params, decoding, rule)
@@ -282,9 +253,8 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
         for w in ws
     ]
     tasks += [
-        (f"admission +{w}x{n}", lambda w=w, n=n: compile_admission(ctx, host, state, w, n))
-        for w in shapes.prefix_widths
-        for n in shapes.carried_rows
+        (f"replay {n}x{w}", lambda n=n, w=w: compile_replay(ctx, host, state, n, w))
+        for n, w in shapes.replay
     ]
     tasks += [
         (f"kept {n}", lambda n=n: compile_kept(ctx, host, state, n)) for n in shapes.kept_rows
@@ -304,7 +274,7 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
         compile_packed_scoring(ctx.engine, params, plan.batch_size, slots, shape)
 
     def compaction(c):  # every move and bucket of chunk size c, on a throwaway rollout
-        admission = _admission(ctx, host, 0, 0)
+        admission = _admission(ctx, host)
         compile_compaction(ctx, schedule, host, state, admission, {c: widths[c]})
 
     tasks += [

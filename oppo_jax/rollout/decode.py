@@ -11,19 +11,17 @@ device holds 1/(data x fsdp) of the slots; the parameters arrive with their own 
 
 from __future__ import annotations
 
-import functools
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.models.heads import apply_head, logprobs_at
+from oppo_jax.models.heads import apply_head
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
-from oppo_jax.rollout.admission import Admission, admission_prefill
+from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.layout import response_tokens
 from oppo_jax.rollout.lengths import NO_TARGET, sample_to_length, target_lengths
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
@@ -61,28 +59,37 @@ def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None, kv_width=None)
     return Transformer(cfg).apply({"params": params}, tokens, cache, n_valid, kv_width=kv_width)
 
 
+# What a replayed admission hands the decode: the slots' cache (prompt + carried prefix), the
+# hidden state at each slot's last context token, and the current policy's log-probs of the
+# carried prefix tokens [S, R] (zero past each prefix). ``scoring.replay`` builds it.
+Prefilled = tuple[KVCache, Float[Array, "S D"], Float[Array, "S R"]]
+
+
 def admit_decode(
     cfg: ModelConfig,
     params,
     admission: Admission,
     base_key: jax.Array,
     rollout: RolloutSpec,
-    temperature: float,
+    prefilled: Prefilled | None = None,
 ) -> DecodeState:
-    """Admit slots that may carry a partial response (prompt + prefix in the context).
+    """The decode state of admitted slots, which may carry a partial response.
 
-    The whole context is prefilled under the current parameters, which rebuilds the actor's
-    cache and also yields the current policy's log-probs (logits / ``temperature``) of the
-    prefix tokens, stored in ``logprobs``: the "old" log-probs of this step. Decoding then
-    continues at each slot's response position ``prefix_len[s]``, with the same sampling keys
-    it would have used had it never been interrupted. ``prefix_finished`` slots are complete
-    already. With ``rollout.mesh`` the state comes out sharded along the slots.
+    ``prefilled`` is the slots' context (prompt + carried prefix) prefilled under the current
+    parameters, with the current policy's log-probs (logits / temperature) of the prefix
+    tokens: the "old" log-probs of this step, stored in ``logprobs``
+    (``pipeline.admission.admit_actor`` replays carried prefixes into it). None prefills the
+    prompts here, for an admission that carries no prefix. Decoding then continues at each
+    slot's response position ``prefix_len[s]``, with the same sampling keys it would have used
+    had it never been interrupted. ``prefix_finished`` slots are complete already. With
+    ``rollout.mesh`` the state comes out sharded along the slots.
     """
     a, r = admission, rollout.max_response_len
-    old_logp = functools.partial(logprobs_at, cfg, params, temperature=temperature)
-    cache, last_hidden, logprobs = admission_prefill(
-        cfg, params, a, old_logp, (rollout.prompt_width, r), rollout.mesh
-    )
+    if prefilled is None:
+        cache, last_hidden = prompt_prefill(cfg, params, a, (rollout.prompt_width, r), rollout.mesh)
+        logprobs = jnp.zeros((a.num_slots, r), jnp.float32)
+    else:
+        cache, last_hidden, logprobs = prefilled
     # The LM head at one position per slot: the logits the first decode step samples from.
     next_logits = apply_head(cfg, params, last_hidden).astype(jnp.float32)
     prefix = response_tokens(a.context, a.prompt_len, r)
@@ -92,7 +99,7 @@ def admit_decode(
         cache=cache,
         next_logits=next_logits,
         tokens=jnp.where(in_prefix, prefix, rollout.pad_id).astype(jnp.int32),
-        logprobs=logprobs,
+        logprobs=jnp.where(in_prefix, logprobs, 0.0),
         num_generated=a.prefix_len.astype(jnp.int32),
         finished=finished,
         finish_step=jnp.where(finished, 0, -1).astype(jnp.int32),
@@ -132,7 +139,7 @@ def start_decode(
     ``admit_decode`` with no carried prefixes.
     """
     admission = Admission.fresh(prompts, prompt_lens, rollout.max_response_len, active=active)
-    return admit_decode(cfg, params, admission, base_key, rollout, temperature=1.0)
+    return admit_decode(cfg, params, admission, base_key, rollout)
 
 
 def decode_step(

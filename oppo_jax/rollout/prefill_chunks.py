@@ -53,23 +53,20 @@ def chunked_prefill(
     tokens: Int[Array, "S T"],
     n_valid: Int[Array, " S"],
     chunk: int,
-    keep_rows: int = 0,
     mesh: Mesh | None = None,
-    filled: int = 0,
-) -> tuple[Float[Array, "S D"], Float[Array, "K T D"] | None, KVCache]:
-    """Append ``n_valid[s]`` tokens of each right-padded row to ``cache`` (whose rows hold at
-    most ``filled`` tokens already, a static bound), ``chunk`` tokens per call.
+) -> tuple[Float[Array, "S D"], KVCache]:
+    """Append ``n_valid[s]`` tokens of each right-padded row to an empty ``cache``, ``chunk``
+    tokens per call.
 
     Returns (hidden state at each row's last valid token [S, D] (token 0 when ``n_valid`` is
-    0, as one call gives), every token's hidden state for the first ``keep_rows`` rows
-    [K, T, D] (None when 0), the cache). Equal to one ``cached_hidden`` call over the whole
+    0, as one call gives), the cache). Equal to one ``cached_hidden`` call over the whole
     width at every valid token. With ``mesh`` the scan's carry is laid out along the rows.
     """
     s, t = tokens.shape
     n = -(-t // chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
-    # Valid tokens sit at positions < filled + T: attention reads that many columns at most.
-    width = min(filled + n * chunk, cache.capacity)
+    # Valid tokens sit at positions < T: attention reads that many columns at most.
+    width = min(n * chunk, cache.capacity)
     last = jnp.maximum(n_valid - 1, 0)
 
     def one_chunk(carry, start):
@@ -81,11 +78,9 @@ def chunked_prefill(
         here = (last >= start) & (last < start + chunk)
         picked = gather_rows(hidden, (last - start)[:, None])[:, 0]
         last_hidden = jnp.where(here[:, None], picked, last_hidden)
-        return (cache, last_hidden), hidden[:keep_rows] if keep_rows else None
+        return (cache, last_hidden), None
 
     init = constrain_slots((cache, jnp.zeros((s, cfg.hidden_size), cfg.jnp_dtype)), mesh)
     starts = jnp.arange(n, dtype=jnp.int32) * chunk
-    (cache, last_hidden), hidden = jax.lax.scan(one_chunk, init, starts)
-    if keep_rows:  # [N, K, C, D] -> [K, T, D]
-        hidden = hidden.swapaxes(0, 1).reshape(keep_rows, n * chunk, -1)[:, :t]
-    return last_hidden, hidden, cache
+    (cache, last_hidden), _ = jax.lax.scan(one_chunk, init, starts)
+    return last_hidden, cache

@@ -27,14 +27,14 @@ from oppo_jax.scoring.stream import ScorerState
 FROZEN = ("reference", "reward")  # the roles whose caches are kept
 
 
-def _slot_axis(x) -> int:
+def slot_axis(x) -> int:
     """Slot axis of a ScorerState leaf: 1 for cache keys/values [L, S, ...], else 0."""
     return 1 if x.ndim == 5 else 0
 
 
 def take_rows(state: ScorerState, rows: Int[Array, " K"]) -> ScorerState:
     """The scorer state of slots ``rows`` (a K-row state; repeated rows are allowed)."""
-    return jax.tree.map(lambda x: jnp.take(x, rows, axis=_slot_axis(x)), state)
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=slot_axis(x)), state)
 
 
 def put_rows(state: ScorerState, kept: ScorerState, use: Bool[Array, " K"]) -> ScorerState:
@@ -44,7 +44,7 @@ def put_rows(state: ScorerState, kept: ScorerState, use: Bool[Array, " K"]) -> S
     """
 
     def merge(x, y):
-        axis = _slot_axis(x)
+        axis = slot_axis(x)
         lead = jax.lax.slice_in_dim(x, 0, y.shape[axis], axis=axis)
         shape = [1] * x.ndim
         shape[axis] = use.shape[0]

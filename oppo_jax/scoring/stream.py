@@ -18,7 +18,6 @@ that mesh's batch axes, like the actor's decode state (``oppo_jax.sharding.slot_
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Literal
 
 import flax.struct
@@ -30,7 +29,7 @@ from oppo_jax.models.heads import gather_rows, logprobs_at, scores_at
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import cached_hidden
-from oppo_jax.rollout.admission import Admission, admission_prefill
+from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.sharding import constrain_slots
 
@@ -108,22 +107,18 @@ class ScorerStates:
 
 
 def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: int) -> ScorerState:
-    """Prefill prompt + carried partial response; the prefix's quantities come out at once.
-
-    Only the first ``admission.carried_rows`` slots may carry a prefix (None: any); the
-    others are prefilled at the prompt width alone (see ``admission_prefill``).
-    """
-    per_token = (
-        None if spec.kind == "score" else functools.partial(per_token_quantity, spec, params)
+    """Prefill every slot's prompt; no response token is fed yet (``num_fed`` 0). A carried
+    prefix is fed afterwards, replayed in chunks (``scoring.replay``), or its kept state is
+    restored (``scoring.kept``)."""
+    cache, last_hidden = prompt_prefill(
+        spec.model, params, admission, (prompt_width, spec.response_len), spec.mesh
     )
-    cache, last_hidden, quantities = admission_prefill(
-        spec.model, params, admission, per_token, (prompt_width, spec.response_len), spec.mesh
-    )
+    slots = admission.num_slots
     state = ScorerState(
         cache=cache,
         last_hidden=last_hidden,
-        per_token=quantities,
-        num_fed=admission.prefix_len.astype(jnp.int32),
+        per_token=jnp.zeros((slots, spec.response_len), jnp.float32),
+        num_fed=jnp.zeros((slots,), jnp.int32),
         score=sequence_score(spec, params, last_hidden),
     )
     return constrain_slots(state, spec.mesh)

@@ -46,6 +46,9 @@ FEATURES = (
     "ragged_decode",  # each running row's decode attention reads its own context only
     # the packed update's attention visits each query block's own segment's key blocks only
     "segment_update_attention",
+    # carried prefixes replayed after the prompt prefill in chunks at their own lengths, not
+    # all carried rows prefilled at P + pow2(longest prefix)
+    "replayed_admission",
 )
 
 
@@ -75,6 +78,10 @@ class Engine:
     # the update's attention visits, per query block, the key blocks from its first query's
     # segment start to the diagonal, none for padding (models.segment_attention, a GPU)
     segment_update_attention: bool = False
+    # the prompt prefill of every slot, then each carried prefix fed in chunks of REPLAY_CHUNK
+    # over leading row buckets (scoring.replay; packing.replay_tokens); False: the split
+    # admission (``split_admission``) or every slot at the carried width
+    replayed_admission: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -97,7 +104,7 @@ class Engine:
         if self.token_proportional:
             return f"{self.name} (token-proportional reference: cost follows real tokens)"
         decode = "decode stops at the cut" if self.decode_to_cut else "whole decode chunks + 1"
-        if not self.split_admission:
+        if not self.split_admission and not self.replayed_admission:
             decode += ", every slot admitted at the carried width"
         on = ", ".join(self.features) or "none of #13's features"
         return f"{self.name} (fixed shapes, {decode}; on: {on})"
@@ -115,7 +122,8 @@ FIXED = Engine("fixed")
 # token-wise layers over the chunk's real tokens in a pow2 bucket, attention over min(S, M)
 # rows; the cost model prices tokens). Slot compaction (78de8d3) is on by default only on the CPU
 # (``pipeline.slot_map.compaction_default``), so the accelerator projections leave it off and
-# a recorded trace stamps what its run did (``trace.step_trace``).
+# a recorded trace stamps what its run did (``trace.step_trace``). Carried prefixes are
+# replayed at their own lengths after the prompt prefill (scoring.replay).
 BUILT = Engine(
     "built",
     packed_update=True,
@@ -123,6 +131,7 @@ BUILT = Engine(
     live_prefix_decode=True,
     kept_scorer_caches=True,
     packed_chunk_scoring=True,
+    replayed_admission=True,
 )
 # On a GPU and a TPU the decode step's attention runs the ragged kernel (models.ragged_decode:
 # "auto" picks it there), so each running row reads its own keys and finished rows none (in

@@ -28,14 +28,13 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax.pipeline.carry import prefix_bucket, select_batch
+from oppo_jax.pipeline.carry import select_batch
 from oppo_jax.pipeline.events import Event, busy_fraction, stage_times
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.sim.engine import Plan
 from oppo_jax.sim.engines import BUILT, Engine
 from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.packing import UpdateGroups
-from oppo_jax.sim.trace import split_rows
+from oppo_jax.sim.packing import UpdateGroups, prefix_bucket, split_rows
 from oppo_jax.sim.work import StepFacts, Work, decode_chunks, step_work
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -164,7 +163,7 @@ def _step(run: _Run, seqs: list[_Seq]):
         capacity=run.capacity,
         chunk=w.chunk_size,
         width=w.prompt_len + bucket,
-        # The fixed-shape engine prefills its leading carried rows at W and the rest at P.
+        # The split admission prefills its leading carried rows at W and the rest at P.
         carried_rows=split_rows(prefix, f.size) if bucket else 0,
         prefix=prefix,
         finish=np.where(f > decoded, -1, f),

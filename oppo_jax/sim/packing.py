@@ -18,6 +18,12 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
 - ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
   a GPU (``models.segment_attention``): per first-fit row, each query block's key blocks from
   its first query's segment start to the diagonal (``row_segment_pairs``).
+- ``replay_tokens``: the built engine's replay of carried prefixes after the prompt prefill
+  (``oppo_jax.scoring.replay.plan_replay``): chunk j of ``REPLAY_CHUNK`` tokens runs over the
+  leading row bucket (a power of two >= 4, at most S) holding every prefix longer than j·c.
+- ``prefix_bucket`` / ``split_rows``: the fixed-shape engine's split admission before the
+  replay (carried rows prefilled at P + pow2(longest prefix), the rest at P), which the
+  recorded benches of ``docs/benchmarks`` ran.
 - ``live_width``: the columns a decode chunk reads (``models.kv_cache.live_width``): the power
   of two (at least 16) over the longest context the chunk can reach, capped at P + R.
 """
@@ -217,3 +223,41 @@ def row_segment_pairs(lengths, width: int, block: int | None = None) -> int:
     run_start = starts[np.searchsorted(starts, first, side="right") - 1]
     visited = np.where(first < used, first // block - run_start // block + 1, 0)
     return int(visited.sum()) * block * block
+
+
+REPLAY_CHUNK = 32  # scoring.replay.REPLAY_CHUNK: prefix tokens per replay call
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """``scoring.replay.row_bucket``: 0, or a power of two >= 4, capped at S. Example: S 24:
+    1 -> 4, 5 -> 8, 17 -> 24."""
+    if rows <= 0:
+        return 0
+    return min(max(4, 1 << (int(rows) - 1).bit_length()), slots)
+
+
+def replay_tokens(prefix, slots: int, chunk: int = REPLAY_CHUNK) -> int:
+    """Tokens one model's replay of the carried ``prefix`` lengths [S] (slot order) computes:
+    per chunk, its leading row bucket x ``chunk``. Example: [130, 70, 0, 10], S 8, c 64 ->
+    3 chunks of 4 rows: 768; c 32: 5 chunks of 4 rows: 640."""
+    prefix = np.asarray(prefix)
+    total = 0
+    for start in range(0, int(prefix.max(initial=0)), chunk):
+        longer = np.flatnonzero(prefix > start)
+        total += row_bucket(int(longer[-1]) + 1, slots) * chunk
+    return total
+
+
+def prefix_bucket(longest_prefix: int, response_len: int) -> int:
+    """The split admission's context room for carried prefixes: 0, or a power of two >= 16,
+    capped at R. Example: R 64: 0 -> 0, 5 -> 16, 17 -> 32, 40 -> 64."""
+    if longest_prefix <= 0:
+        return 0
+    return min(max(16, 1 << (int(longest_prefix) - 1).bit_length()), response_len)
+
+
+def split_rows(prefix, slots: int) -> int:
+    """Leading slots the split admission prefilled at the full width: the row bucket covering
+    every slot with a carried prefix (carried rows come first)."""
+    rows = np.flatnonzero(np.asarray(prefix) > 0)
+    return row_bucket(int(rows[-1]) + 1 if rows.size else 0, slots)

@@ -1,7 +1,7 @@
 """Per-step traces: what the simulator needs of a step, measured (``step_trace``) or simulated.
 
-A trace is plain JSON: the step's shapes (slots S, admission width W, rows admitted at that
-width K — the rest at the prompt width — and response capacity R),
+A trace is plain JSON: the step's shapes (slots S, prompt width P, response capacity R; traces
+of the split admission before the replay also W and K, its carried rows' width and rows),
 each slot's carried-in prefix and finish position, the batch's response lengths, the
 timeline as ``[stage, group, start, end]`` rows (seconds since the step began), and the
 engine that ran it (``engine``; older traces have none, see ``engines.recorded_engine``).
@@ -16,15 +16,12 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax.pipeline.carry import leading_carried_rows, prefix_bucket
 from oppo_jax.sim.engines import BUILT
 
 GENERATION = "generation"
 
 
-def step_trace(
-    result, carried_in: list[int], prompt_width: int, carrying: bool, compacted: int = 0
-) -> dict:
+def step_trace(result, carried_in: list[int], prompt_width: int, compacted: int = 0) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).
     ``engine`` stamps the engine that ran it (``engines.BUILT``, with ``compacted``: the
@@ -34,12 +31,9 @@ def step_trace(
     slots, capacity = finish.size, int(np.asarray(result.rollout.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
     prefix += [0] * (slots - len(prefix))
-    bucket = prefix_bucket(max(prefix), capacity) if carrying else 0
     return {
         "slots": slots,
-        "width": prompt_width + bucket,
         "prompt_width": prompt_width,
-        "carried_rows": split_rows(prefix, slots) if bucket else 0,
         "response_capacity": capacity,
         "prefix": prefix,
         "finish": finish.tolist(),
@@ -50,12 +44,6 @@ def step_trace(
             BUILT, compact_slots=bool(compacted), compact_min_slots=max(compacted, 1)
         ).to_dict(),
     }
-
-
-def split_rows(prefix, slots: int) -> int:
-    """Leading slots the split admission prefills at the full width (carried rows come first),
-    as ``SlotBatch.carried_rows`` computes it."""
-    return leading_carried_rows(np.asarray(prefix) > 0, slots)
 
 
 def forward_steps(finish, chunks: int, chunk: int, cut: int | None = None) -> list[int]:

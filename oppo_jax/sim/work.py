@@ -35,8 +35,10 @@ class StepFacts:
     prompt_len: int  # P, the prompt width
     capacity: int  # R, response capacity
     chunk: int  # C
-    width: int  # W, admission context of carried rows (P + prefix bucket; P without)
-    carried_rows: int  # K, leading rows admitted at W; the rest at P
+    # the split admission's (engines without ``replayed_admission``): W, the context of
+    # carried rows (P + prefix bucket; P without), and K, the leading rows admitted at W
+    width: int
+    carried_rows: int
     prefix: np.ndarray  # [S] response tokens each slot carried in
     finish: np.ndarray  # [S] decode position a slot finished at; -1: still running at the end
     cut: int  # decode position at which the rollout was cut
@@ -55,8 +57,8 @@ class StepFacts:
             prompt_len=p,
             capacity=trace["response_capacity"],
             chunk=chunk,
-            width=trace["width"],
-            carried_rows=trace.get("carried_rows", s if trace["width"] > p else 0),
+            width=trace.get("width", p),
+            carried_rows=trace.get("carried_rows", s if trace.get("width", p) > p else 0),
             prefix=np.asarray(trace["prefix"]),
             finish=np.asarray(trace["finish"]),
             cut=int(trace["cut"]),
@@ -112,8 +114,11 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
             # scorers stay in that layout (pipeline.slot_map)
             real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
             per_chunk = [packing.chunk_tokens(r, f.slots, f.chunk) for r in real]
-        k = f.carried_rows if engine.split_admission else f.slots
-        actor = k * f.width + (f.slots - k) * f.prompt_len
+        if engine.replayed_admission:  # prompts, then each prefix in chunks (scoring.replay)
+            actor = f.slots * f.prompt_len + packing.replay_tokens(f.prefix, f.slots)
+        else:
+            k = f.carried_rows if engine.split_admission else f.slots
+            actor = k * f.width + (f.slots - k) * f.prompt_len
         new_rows = (f.slots - f.carried_rows) * f.prompt_len
         full, sequences = f.prompt_len + f.capacity, f.prompt_len + f.batch_lengths
         sync = f.slots * f.capacity

@@ -1,0 +1,189 @@
+"""Carried prefixes replayed into an admission's cache, chunk by chunk, at their own lengths.
+
+A carried slot comes back with the response it had when its step was cut. The actor (new
+parameters) and the critic (trained) must prefill that prefix again, and so must the frozen
+scorers when their kept rows cannot be used (after a resume). After the prompt prefill
+(``rollout.admission.prompt_prefill``), the prefixes are fed like a stream of chunks of
+``REPLAY_CHUNK`` tokens: chunk j gives every slot its prefix tokens [j·c, (j+1)·c), over the
+leading bucket of slots that still have some (carried sequences come first, FIFO, so the
+older and longer prefixes sit first), with attention over the cache's live prefix only. Each
+chunk is ``stream.score_chunk`` on those leading rows, written back in place, so a replayed
+prefix gives exactly the cache, hidden states and per-token quantities a streamed one does
+(the tested invariant: chunked prefill equals one pass).
+
+Why chunks rather than one prefill per admission at P + pow2(longest prefix): a slot then
+costs its own prefix, rounded up to a chunk, not the longest of all carried prefixes. In a
+long-tail regime most carried rows hold one cut's tokens and a few twice-carried rows hold two,
+so the one-width prefill computed 2.2x the real tokens (docs/PROJECTIONS.md §4e); the chunks,
+over their leading-row buckets, about 1.1x (``sim.packing.replay_tokens`` prices them). The
+compiled shapes stay few and fixed for a run: one per (row bucket, live width),
+``replay_shapes``. On a mesh that splits the slots, the leading rows sit on the first devices,
+so each chunk moves its rows' cache block [L, N, K, live width, Dh] between devices (the
+partitioner gathers it); carried rows laid out over the shards would avoid that.
+
+Dimension letters: S slots, N leading rows of a chunk, c replay chunk width, R response
+capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from oppo_jax.models.kv_cache import live_width
+from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.rollout.admission import Admission
+from oppo_jax.rollout.decode import ChunkTokens, DecodeState, admit_decode
+from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.scoring.kept import slot_axis
+from oppo_jax.scoring.stream import ScorerSpec, ScorerState, score_chunk, scorer_admit
+from oppo_jax.sharding import constrain_slots
+
+# Tokens of each prefix one replay chunk feeds. Smaller wastes less of each row's last chunk
+# (c / 2 on average) for more calls; 32 keeps a 7B call of >= 8 carried rows compute-bound on
+# an H100 (256 tokens of 15 GFLOP each against one 15 GB read of the weights) and a short
+# CPU-sized prefix (R = 64) within two calls.
+REPLAY_CHUNK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayChunk:
+    """One replay call: the prefix tokens of the leading N slots (host arrays)."""
+
+    tokens: np.ndarray  # [N, c] int32, right-padded
+    count: np.ndarray  # [N] int32: tokens each slot takes (0 once its prefix has ended)
+    kv_width: int  # cache columns the call's attention reads
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.tokens.size
+
+
+def row_bucket(rows: int, num_slots: int) -> int:
+    """Leading slots a replay chunk runs over: 0, or a power of two >= 4, capped at S.
+
+    Few distinct values bound the compiled shapes. Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8,
+    8 -> 8, 9 -> 16, 17 -> 24.
+    """
+    if rows <= 0:
+        return 0
+    return min(max(4, 1 << (rows - 1).bit_length()), num_slots)
+
+
+def plan_replay(
+    context: np.ndarray,
+    prompt_len: np.ndarray,
+    prefix_len: np.ndarray,
+    shape: tuple[int, int],
+    chunk: int = REPLAY_CHUNK,
+) -> list[ReplayChunk]:
+    """The replay of every slot's carried prefix (host arrays of the admission: ``context``
+    [S, >= P + longest prefix], prompt then prefix per row); ``shape`` is (P, R).
+
+    Chunk j runs over the row bucket holding every slot whose prefix is longer than j·c and
+    reads the live width over P + (j + 1)·c. Example: prefixes [130, 70, 0, 10], c 64, S 8:
+    three chunks over 4, 4 and 4 rows, counts [64, 64, 0, 10], [64, 6, 0, 0], [2, 0, 0, 0].
+    """
+    prompt_width, response_len = shape
+    prefix_len = np.asarray(prefix_len)
+    slots, capacity = prefix_len.shape[0], prompt_width + response_len
+    chunks = []
+    for start in range(0, int(prefix_len.max(initial=0)), chunk):
+        longer = np.flatnonzero(prefix_len > start)
+        rows = row_bucket(int(longer[-1]) + 1, slots)
+        count = np.clip(prefix_len[:rows] - start, 0, chunk).astype(np.int32)
+        tokens = np.zeros((rows, chunk), np.int32)
+        for r in np.flatnonzero(count):
+            at = int(prompt_len[r]) + start
+            tokens[r, : count[r]] = context[r, at : at + count[r]]
+        width = live_width(prompt_width + start + chunk, capacity)
+        chunks.append(ReplayChunk(tokens, count, width))
+    return chunks
+
+
+def replay_shapes(
+    num_slots: int, max_carried: int, shape: tuple[int, int], chunk: int = REPLAY_CHUNK
+) -> list[tuple[int, int]]:
+    """Every (rows, live width) ``plan_replay`` can pick when at most ``max_carried`` of
+    ``num_slots`` slots carry a prefix of at most R tokens: what a warm-up compiles."""
+    prompt_width, response_len = shape
+    rows = sorted({row_bucket(n, num_slots) for n in range(1, max_carried + 1)})
+    starts = range(0, response_len, chunk)
+    capacity = prompt_width + response_len
+    widths = sorted({live_width(prompt_width + s + chunk, capacity) for s in starts})
+    return [(n, w) for n in rows for w in widths]
+
+
+def replay_chunk(
+    spec: ScorerSpec,
+    params,
+    state: ScorerState,
+    tokens: Int[Array, "N c"],
+    count: Int[Array, " N"],
+    kv_width: int,
+) -> ScorerState:
+    """Feed the leading N slots of ``state`` their next prefix tokens (``score_chunk`` over
+    those rows, the other slots untouched), reading and writing the cache's first
+    ``kv_width`` columns only: every token of the chunk sits below it."""
+    rows = tokens.shape[0]
+
+    def lead(x):  # the rows' block: [L, N, K, kv_width, Dh] of the cache, [N, ...] else
+        x = jax.lax.slice_in_dim(x, 0, rows, axis=slot_axis(x))
+        return jax.lax.slice_in_dim(x, 0, kv_width, axis=3) if x.ndim == 5 else x
+
+    part = jax.tree.map(lead, state)
+    chunk = ChunkTokens(tokens, part.num_fed, count, jnp.bool_(False))
+    # The rows' block stays where the partitioner puts it: N rows need not divide over the
+    # batch shards (on a mesh that splits the slots, the leading rows sit on the first).
+    fed = score_chunk(dataclasses.replace(spec, mesh=None), params, part, chunk)
+
+    def write(x, y):
+        return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), (0,) * x.ndim)
+
+    return constrain_slots(jax.tree.map(write, state, fed), spec.mesh)
+
+
+def replay(spec: ScorerSpec, params, state: ScorerState, plan: list[ReplayChunk]) -> ScorerState:
+    """Every chunk of ``plan`` fed in order, in one trace (a step dispatches each chunk as its
+    own compiled call: ``pipeline.kernels.Kernels.replay``)."""
+    for c in plan:
+        tokens, count = jnp.asarray(c.tokens), jnp.asarray(c.count)
+        state = replay_chunk(spec, params, state, tokens, count, c.kv_width)
+    return state
+
+
+def admit_scorer(
+    spec: ScorerSpec, params, admission: Admission, prompt_width: int, plan: list[ReplayChunk]
+) -> ScorerState:
+    """A scorer's whole admission in one trace: the prompts, then the carried prefixes of
+    ``plan`` (``plan_replay`` of the same slots)."""
+    prompts = admission.replace(context=admission.context[:, :prompt_width])
+    return replay(spec, params, scorer_admit(spec, params, prompts, prompt_width), plan)
+
+
+def admit_actor(
+    cfg: ModelConfig,
+    params,
+    admission: Admission,
+    base_key: jax.Array,
+    rollout: RolloutSpec,
+    temperature: float,
+    plan: list[ReplayChunk],
+) -> DecodeState:
+    """The actor's whole admission in one trace: its prompts prefilled and its carried prefixes
+    replayed as a log-prob consumer of its own tokens (their old log-probs at ``temperature``),
+    then the decode state started from that cache (``rollout.decode.admit_decode``)."""
+    r = rollout.max_response_len
+    spec = ScorerSpec(cfg, "logprob", r, temperature, rollout.mesh)
+    s = admit_scorer(spec, params, admission, rollout.prompt_width, plan)
+    return admit_decode(
+        cfg, params, admission, base_key, rollout, (s.cache, s.last_hidden, s.per_token)
+    )

@@ -61,13 +61,14 @@ def test_packed_sizes_on_hand_counted_cases():
     # S 24, C 8: S·C 192, the smallest packed size 256 / 16 = 16
     counts = np.zeros(24, int)
     counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots
-    assert chunk_shape(counts, 8) == (24, 32)
+    assert chunk_shape(counts, 8) == (24, 30)  # 30 tokens: every count up to 32 by 2
     assert chunk_shape(np.array([1] * 5 + [0] * 19), 8) == (16, 16)
-    assert chunk_shape(np.array([3] * 23 + [1]), 8) == (24, 80)  # 70 tokens: 1.25 x 64
-    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) == (24, 160)  # 140 tokens: 1.25 x 128
+    assert chunk_shape(np.array([3] * 23 + [1]), 8) == (24, 72)  # 70 tokens: 1.125 x 64
+    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) == (24, 144)  # 140 tokens: 1.125 x 128
     assert chunk_shape(np.array([8] * 20 + [5] * 4), 8) is None  # 180 tokens: 192 = S·C
-    sizes = [(16, 16), (20, 20), (24, 24), (24, 28), (24, 32), (24, 40), (24, 48), (24, 56)]
-    sizes += [(24, 64), (24, 80), (24, 96), (24, 112), (24, 128), (24, 160)]
+    sizes = [(16, 16), (18, 18), (20, 20), (22, 22), (24, 24), (24, 26), (24, 28), (24, 30)]
+    sizes += [(24, m) for m in (32, 36, 40, 44, 48, 52, 56, 60, 64, 72, 80, 88, 96, 104, 112)]
+    sizes += [(24, m) for m in (120, 128, 144, 160, 176)]
     assert chunk_shapes(24, 8) == sizes
     plan = plan_chunk(np.array([0, 3, 0, 1]), 4)
     assert plan["rows"].tolist() == [1, 3, 4, 4] and plan["count"].tolist() == [3, 1, 0, 0]

@@ -249,8 +249,11 @@ def test_sharded_packed_update_equals_single_device(root):
 
 
 def test_bucket_and_first_fit():
-    # four sizes per doubling (BUCKET_STEPS): 2^k·{1, 1.25, 1.5, 1.75}; two: 2^k, 1.5·2^k
+    # eight sizes per doubling (BUCKET_STEPS): every count to 16, then 2^k·{1, 1.125, ...};
+    # four: 2^k·{1, 1.25, 1.5, 1.75}; two: 2^k, 1.5·2^k
     got = [bucket_up(n) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
+    assert got == [1, 2, 3, 5, 7, 9, 11, 13, 18, 36]
+    got = [bucket_up(n, steps=4) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
     assert got == [1, 2, 3, 5, 7, 10, 12, 14, 20, 40]
     assert [bucket_up(n, steps=2) for n in (3, 5, 7, 9, 13)] == [3, 6, 8, 12, 16]
     assert [bucket_up(n, 16) for n in (0, 16, 17, 33, 65, 145)] == [16, 16, 32, 48, 80, 160]

@@ -92,9 +92,9 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.25, 1.5, 1.75} (at
-        # least pow2(S·C) / 16 = 4): 43 into 48 (below the whole [8, 8] chunk's 64), 13 into 14.
-        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 14]),
+        # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.125, ..., 1.875} (at
+        # least pow2(S·C) / 16 = 4): 43 into 44 (below the whole [8, 8] chunk's 64), 13 into 13.
+        ("packed_chunk_scoring", "score_chunks", [3 * 44, 3 * 13]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):

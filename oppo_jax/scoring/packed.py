@@ -23,7 +23,8 @@ two; attention score pairs relative to R wide: 0.62 bucketed, 0.19 packed. N in 
 raises the efficiency to ~0.82 there and from ~0.63 to ~0.77 at configs/bench_cpu.yaml's lengths
 (300 sampled batches each), for 3 row buckets more per width in the warm-up (8 instead of 5 for
 B = 16); ``bucket_up``'s four sizes per doubling (as the packed update's rows) raise it further
-for 12 row buckets per width at B = 16 (the efficiency is measured in BENCHMARKS.md).
+for 12 row buckets per width at B = 16, and its eight (every count up to 16) for 16 (the
+efficiency is measured in BENCHMARKS.md).
 Dimension letters: B sequences, L sequence width (P + R), N packed rows, T packed width.
 """
 
@@ -70,8 +71,8 @@ class PackPlan:
 def plan_packing(lengths, max_width: int) -> PackPlan:
     """Pack sequences of ``lengths`` tokens into rows: first-fit decreasing (ties by index),
     T = a power of two >= the longest (at least ``MIN_WIDTH``, at most ``max_width``), and N
-    rounded up to 2^k·{1, 1.25, 1.5, 1.75} (``bucket_up``: under a fifth of the rows wasted), so few
-    (N, T) shapes compile.
+    rounded up to 2^k·{1, 1.125, ..., 1.875} (``bucket_up``: under a ninth of the rows wasted), so
+    few (N, T) shapes compile.
 
     Example: lengths [5, 12, 3], max_width 64 -> T 16; 12 -> row 0 at 0, 3 -> row 0 at 12,
     5 -> row 1 at 0; N 2.

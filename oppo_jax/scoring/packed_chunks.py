@@ -4,8 +4,8 @@
 every column past a slot's count, costs a scorer as much as a real token. Here the host,
 which reads the chunk's counts [S] (one small transfer beside the loop's one flag), plans a
 ``ChunkLayout`` (``plan_chunk``): the chunk's tokens are packed end to end into M (bucketed
-at 2^k·{1, 1.25, 1.5, 1.75}, ``ppo.packing.bucket_up``: under a fifth of M is padding) and the slots
-with new tokens become the first of N = min(S, M) rows.
+at 2^k·{1, 1.125, ..., 1.875}, ``ppo.packing.bucket_up``: under a ninth of M is padding) and
+the slots with new tokens become the first of N = min(S, M) rows.
 Every token-wise layer runs over the M packed tokens; attention runs over the N rows, each
 reading its own slot's cache prefix and writing its new keys at that slot's positions
 (``models.chunk_layout``). The quantities are scattered back per slot, so the state, and
@@ -14,9 +14,9 @@ every score, is what the [S, C] call leaves, up to float rounding; other slots a
 A scorer compiles at most ``BUCKET_STEPS``·``PACKED_LEVELS`` packed programs per live width
 beside the [S, C] one (``chunk_shapes`` lists them: what a warm-up compiles), which a chunk too
 full to gain keeps. Sizes at powers of two alone leave a quarter of M empty on average; four
-sizes per doubling cut that to under a tenth. Attention still runs over N rows of C
-queries; at N = S (M >= S) it costs what the [S, C] call's does, the token-wise layers (most
-of a large model's work) cost M.
+sizes per doubling cut that to under a tenth, eight (``BUCKET_STEPS``) to about 6%. Attention
+still runs over N rows of C queries; at N = S (M >= S) it costs what the [S, C] call's does,
+the token-wise layers (most of a large model's work) cost M.
 
 Dimension letters: S slots, N rows, C chunk width, M packed tokens, D model width.
 """
@@ -40,12 +40,12 @@ PACKED_LEVELS = 4  # doublings of packed sizes below the chunk: down to pow2(S·
 
 def chunk_shape(counts: np.ndarray, width: int) -> tuple[int, int] | None:
     """(N, M) a chunk with these per-slot ``counts`` (of ``width`` columns) is scored at: M
-    the ``bucket_up`` size (2^k·{1, 1.25, 1.5, 1.75}) holding its tokens, at least pow2(S·C) / 16;
-    N = min(S, M) rows, which hold every slot with a token (each has at least one). None
-    when M would not be below S·C (score it [S, C]).
+    the ``bucket_up`` size (2^k·{1, 1.125, ..., 1.875}) holding its tokens, at least
+    pow2(S·C) / 16; N = min(S, M) rows, which hold every slot with a token (each has at least
+    one). None when M would not be below S·C (score it [S, C]).
 
-    Example: S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 32); 70 -> (24, 80);
-    5 -> (16, 16); 170 -> None.
+    Example: S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 30); 70 -> (24, 72);
+    5 -> (16, 16); 180 -> None.
     """
     counts = np.asarray(counts)
     slots, total = counts.shape[0], int(counts.sum())
@@ -59,8 +59,8 @@ def chunk_shapes(slots: int, width: int) -> list[tuple[int, int]]:
     most ``BUCKET_STEPS``·``PACKED_LEVELS`` per live width (what a warm-up compiles, per
     scorer).
 
-    Example: 24 slots, C 8 -> [(16, 16), (20, 20), (24, 24), (24, 28), (24, 32), (24, 40),
-    ..., (24, 128), (24, 160)]: 14 shapes.
+    Example: 24 slots, C 8 -> [(16, 16), (18, 18), (20, 20), (22, 22), (24, 24), (24, 26),
+    ..., (24, 160), (24, 176)]: 28 shapes.
     """
     whole = slots * width
     tokens = {_packed_size(n, whole) for n in range(whole)}

@@ -4,7 +4,7 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
 - ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): each
   minibatch's sequences (prompt + response) first-fit-decreasing into rows of one width,
   P + R rounded up to the 16-token granule, dealt to its A accumulation chunks of one height
-  for the step (the ``bucket_up`` bucket, 2^k·{1, 1.25, 1.5, 1.75} in units of the batch
+  for the step (the ``bucket_up`` bucket, 2^k·{1, 1.125, ..., 1.875} in units of the batch
   shards, of the rows A chunks need in the fullest minibatch, at most the m sequences of a
   microbatch); the chunks holding no sequence do not run (``UpdateGroups``: the config's
   epochs, minibatches, accumulation steps and shards).
@@ -12,7 +12,7 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
   sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
   row count bucketed by ``bucket_up``; the scorers' admission prefill is skipped.
 - ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): its
-  real tokens rounded up by ``bucket_up`` (2^k·{1, 1.25, 1.5, 1.75}), at least pow2(S·C) / 16,
+  real tokens rounded up by ``bucket_up`` (2^k·{1, 1.125, ..., 1.875}), at least pow2(S·C) / 16,
   and [S, C] when that is not below S·C. S is the admission's slots even when the decode has
   compacted: packing scorers stay in that layout (``oppo_jax.pipeline.slot_map``).
 - ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
@@ -36,7 +36,7 @@ import numpy as np
 
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
-BUCKET_STEPS = 4  # ppo.packing.BUCKET_STEPS: sizes per doubling of data-bucketed shapes
+BUCKET_STEPS = 8  # ppo.packing.BUCKET_STEPS: sizes per doubling of data-bucketed shapes
 RAGGED_KEY_BLOCK = 128  # models.ragged_decode.KEY_BLOCK: a ragged row reads whole key blocks
 RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic form's blocks
 
@@ -44,7 +44,7 @@ RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic fo
 def bucket_up(n: int | float, granule: int = 1, steps: int = BUCKET_STEPS) -> int:
     """Smallest ``granule · b >= n`` with b on a grid of ``steps`` sizes per doubling
     (``oppo_jax.ppo.packing.bucket_up``). Example: granule 16: 1 -> 16, 17 -> 32, 33 -> 48,
-    65 -> 80, 145 -> 160; steps 2: 65 -> 96."""
+    65 -> 80, 145 -> 160; granule 1: 17 -> 18; steps 2: 65 -> 96."""
     units = max(-(-int(np.ceil(n)) // granule), 1)
     step = max((1 << ((units - 1).bit_length() - 1)) // steps, 1) if units > 2 else 1
     return -(-units // step) * step * granule
@@ -187,7 +187,7 @@ PACKED_LEVELS = 4  # scoring.packed_chunks.PACKED_LEVELS: doublings of packed si
 
 def chunk_tokens(real: int | float, slots: int, chunk: int) -> int:
     """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at.
-    Example: 24 slots, C 8: 30 -> 32, 5 -> 16, 70 -> 96, 100 -> 128, 140 -> 192."""
+    Example: 24 slots, C 8: 30 -> 30, 5 -> 16, 70 -> 72, 100 -> 104, 140 -> 144."""
     whole = slots * chunk
     packed = max(bucket_up(real), pow2_at_least(whole) >> PACKED_LEVELS)
     return whole if packed >= whole else packed

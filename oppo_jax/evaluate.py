@@ -121,7 +121,7 @@ def _decode_all(ctx, k, actor, admission):
     n = int(np.sum(np.asarray(admission.active)))
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(n))
     key = jax.random.fold_in(ctx.engine.sample_key, EVAL_KEY)
-    state, _ = k.admit(actor, admission, key)
+    state, _ = k.admit(actor, admission, key, ())  # new prompts only: nothing to replay
     chunk_size = ctx.cfg.pipeline.chunk_size
     decode = k.decode(chunk_size)  # over the whole cache: an evaluation is not timed
     for _ in range(k.rollout.max_response_len // chunk_size + 2):

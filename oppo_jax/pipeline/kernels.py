@@ -30,9 +30,9 @@ from oppo_jax.rollout.decode import (
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
-from oppo_jax.scoring.replay import ReplayChunk, replay_chunk
+from oppo_jax.scoring.replay import ReplayChunk, plan_replay, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
-from oppo_jax.sharding import with_rules
+from oppo_jax.sharding import to_host, with_rules
 
 __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_chunk"]
 
@@ -153,11 +153,16 @@ class Kernels:
         temperature = self.spec.temperature
         return ScorerSpec(self.spec.actor, "logprob", r.max_response_len, temperature, r.mesh)
 
-    def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk] = ()):
+    def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk] | None = None):
         """The actor's admission: every slot's prompt prefilled, the carried prefixes of
-        ``replay`` (``scoring.replay.plan_replay``) fed after it, and the decode state started
-        from that cache: (DecodeState, marker)."""
+        ``replay`` (``scoring.replay.plan_replay`` of the same slots) fed after it, and the
+        decode state started from that cache: (DecodeState, marker). Without ``replay`` the
+        plan is made from the admission read back to the host (a step passes the one it
+        planned from its host arrays, so it reads nothing)."""
         prompt_width = self.rollout.prompt_width
+        if replay is None:
+            host = to_host((admission.context, admission.prompt_len, admission.prefix_len))
+            replay = plan_replay(*host, (prompt_width, self.rollout.max_response_len))
         prompts = admission.replace(context=admission.context[:, :prompt_width])
         prefilled, _ = make_scorer_admit(self.actor_spec, prompt_width)(params, prompts)
         prefilled, _ = self.replay(self.actor_spec, params, prefilled, replay)

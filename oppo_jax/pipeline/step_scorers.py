@@ -57,7 +57,7 @@ class StepScorers:
     def admit(
         self,
         admission: Admission,
-        replay: Sequence[ReplayChunk] = (),
+        replay: Sequence[ReplayChunk],
         kept: KeptCaches | None = None,
         used: int = 0,
     ) -> None:

@@ -212,7 +212,7 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
     k, place = engine.kernels, engine.placement
     width = () if kv_width is None else (kv_width,)  # kernels without live widths take C only
     admission = _admission(ctx, host)
-    decoding, _ = k.admit(state.actor_model_params, admission, engine.sample_key)
+    decoding, _ = k.admit(state.actor_model_params, admission, engine.sample_key, ())
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
     decoding, chunk = k.decode(chunk_size, *width)(state.actor_model_params, decoding, rule)
     outputs = [decoding, chunk]

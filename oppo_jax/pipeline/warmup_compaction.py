@@ -108,7 +108,7 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
         scorer_params=scorer_params(ctx, state),
         full_chunks=schedule.stream and not moves_scorers,
     )
-    decoding, _ = k.admit(run.actor, admission, engine.sample_key)
+    decoding, _ = k.admit(run.actor, admission, engine.sample_key, ())  # new prompts only
     target = jnp.int32(host.plan(ctx.cfg).batch_size)
     rule = CutRule(admission.active, admission.must_finish, target)
     states = _streamed_states(run, place.to_scoring(admission)) if moves_scorers else None

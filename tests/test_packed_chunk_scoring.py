@@ -27,8 +27,8 @@ from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.ppo import packing
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
-from oppo_jax.ppo.packing import BUCKET_STEPS
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
@@ -57,18 +57,24 @@ from tests.ppo_fixtures import (
 P, R = 4, 20
 
 
-def test_packed_sizes_on_hand_counted_cases():
+@pytest.mark.parametrize("steps", [4, 8])  # sizes per doubling: a CPU's, an accelerator's
+def test_packed_sizes_on_hand_counted_cases(monkeypatch, steps):
+    monkeypatch.setattr(packing, "bucket_steps", lambda: steps)
     # S 24, C 8: S·C 192, the smallest packed size 256 / 16 = 16
     counts = np.zeros(24, int)
     counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots
-    assert chunk_shape(counts, 8) == (24, 30)  # 30 tokens: every count up to 32 by 2
+    m = {4: (32, 80, 160), 8: (30, 72, 144)}[steps]  # 30, 70, 140 rounded up (1.25 / 1.125)
+    assert chunk_shape(counts, 8) == (24, m[0])
     assert chunk_shape(np.array([1] * 5 + [0] * 19), 8) == (16, 16)
-    assert chunk_shape(np.array([3] * 23 + [1]), 8) == (24, 72)  # 70 tokens: 1.125 x 64
-    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) == (24, 144)  # 140 tokens: 1.125 x 128
+    assert chunk_shape(np.array([3] * 23 + [1]), 8) == (24, m[1])  # 70 tokens
+    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) == (24, m[2])  # 140 tokens
     assert chunk_shape(np.array([8] * 20 + [5] * 4), 8) is None  # 180 tokens: 192 = S·C
-    sizes = [(16, 16), (18, 18), (20, 20), (22, 22), (24, 24), (24, 26), (24, 28), (24, 30)]
-    sizes += [(24, m) for m in (32, 36, 40, 44, 48, 52, 56, 60, 64, 72, 80, 88, 96, 104, 112)]
-    sizes += [(24, m) for m in (120, 128, 144, 160, 176)]
+    sizes = [(16, 16), (20, 20), (24, 24), (24, 28), (24, 32), (24, 40), (24, 48), (24, 56)]
+    sizes += [(24, 64), (24, 80), (24, 96), (24, 112), (24, 128), (24, 160)]
+    if steps == 8:
+        sizes = [(16, 16), (18, 18), (20, 20), (22, 22), (24, 24), (24, 26), (24, 28), (24, 30)]
+        sizes += [(24, m) for m in (32, 36, 40, 44, 48, 52, 56, 60, 64, 72, 80, 88, 96, 104)]
+        sizes += [(24, m) for m in (112, 120, 128, 144, 160, 176)]
     assert chunk_shapes(24, 8) == sizes
     plan = plan_chunk(np.array([0, 3, 0, 1]), 4)
     assert plan["rows"].tolist() == [1, 3, 4, 4] and plan["count"].tolist() == [3, 1, 0, 0]
@@ -79,7 +85,7 @@ def test_packed_sizes_on_hand_counted_cases():
     for slots in (1, 3, 8, 24):
         for width in (1, 3, 8):
             listed = set(chunk_shapes(slots, width))
-            assert len(listed) <= BUCKET_STEPS * PACKED_LEVELS
+            assert len(listed) <= steps * PACKED_LEVELS
             floor = max(1 << (slots * width - 1).bit_length() >> PACKED_LEVELS, 1)
             for _ in range(200):
                 live = rng.random(slots) < rng.random()

@@ -25,6 +25,7 @@ from oppo_jax.ppo.experience import ScoredRollout, build_batch
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update, packed_actor_loss, packed_critic_loss
 from oppo_jax.ppo.packing import (
+    bucket_steps,
     bucket_up,
     first_fit_decreasing,
     gather_microbatch,
@@ -249,11 +250,12 @@ def test_sharded_packed_update_equals_single_device(root):
 
 
 def test_bucket_and_first_fit():
-    # eight sizes per doubling (BUCKET_STEPS): every count to 16, then 2^k·{1, 1.125, ...};
-    # four: 2^k·{1, 1.25, 1.5, 1.75}; two: 2^k, 1.5·2^k
-    got = [bucket_up(n) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
+    # eight sizes per doubling (an accelerator's): every count to 16, then 2^k·{1, 1.125, ...};
+    # four (a CPU's, the default here): 2^k·{1, 1.25, 1.5, 1.75}; two: 2^k, 1.5·2^k
+    assert (bucket_steps("gpu"), bucket_steps("tpu"), bucket_steps("cpu")) == (8, 8, 4)
+    got = [bucket_up(n, steps=8) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
     assert got == [1, 2, 3, 5, 7, 9, 11, 13, 18, 36]
-    got = [bucket_up(n, steps=4) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
+    got = [bucket_up(n) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
     assert got == [1, 2, 3, 5, 7, 10, 12, 14, 20, 40]
     assert [bucket_up(n, steps=2) for n in (3, 5, 7, 9, 13)] == [3, 6, 8, 12, 16]
     assert [bucket_up(n, 16) for n in (0, 16, 17, 33, 65, 145)] == [16, 16, 32, 48, 80, 160]

@@ -290,8 +290,9 @@ def test_sync_packed_scoring_with_it_equals_xla_and_each_sequences_own_forward(m
         prompts[b, : prompt_len[b]] = rng.integers(2, 64, prompt_len[b])
         response[b, : resp_len[b]] = rng.integers(2, 64, resp_len[b])
     seqs = assemble_sequences(*map(jnp.asarray, (prompts, prompt_len, response, resp_len)))
-    # Four row sizes per doubling put the 9 rows first-fit needs into a bucket of 10: one row
-    # of padding only, which the kernel must skip (eight sizes per doubling would give 9).
+    # Four row sizes per doubling (a CPU's, pinned here) put the 9 rows first-fit needs into a
+    # bucket of 10: one row of padding only, which the kernel must skip (an accelerator's
+    # eight sizes would give 9).
     import oppo_jax.scoring.packed as packed_scoring
     from oppo_jax.ppo.packing import bucket_up
 

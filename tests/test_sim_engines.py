@@ -92,9 +92,10 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.125, ..., 1.875} (at
-        # least pow2(S·C) / 16 = 4): 43 into 44 (below the whole [8, 8] chunk's 64), 13 into 13.
-        ("packed_chunk_scoring", "score_chunks", [3 * 44, 3 * 13]),
+        # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.25, 1.5, 1.75} (the
+        # CPU's four sizes per doubling; at least pow2(S·C) / 16 = 4): 43 into 48 (below the
+        # whole [8, 8] chunk's 64), 13 into 14.
+        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 14]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):
@@ -140,6 +141,15 @@ def test_ragged_decode_reads_each_running_rows_own_context():
     assert built_for("gpu").ragged_decode and built_for("gpu").name == "built"
     assert built_for("gpu").ragged_key_block == RAGGED_KEY_BLOCK
     assert built_for("cpu") == BUILT and not BUILT.ragged_decode
+    # Eight sizes per doubling on accelerators, four on a CPU (ppo.packing.bucket_steps): the
+    # streamed chunks' 43 and 13 real tokens packed into 44 and 13 instead of 48 and 14.
+    assert (built_for("gpu").bucket_steps, built_for("tpu").bucket_steps, BUILT.bucket_steps) == (
+        8,
+        8,
+        4,
+    )
+    fine = dataclasses.replace(FIXED.with_features(["packed_chunk_scoring"]), bucket_steps=8)
+    assert step_work(fine, FACTS, 3, 1).score_chunks == [3 * 44, 3 * 13]
     tpu = built_for("tpu")  # and splash's causal blocks in the update
     assert tpu.causal_update_attention and tpu.ragged_decode and tpu.name == "built"
     assert tpu.ragged_key_block == RAGGED_KEY_BLOCK_TPU == 1024

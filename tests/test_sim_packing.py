@@ -7,6 +7,7 @@ The simulator stays JAX-free, so it cannot call them; this keeps the copies hone
 import numpy as np
 import pytest
 
+from oppo_jax.ppo import packing as engine_packing
 from oppo_jax.ppo.packing import bucket_up, microbatch_rows
 from oppo_jax.ppo.packing import plan_packing as update_plan
 from oppo_jax.scoring.packed import plan_packing as score_plan
@@ -15,8 +16,10 @@ from oppo_jax.scoring.replay import REPLAY_CHUNK, plan_replay, row_bucket
 from oppo_jax.sim import packing
 
 
+@pytest.mark.parametrize("steps", [4, 8])  # sizes per doubling: a CPU's, an accelerator's
 @pytest.mark.parametrize("seed", range(4))
-def test_mirrors_count_what_the_engine_plans(seed):
+def test_mirrors_count_what_the_engine_plans(monkeypatch, seed, steps):
+    monkeypatch.setattr(engine_packing, "bucket_steps", lambda: steps)
     rng = np.random.default_rng(seed)
     for _ in range(60):
         b, p = int(rng.integers(1, 48)), int(rng.choice([4, 16, 512]))
@@ -26,16 +29,16 @@ def test_mirrors_count_what_the_engine_plans(seed):
         prompt = rng.integers(1, p + 1, b)
         one_group = np.arange(b)[None, None, None, :]  # one epoch, minibatch, microbatch
         want = update_plan(prompt, response, one_group, p + r, r).tokens_computed
-        assert packing.update_tokens(prompt + response, p + r) == want
+        assert packing.update_tokens(prompt + response, p + r, steps=steps) == want
         want = score_plan(prompt + response, p + r).computed_tokens
-        assert packing.score_tokens(prompt + response, p + r) == want
+        assert packing.score_tokens(prompt + response, p + r, steps) == want
         n = int(rng.integers(1, 4 * (p + r)))
-        assert packing.bucket_up(n, 16) == bucket_up(n, 16)
+        assert packing.bucket_up(n, 16, steps) == bucket_up(n, 16)
         slots, c = int(rng.integers(1, 40)), int(rng.choice([1, 3, 8, 32]))
         counts = rng.integers(0, c + 1, slots) * (rng.random(slots) < rng.random())
         shape = chunk_shape(counts, c)
         want = slots * c if shape is None else shape[1]
-        assert packing.chunk_tokens(int(counts.sum()), slots, c) == want
+        assert packing.chunk_tokens(int(counts.sum()), slots, c, steps) == want
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -202,8 +202,8 @@ def test_built_sync_within_1_3x_of_active(spec, config, given):
 # 0.034 7B GH200 config, 0.033 7B TPU v5p config; 0.030-0.037 with seeds 1-3) since carried
 # prefixes are replayed at their own lengths (scoring.replay; before: carried rows prefilled at
 # P + pow2(longest prefix), 2.2x their real tokens, labelled map 1/9, 0.142) and data-bucketed
-# shapes take eight sizes per doubling (ppo.packing.BUCKET_STEPS; with four: labelled 8/9,
-# 0.061). PROJECTIONS.md §4f.
+# shapes take eight sizes per doubling on accelerators (ppo.packing.bucket_steps,
+# engines.built_for; with four: labelled 8/9, 0.061). PROJECTIONS.md §4f.
 @pytest.mark.parametrize(("spec", "config", "given"), SETTINGS[::2])
 def test_built_regime_map_within_0_05_of_active(spec, config, given):
     p = build_projection(spec, config, (), {**given, "steps": 30})

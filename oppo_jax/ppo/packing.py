@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.struct
+import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
@@ -53,27 +54,41 @@ from oppo_jax.ppo.losses import TokenWeights
 from oppo_jax.sharding import to_host
 
 # Sizes per doubling of every shape bucketed per step from its data (the packed update's chunk
-# rows, sync's packed scoring rows, a streamed chunk's packed tokens): eight, 2^k·{1, 1.125,
-# ..., 1.875}, waste at most a ninth of a bucket (about 6% on average) where four waste a fifth
-# (12%) and two a third; every count up to 16 is its own size. More sizes mean more warm-up
-# shapes of these kernels, each compiled once: the CPU demo's warm-up went from 65 shapes
-# (233 compilations, 186 s) at four to 85 (285, 219 s) at eight. The simulator's regime maps
-# need eight: with four, OPPO's projected gain on the built engine stays up to 0.061 below the
-# token-proportional engine's in the one-epoch setting; with two, the 7B TPU v5p config's up
-# to 0.05 off (docs/PROJECTIONS.md §4d, §4f).
-BUCKET_STEPS = 8
+# rows, sync's packed scoring rows, a streamed chunk's packed tokens), per backend (see
+# ``bucket_steps``). Eight, 2^k·{1, 1.125, ..., 1.875}, waste at most a ninth of a bucket
+# (about 6% on average) where four waste a fifth (12%) and two a third; every count up to 16
+# is its own size. The simulator's regime maps need eight on the accelerators: with four,
+# OPPO's projected gain on the built engine stays up to 0.061 below the token-proportional
+# engine's in the one-epoch setting; with two, the 7B TPU v5p config's up to 0.05 off
+# (docs/PROJECTIONS.md §4d, §4f). On a CPU four: there a compiled program costs seconds of
+# warm-up and XLA:CPU maps each one's code separately, and eight sizes (twice the streamed
+# chunk programs) took the CPU demo's warm-up from 65 to 85 shapes (186 -> 219 s) and ran
+# ``oppo-jax bench configs/bench_cpu.yaml``'s one process out of memory maps
+# (vm.max_map_count 65,530), for compute a tiny model hardly notices.
+ACCELERATOR_BUCKET_STEPS = 8
+CPU_BUCKET_STEPS = 4
 
 
-def bucket_up(n: int, granule: int = 1, steps: int = BUCKET_STEPS) -> int:
+def bucket_steps(backend: str | None = None) -> int:
+    """Sizes per doubling of the data-bucketed shapes on ``backend`` ("cpu", "gpu", "tpu";
+    default: JAX's default backend, where the kernels run): four on a CPU, eight elsewhere."""
+    backend = backend or jax.default_backend()
+    return CPU_BUCKET_STEPS if backend == "cpu" else ACCELERATOR_BUCKET_STEPS
+
+
+def bucket_up(n: int, granule: int = 1, steps: int | None = None) -> int:
     """Smallest ``granule · b >= n`` with b on a grid of ``steps`` sizes per doubling: above
     2 units, b rounds up to a multiple of the largest power of two below ``units`` divided by
     ``steps`` (at least 1). Steps 8: b in {1, ..., 16, 18, 20, ..., 32, 36, 40, ...} (at most a
     ninth of a bucket wasted); steps 4: {1, ..., 8, 10, 12, 14, 16, 20, 24, ...} (a fifth);
     steps 2: {1, 2, 3, 4, 6, 8, 12, 16, ...} (a third).
 
-    Example: granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 65 -> 80, 145 -> 160; granule 1:
-    17 -> 18, 33 -> 36; steps 4: 17 -> 20; steps 2: 65 -> 96.
+    ``steps`` defaults to the backend's (``bucket_steps``).
+
+    Example (steps 8): granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 65 -> 80, 145 -> 160;
+    granule 1: 17 -> 18, 33 -> 36; steps 4: 17 -> 20; steps 2: 65 -> 96.
     """
+    steps = bucket_steps() if steps is None else steps
     units = max(-(-n // granule), 1)
     step = max((1 << ((units - 1).bit_length() - 1)) // steps, 1) if units > 2 else 1
     return -(-units // step) * step * granule

@@ -11,12 +11,12 @@ reading its own slot's cache prefix and writing its new keys at that slot's posi
 (``models.chunk_layout``). The quantities are scattered back per slot, so the state, and
 every score, is what the [S, C] call leaves, up to float rounding; other slots are untouched.
 
-A scorer compiles at most ``BUCKET_STEPS``·``PACKED_LEVELS`` packed programs per live width
+A scorer compiles at most ``bucket_steps()``·``PACKED_LEVELS`` packed programs per live width
 beside the [S, C] one (``chunk_shapes`` lists them: what a warm-up compiles), which a chunk too
 full to gain keeps. Sizes at powers of two alone leave a quarter of M empty on average; four
-sizes per doubling cut that to under a tenth, eight (``BUCKET_STEPS``) to about 6%. Attention
-still runs over N rows of C queries; at N = S (M >= S) it costs what the [S, C] call's does,
-the token-wise layers (most of a large model's work) cost M.
+sizes per doubling (a CPU's) cut that to under a tenth, eight (an accelerator's) to about 6%.
+Attention still runs over N rows of C queries; at N = S (M >= S) it costs what the [S, C]
+call's does, the token-wise layers (most of a large model's work) cost M.
 
 Dimension letters: S slots, N rows, C chunk width, M packed tokens, D model width.
 """
@@ -44,8 +44,8 @@ def chunk_shape(counts: np.ndarray, width: int) -> tuple[int, int] | None:
     pow2(S·C) / 16; N = min(S, M) rows, which hold every slot with a token (each has at least
     one). None when M would not be below S·C (score it [S, C]).
 
-    Example: S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 30); 70 -> (24, 72);
-    5 -> (16, 16); 180 -> None.
+    Example (eight sizes per doubling): S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 30);
+    70 -> (24, 72); 5 -> (16, 16); 180 -> None; with four: 30 -> (24, 32), 70 -> (24, 80).
     """
     counts = np.asarray(counts)
     slots, total = counts.shape[0], int(counts.sum())
@@ -56,11 +56,11 @@ def chunk_shape(counts: np.ndarray, width: int) -> tuple[int, int] | None:
 
 def chunk_shapes(slots: int, width: int) -> list[tuple[int, int]]:
     """Every (N, M) ``chunk_shape`` can pick for ``slots`` slots and chunks of ``width``: at
-    most ``BUCKET_STEPS``·``PACKED_LEVELS`` per live width (what a warm-up compiles, per
+    most ``bucket_steps()``·``PACKED_LEVELS`` per live width (what a warm-up compiles, per
     scorer).
 
-    Example: 24 slots, C 8 -> [(16, 16), (18, 18), (20, 20), (22, 22), (24, 24), (24, 26),
-    ..., (24, 160), (24, 176)]: 28 shapes.
+    Example (eight sizes per doubling): 24 slots, C 8 -> [(16, 16), (18, 18), (20, 20),
+    (22, 22), (24, 24), (24, 26), ..., (24, 160), (24, 176)]: 28 shapes; with four, 14.
     """
     whole = slots * width
     tokens = {_packed_size(n, whole) for n in range(whole)}

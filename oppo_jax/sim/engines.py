@@ -82,6 +82,10 @@ class Engine:
     # over leading row buckets (scoring.replay; packing.replay_tokens); False: the split
     # admission (``split_admission``) or every slot at the carried width
     replayed_admission: bool = False
+    # sizes per doubling of the data-bucketed shapes (the update's chunk rows, sync scoring's
+    # rows, streamed chunks' tokens): ppo.packing.bucket_steps, four on a CPU (and in the
+    # recorded benches' engines), eight on an accelerator
+    bucket_steps: int = packing.BUCKET_STEPS
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -148,15 +152,20 @@ def built_for(backend: str) -> Engine:
     """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, on a GPU with the
     ragged decode attention and the segment attention of the packed update (both Triton), and
     on a TPU with the ragged decode attention (Mosaic) and splash's causal update attention,
-    the kernels ``model.attention=auto`` picks there."""
+    the kernels ``model.attention=auto`` picks there; on either, eight sizes per doubling of
+    the data-bucketed shapes (``ppo.packing.bucket_steps``)."""
+    steps = packing.ACCELERATOR_BUCKET_STEPS
     if backend == "gpu":
-        return dataclasses.replace(BUILT, ragged_decode=True, segment_update_attention=True)
+        return dataclasses.replace(
+            BUILT, ragged_decode=True, segment_update_attention=True, bucket_steps=steps
+        )
     if backend == "tpu":
         return dataclasses.replace(
             BUILT,
             ragged_decode=True,
             ragged_key_block=packing.RAGGED_KEY_BLOCK_TPU,
             causal_update_attention=True,
+            bucket_steps=steps,
         )
     return BUILT
 

@@ -4,7 +4,8 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
 - ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): each
   minibatch's sequences (prompt + response) first-fit-decreasing into rows of one width,
   P + R rounded up to the 16-token granule, dealt to its A accumulation chunks of one height
-  for the step (the ``bucket_up`` bucket, 2^k·{1, 1.125, ..., 1.875} in units of the batch
+  for the step (the ``bucket_up`` bucket, at the engine's sizes per doubling: eight on an
+  accelerator, 2^k·{1, 1.125, ..., 1.875}, four on a CPU, in units of the batch
   shards, of the rows A chunks need in the fullest minibatch, at most the m sequences of a
   microbatch); the chunks holding no sequence do not run (``UpdateGroups``: the config's
   epochs, minibatches, accumulation steps and shards).
@@ -12,7 +13,7 @@ the built kernels run at (``engines.BUILT``), not an idealised packing.
   sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
   row count bucketed by ``bucket_up``; the scorers' admission prefill is skipped.
 - ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): its
-  real tokens rounded up by ``bucket_up`` (2^k·{1, 1.125, ..., 1.875}), at least pow2(S·C) / 16,
+  real tokens rounded up by ``bucket_up`` (the engine's sizes), at least pow2(S·C) / 16,
   and [S, C] when that is not below S·C. S is the admission's slots even when the decode has
   compacted: packing scorers stay in that layout (``oppo_jax.pipeline.slot_map``).
 - ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
@@ -36,7 +37,10 @@ import numpy as np
 
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
-BUCKET_STEPS = 8  # ppo.packing.BUCKET_STEPS: sizes per doubling of data-bucketed shapes
+# ppo.packing.bucket_steps: sizes per doubling of data-bucketed shapes, per backend (an
+# engine's ``bucket_steps``); the CPU's is the default here
+BUCKET_STEPS = 4
+ACCELERATOR_BUCKET_STEPS = 8
 RAGGED_KEY_BLOCK = 128  # models.ragged_decode.KEY_BLOCK: a ragged row reads whole key blocks
 RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic form's blocks
 
@@ -107,12 +111,14 @@ class UpdateGroups:
         return np.concatenate([p.reshape(self.minibatches, -1) for p in perms])
 
 
-def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE):
+def minibatch_rows(
+    lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE, steps=BUCKET_STEPS
+):
     """(rows that run, their width) of the packed update over the minibatches ``minis``
     [G, A·m] (batch rows) of sequences of ``lengths`` (prompt + response), padded width
     ``full`` = P + R, split as ``groups`` says: one chunk height for the step, the bucket of
-    the rows A chunks need in the fullest minibatch (at most m / k), and only the chunks
-    holding sequences run (module docstring)."""
+    the rows A chunks need in the fullest minibatch (at most m / k, ``steps`` sizes per
+    doubling), and only the chunks holding sequences run (module docstring)."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
     k, mult, chunks = groups.width_factor, groups.row_multiple, groups.chunks
     width = -(-k * full // granule) * granule
@@ -120,7 +126,7 @@ def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int
     rows_cap = -(-(minis.shape[1] // chunks) // k)  # m / k rows: a padded microbatch's tokens
     cap = -(-rows_cap // mult) * mult
     per_chunk = [-(-r // chunks) for r in rows]  # rows each chunk must hold
-    height = max(min(mult * bucket_up(-(-n // mult)), cap) for n in per_chunk)
+    height = max(min(mult * bucket_up(-(-n // mult), steps=steps), cap) for n in per_chunk)
     return sum(-(-r // height) for r in rows) * height, width
 
 
@@ -143,15 +149,18 @@ def minibatch_slots(lengths, full: int, minis, groups: UpdateGroups = UpdateGrou
     return rows * width
 
 
-def update_rows(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> tuple[float, int]:
+def update_rows(
+    lengths, full: int, groups: UpdateGroups = UpdateGroups(), steps: int = BUCKET_STEPS
+) -> tuple[float, int]:
     """(rows, width) one pass of the packed update computes over sequences of ``lengths``
-    (prompt + response) with padded width ``full`` = P + R, split as ``groups`` says
-    (module docstring); the shuffles are seeded by the lengths, so a step is reproducible."""
+    (prompt + response) with padded width ``full`` = P + R, split as ``groups`` says, chunk
+    heights at ``steps`` sizes per doubling (module docstring); the shuffles are seeded by the
+    lengths, so a step is reproducible."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0.0, 0
     minis = groups.draw(lengths.size, seed=int(lengths.sum()))
-    rows, width = minibatch_rows(lengths, full, minis, groups)
+    rows, width = minibatch_rows(lengths, full, minis, groups, steps=steps)
     return rows / (1 if groups.minibatches == 1 else groups.passes), width
 
 
@@ -166,30 +175,33 @@ def update_segment_pairs(lengths, full: int, groups: UpdateGroups = UpdateGroups
     return pairs / (1 if groups.minibatches == 1 else groups.passes)
 
 
-def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
+def update_tokens(
+    lengths, full: int, groups: UpdateGroups = UpdateGroups(), steps: int = BUCKET_STEPS
+) -> float:
     """Token slots of ``update_rows``: one pass of the packed update."""
-    rows, width = update_rows(lengths, full, groups)
+    rows, width = update_rows(lengths, full, groups, steps)
     return rows * width
 
 
-def score_tokens(lengths, full: int) -> int:
-    """Token slots a scorer's packed ``sync`` call computes over ``lengths`` (module
-    docstring)."""
+def score_tokens(lengths, full: int, steps: int = BUCKET_STEPS) -> int:
+    """Token slots a scorer's packed ``sync`` call computes over ``lengths``, its rows at
+    ``steps`` sizes per doubling (module docstring)."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
     width = min(pow2_at_least(int(lengths.max()), MIN_WIDTH), full)
-    return bucket_up(ffd_rows(lengths, width)) * width
+    return bucket_up(ffd_rows(lengths, width), steps=steps) * width
 
 
 PACKED_LEVELS = 4  # scoring.packed_chunks.PACKED_LEVELS: doublings of packed sizes below S·C
 
 
-def chunk_tokens(real: int | float, slots: int, chunk: int) -> int:
-    """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at.
-    Example: 24 slots, C 8: 30 -> 30, 5 -> 16, 70 -> 72, 100 -> 104, 140 -> 144."""
+def chunk_tokens(real: int | float, slots: int, chunk: int, steps: int = BUCKET_STEPS) -> int:
+    """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at, at
+    ``steps`` sizes per doubling. Example: 24 slots, C 8: 30 -> 32, 5 -> 16, 70 -> 80,
+    100 -> 112, 140 -> 160; steps 8: 30 -> 30, 70 -> 72, 140 -> 144."""
     whole = slots * chunk
-    packed = max(bucket_up(real), pow2_at_least(whole) >> PACKED_LEVELS)
+    packed = max(bucket_up(real, steps=steps), pow2_at_least(whole) >> PACKED_LEVELS)
     return whole if packed >= whole else packed
 
 

@@ -61,10 +61,9 @@ from oppo_jax.sharding import to_host
 # OPPO's projected gain on the built engine stays up to 0.061 below the token-proportional
 # engine's in the one-epoch setting; with two, the 7B TPU v5p config's up to 0.05 off
 # (docs/PROJECTIONS.md §4d, §4f). On a CPU four: there a compiled program costs seconds of
-# warm-up and XLA:CPU maps each one's code separately, and eight sizes (twice the streamed
-# chunk programs) took the CPU demo's warm-up from 65 to 85 shapes (186 -> 219 s) and ran
-# ``oppo-jax bench configs/bench_cpu.yaml``'s one process out of memory maps
-# (vm.max_map_count 65,530), for compute a tiny model hardly notices.
+# warm-up and XLA:CPU maps each one's code separately (``host_maps``), and eight sizes (twice
+# the streamed chunk programs) took the CPU demo's warm-up from 65 to 85 shapes
+# (186 -> 219 s), for compute a tiny model hardly notices.
 ACCELERATOR_BUCKET_STEPS = 8
 CPU_BUCKET_STEPS = 4
 

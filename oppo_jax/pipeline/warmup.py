@@ -2,7 +2,7 @@
 the XLA compilations of each step afterwards.
 
 Without it a run compiles whenever a step first meets a shape (a chunk size under tuning, a
-bucket of carried rows or prefix widths, a packed update shape, a kept-cache bucket, a smaller
+replay shape of carried prefixes, a packed update shape, a kept-cache bucket, a smaller
 slot bucket of compaction, a packed scoring shape), and that step looks like a hang: on the
 CPU demo 20-50 s against 0.3 s, on a GPU with 7B models minutes. ``warm_up`` runs each kernel
 once on throwaway inputs of every shape ``warmup_shapes`` lists (the one place to extend when a

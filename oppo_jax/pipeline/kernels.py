@@ -30,7 +30,7 @@ from oppo_jax.rollout.decode import (
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
-from oppo_jax.scoring.replay import ReplayChunk, plan_replay, replay_chunk
+from oppo_jax.scoring.replay import ReplayChunk, actor_spec, plan_replay, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
 from oppo_jax.sharding import to_host, with_rules
 
@@ -149,9 +149,7 @@ class Kernels:
     def actor_spec(self) -> ScorerSpec:
         """The actor as the consumer of its own carried prefixes (log-probs at the sampling
         temperature, on the generation mesh): what its admission prefill and replay run."""
-        r = self.rollout
-        temperature = self.spec.temperature
-        return ScorerSpec(self.spec.actor, "logprob", r.max_response_len, temperature, r.mesh)
+        return actor_spec(self.spec.actor, self.rollout, self.spec.temperature)
 
     def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk] | None = None):
         """The actor's admission: every slot's prompt prefilled, the carried prefixes of

@@ -3,7 +3,7 @@
 A slot holds a new prompt, or a carried sequence (prompt + the response it had when its last
 step was cut). The admission prefill here writes every slot's prompt into a fresh cache of
 P + R columns; a carried slot's response prefix is then replayed into that cache in chunks of
-its real length (``scoring.replay``, dispatched by ``pipeline.admission``), so no slot costs
+its real length (``scoring.replay``, dispatched by ``pipeline.kernels.Kernels``), so no slot costs
 more than its own tokens. Dimension letters: S slots, P prompt width, R response capacity,
 W = P + R context width, D model width.
 """

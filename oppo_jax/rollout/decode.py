@@ -78,7 +78,7 @@ def admit_decode(
     ``prefilled`` is the slots' context (prompt + carried prefix) prefilled under the current
     parameters, with the current policy's log-probs (logits / temperature) of the prefix
     tokens: the "old" log-probs of this step, stored in ``logprobs``
-    (``pipeline.admission.admit_actor`` replays carried prefixes into it). None prefills the
+    (``scoring.replay.admit_actor`` replays carried prefixes into it). None prefills the
     prompts here, for an admission that carries no prefix. Decoding then continues at each
     slot's response position ``prefix_len[s]``, with the same sampling keys it would have used
     had it never been interrupted. ``prefix_finished`` slots are complete already. With

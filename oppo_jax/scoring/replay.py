@@ -160,6 +160,12 @@ def replay(spec: ScorerSpec, params, state: ScorerState, plan: list[ReplayChunk]
     return state
 
 
+def actor_spec(cfg: ModelConfig, rollout: RolloutSpec, temperature: float) -> ScorerSpec:
+    """The actor as the consumer of its own carried prefixes: log-probs at the sampling
+    temperature (the old log-probs of the step), on the generation mesh."""
+    return ScorerSpec(cfg, "logprob", rollout.max_response_len, temperature, rollout.mesh)
+
+
 def admit_scorer(
     spec: ScorerSpec, params, admission: Admission, prompt_width: int, plan: list[ReplayChunk]
 ) -> ScorerState:
@@ -181,8 +187,7 @@ def admit_actor(
     """The actor's whole admission in one trace: its prompts prefilled and its carried prefixes
     replayed as a log-prob consumer of its own tokens (their old log-probs at ``temperature``),
     then the decode state started from that cache (``rollout.decode.admit_decode``)."""
-    r = rollout.max_response_len
-    spec = ScorerSpec(cfg, "logprob", r, temperature, rollout.mesh)
+    spec = actor_spec(cfg, rollout, temperature)
     s = admit_scorer(spec, params, admission, rollout.prompt_width, plan)
     return admit_decode(
         cfg, params, admission, base_key, rollout, (s.cache, s.last_hidden, s.per_token)

@@ -16,13 +16,18 @@ import dataclasses
 
 import numpy as np
 
+from oppo_jax.sim import packing
 from oppo_jax.sim.engines import BUILT
 
 GENERATION = "generation"
 
 
 def step_trace(
-    result, carried_in: list[int], prompt_width: int, compacted: int = 0, bucket_steps: int = 4
+    result,
+    carried_in: list[int],
+    prompt_width: int,
+    compacted: int = 0,
+    bucket_steps: int = packing.BUCKET_STEPS,
 ) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).

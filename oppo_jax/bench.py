@@ -27,8 +27,8 @@ from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.packing import bucket_steps
 from oppo_jax.run_setup import RunContext, prepare_run
+from oppo_jax.shapes import bucket_steps
 from oppo_jax.sim.trace import step_trace
 from oppo_jax.train import train_step
 

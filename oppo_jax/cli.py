@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="directory to write")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     export.add_argument("--critic", action="store_true", help="also write the critic")
+    plan = sub.add_parser("compile-plan", help="the programs a run compiles before step 0")
+    _config_args(plan)
+    plan.add_argument("--mode", default=None, help="schedule (default: pipeline.mode)")
+    plan.add_argument("--backend", default=None, choices=("cpu", "gpu", "tpu"),
+                      help="backend the run targets (default: this machine's)")  # fmt: skip
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
     sub.add_parser(
         "memory", add_help=False, help="bytes per device of a config's state and kernels"
@@ -297,12 +303,30 @@ def _command(args) -> int:
         return _train(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "compile-plan":
+        return _compile_plan(args)
     if args.command == "export":
         from oppo_jax.export import export_run
 
         print(f"wrote {export_run(args.run, args.out, args.step, args.critic)}")
         return 0
     return _demo_build(args, args.command)
+
+
+def _compile_plan(args) -> int:
+    import json
+
+    from oppo_jax.config import load_config
+    from oppo_jax.pipeline.compile_plan import plan_report
+
+    report = plan_report(load_config(args.config, args.overrides), args.mode, args.backend)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['programs']} programs ({report['mode']}, backend {report['backend']}):")
+    for f in report["families"]:
+        print(f"  {f['name']:<18} {f['programs']:>4}  shapes {f['shapes']}")
+    return 0
 
 
 def _reporting_errors(command) -> int:

@@ -138,16 +138,14 @@ class _Run:
         return on_slots(admission, mesh)
 
     @functools.cached_property
-    def packed_update_shape(self) -> tuple[int, int, int] | None:
-        """(Rp, W, N) the packed update is compiled at here: of every shape a batch can take
-        (``PackedUpdate.all_shapes``), the one of the most token slots (then response slots),
-        whose activations are the largest; None for the padded update."""
+    def packed_update_shape(self):
+        """((Rp, W, N), K): the packed update's one shape and chunks per minibatch
+        (``PackedUpdate.shape``); None for the padded update."""
         if not self.spec.ppo.packed_update:
             return None
         s = self.shapes
         full = s.prompt_len + s.response_len
-        shapes = make_update(self.spec, self.mesh).all_shapes(s.batch_size, full, s.response_len)
-        return max(shapes, key=lambda shape: (shape[0] * shape[1], shape[2]))
+        return make_update(self.spec, self.mesh).shape(s.batch_size, full, s.response_len)
 
     def update(self):
         """(the update as the run jits it: packed at ``packed_update_shape`` or padded over
@@ -160,9 +158,10 @@ class _Run:
         kl_coef = sds((), jnp.float32, repl)
         if self.packed_update_shape is None:
             return padded, (state, batch, key, kl_coef)
-        packed = make_update(self.spec, self.mesh)
-        outer, m = packed.per_microbatch(s.batch_size)
-        indices = padding_indices(outer, self.packed_update_shape, m * outer[2])
+        packed, (shape, count) = make_update(self.spec, self.mesh), self.packed_update_shape
+        ppo = self.spec.ppo
+        outer = (ppo.ppo_epochs, ppo.num_minibatches, count)
+        indices = padding_indices(outer, shape, s.batch_size // ppo.num_minibatches)
         indices = jax.tree.map(lambda x: sds(x.shape, x.dtype, repl), indices)
         return packed.jitted, (state, batch, indices, kl_coef)
 

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
@@ -27,22 +29,16 @@ from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo import packing
 from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.scoring.packed_chunks import (
-    PACKED_LEVELS,
-    chunk_shape,
-    chunk_shapes,
-    padding_plan,
-    plan_chunk,
-)
+from oppo_jax.scoring.packed_chunks import chunk_shape, padding_plan, plan_chunk
 from oppo_jax.scoring.replay import admit_actor, admit_scorer, plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.shapes import chunk_budget, chunk_groups
 from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import (
     ACTOR,
@@ -57,45 +53,37 @@ from tests.ppo_fixtures import (
 P, R = 4, 20
 
 
-@pytest.mark.parametrize("steps", [4, 8])  # sizes per doubling: a CPU's, an accelerator's
-def test_packed_sizes_on_hand_counted_cases(monkeypatch, steps):
-    monkeypatch.setattr(packing, "bucket_steps", lambda: steps)
-    # S 24, C 8: S·C 192, the smallest packed size 256 / 16 = 16
+def test_chunk_budget_and_groups_on_hand_counted_cases():
+    # S 24, C 8: S·C 192 -> M = pow2(192 / 8) = 32 tokens, N = 2 x 32 / 8 = 8 rows a call
+    assert chunk_budget(24, 8) == (8, 32)
+    assert chunk_budget(20, 16) == (8, 64) and chunk_budget(4, 8) == (2, 8)
     counts = np.zeros(24, int)
     counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots
-    m = {4: (32, 80, 160), 8: (30, 72, 144)}[steps]  # 30, 70, 140 rounded up (1.25 / 1.125)
-    assert chunk_shape(counts, 8) == (24, m[0])
-    assert chunk_shape(np.array([1] * 5 + [0] * 19), 8) == (16, 16)
-    assert chunk_shape(np.array([3] * 23 + [1]), 8) == (24, m[1])  # 70 tokens
-    assert chunk_shape(np.array([6] * 20 + [5] * 4), 8) == (24, m[2])  # 140 tokens
-    assert chunk_shape(np.array([8] * 20 + [5] * 4), 8) is None  # 180 tokens: 192 = S·C
-    sizes = [(16, 16), (20, 20), (24, 24), (24, 28), (24, 32), (24, 40), (24, 48), (24, 56)]
-    sizes += [(24, 64), (24, 80), (24, 96), (24, 112), (24, 128), (24, 160)]
-    if steps == 8:
-        sizes = [(16, 16), (18, 18), (20, 20), (22, 22), (24, 24), (24, 26), (24, 28), (24, 30)]
-        sizes += [(24, m) for m in (32, 36, 40, 44, 48, 52, 56, 60, 64, 72, 80, 88, 96, 104)]
-        sizes += [(24, m) for m in (112, 120, 128, 144, 160, 176)]
-    assert chunk_shapes(24, 8) == sizes
-    plan = plan_chunk(np.array([0, 3, 0, 1]), 4)
-    assert plan["rows"].tolist() == [1, 3, 4, 4] and plan["count"].tolist() == [3, 1, 0, 0]
+    assert chunk_groups(counts, 8) == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]  # 8 rows at most a call
+    assert chunk_groups(np.zeros(24, int), 8) == []  # nothing to score: no call
+    [plan] = plan_chunk(np.array([0, 3, 0, 1]), 4)  # S 4, C 4: budget (2, 4)
+    assert plan["rows"].tolist() == [1, 3] and plan["count"].tolist() == [3, 1]
     assert plan["token_row"].tolist() == [0, 0, 0, 1]
     assert plan["token_col"].tolist() == [0, 1, 2, 0]
-    # every shape a chunk can take is listed (what a warm-up compiles), few per width
-    rng = np.random.default_rng(0)
-    for slots in (1, 3, 8, 24):
-        for width in (1, 3, 8):
-            listed = set(chunk_shapes(slots, width))
-            assert len(listed) <= steps * PACKED_LEVELS
-            floor = max(1 << (slots * width - 1).bit_length() >> PACKED_LEVELS, 1)
-            for _ in range(200):
-                live = rng.random(slots) < rng.random()
-                counts = rng.integers(1, width + 1, slots) * live
-                shape = chunk_shape(counts, width)
-                assert shape is None or shape in listed
-                if shape is not None:  # rows hold the live slots, tokens the real ones
-                    assert np.count_nonzero(counts) <= shape[0] and counts.sum() <= shape[1]
-                    # and less than a fifth of a size above the floor is padding
-                    assert shape[1] == floor or 5 * counts.sum() > 4 * shape[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 32), st.integers(1, 16), st.integers(0, 2**32 - 1))
+def test_chunk_groups_cover_each_live_slot_once_within_one_budget(slots, width, seed):
+    rng = np.random.default_rng(seed)
+    live = rng.random(slots) < rng.random()
+    counts = rng.integers(1, width + 1, slots) * live
+    rows, tokens = chunk_budget(slots, width)
+    groups = chunk_groups(counts, width)
+    assert sorted(s for g in groups for s in g) == np.flatnonzero(counts).tolist()
+    for g in groups:
+        assert len(g) <= rows and counts[g].sum() <= tokens
+    # a new call starts only when the next slot does not fit: two calls in a row always
+    # together overflow one budget, so at most one call's budget of the chunk is padding
+    for a, b in zip(groups, groups[1:], strict=False):
+        assert counts[a + b].sum() > tokens or len(a) + len(b) > rows
+    plans = plan_chunk(counts, width)
+    assert [p["rows"].shape + p["token_row"].shape for p in plans] == [(rows, tokens)] * len(groups)
 
 
 def test_chunk_layout_places_each_token_at_its_slot_and_column():
@@ -168,16 +156,15 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     plans = []
     for _ in range(-(-R // chunk) + 1):
         state, emitted = decode(actor, state, rule)
-        plan = plan_chunk(np.asarray(emitted.count), chunk)
-        plans.append(plan)
+        calls = plan_chunk(np.asarray(emitted.count), chunk)
+        plans.append(calls)
         for name, (spec, params) in specs.items():
             every[name], _ = make_scorer_chunk(spec)(params, every[name], emitted)
-            if plan is None:
-                live[name], _ = make_scorer_chunk(spec)(params, live[name], emitted)
-            else:
-                kernel = make_scorer_chunk(spec, None, True)
+            kernel = make_scorer_chunk(spec, None, True)
+            for plan in calls:
                 live[name], _ = kernel(params, live[name], emitted, plan)
-    assert sum(p is not None for p in plans) >= 2  # chunks were packed
+    assert any(len(calls) > 1 for calls in plans)  # chunks took several calls
+    assert any(len(calls) == 1 for calls in plans)  # and some (few live slots) one
     n = np.asarray(state.num_generated)
     assert len(set(n.tolist())) > 2
     mask = np.arange(R)[None, :] < n[:, None]
@@ -208,7 +195,7 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     # a warm-up's padding plan compiles a shape and changes nothing
     spec, params = specs["critic"]
     before = [np.asarray(x) for x in jax.tree.leaves(live["critic"])]
-    plan = padding_plan(chunk_shapes(6, chunk)[-1], 6)
+    plan = padding_plan(chunk_shape(6, chunk), 6)
     after, _ = make_scorer_chunk(spec, None, True)(params, live["critic"], emitted, plan)
     for x, y in zip(before, jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)

@@ -321,13 +321,15 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
     state, chunk = kernels.decode(CHUNK)(on_mesh, state, rule)
     counts = np.array([6, 0, 2, 0, 0, 1, 0, 3], np.int32)  # most slots done: 12 of 48 tokens
     chunk = chunk.replace(count=jnp.asarray(counts))
-    plan = plan_chunk(counts, CHUNK)
-    assert plan is not None and plan["token_row"].size == 12  # 1.5 x 8: bucket_up(12)
+    plans = plan_chunk(counts, CHUNK)
+    assert [p["token_row"].size for p in plans] == [8, 8]  # budget (2 rows, 8 tokens): 2 calls
     for role in ("reference", "reward"):
         admit_role = kernels.scorer_admit(role)
         fresh = [admit_role(params[role], admission)[0] for _ in range(3)]
         every, _ = kernels.scorer_chunk(role)(params[role], fresh[0], chunk)
-        packed, _ = kernels.scorer_chunk(role, None, True)(params[role], fresh[1], chunk, plan)
+        packed = fresh[1]
+        for plan in plans:
+            packed, _ = kernels.scorer_chunk(role, None, True)(params[role], packed, chunk, plan)
         single_spec = dataclasses.replace(getattr(kernels.scorer_specs, role), mesh=None)
         one_device = functools.partial(jax.device_put, device=jax.devices()[0])
         inputs = jax.tree.map(one_device, (params[role], fresh[2], chunk))

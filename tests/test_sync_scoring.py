@@ -20,7 +20,6 @@ from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.scoring_kernels import (
     compile_packed_scoring,
     make_packed_scorer,
-    packed_shapes,
 )
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
@@ -30,6 +29,7 @@ from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.packed import PackedBatch, plan_packing, score_packed
 from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.shapes import score_rows_per_call, score_width
 from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import (
     ACTOR,
@@ -43,35 +43,33 @@ from tests.ppo_fixtures import (
 )
 
 
-def test_packed_shapes_cover_every_width_and_row_bucket():
-    shapes = packed_shapes(16, 528)
-    assert len(shapes) == 7 * 12  # widths 16..512 and 528, rows 1..8, 10, 12, 14, 16 (CPU)
-    assert (16, 528) in shapes and (1, 16) in shapes
-
-
 def test_plan_packing_example():
-    plan = plan_packing([5, 12, 3], 64)
-    assert plan.seq.shape == (2, 16)
-    assert plan.row.tolist() == [1, 0, 0] and plan.offset.tolist() == [0, 0, 12]
-    assert plan.seq[0].tolist() == [1] * 12 + [2] * 3 + [-1]
-    assert plan.col[0, 12:15].tolist() == [0, 1, 2]
-    assert plan.real_tokens == 20 and plan.computed_tokens == 32
+    [plan] = plan_packing([5, 12, 3], 64)  # B 3: one row a call, 64 wide
+    assert plan.seq.shape == (1, 64)
+    assert plan.row.tolist() == [0, 0, 0] and plan.offset.tolist() == [12, 0, 17]
+    assert plan.seq[0].tolist() == [1] * 12 + [0] * 5 + [2] * 3 + [-1] * 44
+    assert plan.col[0, 12:17].tolist() == [0, 1, 2, 3, 4]
+    assert plan.real_tokens == 20 and plan.computed_tokens == 64
 
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=20))
-def test_plan_packing_places_every_token_once(lengths):
-    plan = plan_packing(lengths, 40)
-    rows, width = plan.seq.shape
-    assert rows in (*range(1, 9), 10, 12, 14, 16, 20) and width >= max(lengths)  # bucket_steps
-    assert 4 * rows < 5 * (plan.row.max() + 1)  # less than a fifth of the rows left empty
+def test_plan_packing_places_every_token_once_in_calls_of_one_shape(lengths):
+    plans = plan_packing(lengths, 40)
+    shape = (score_rows_per_call(len(lengths)), score_width(40))
+    assert all(plan.seq.shape == shape for plan in plans)  # one program, whatever the lengths
+    rows_used = sum(int((plan.seq >= 0).any(axis=1).sum()) for plan in plans)
+    assert len(plans) == -(-rows_used // shape[0])  # only the last call has unused rows
+    calls = np.stack([plan.in_call for plan in plans])
+    assert (calls.sum(axis=0) == 1).all()  # every sequence in exactly one call
     for b, n in enumerate(lengths):
+        plan = plans[int(np.argmax(calls[:, b]))]
         where = np.argwhere(plan.seq == b)
         assert len(where) == n and (where[:, 0] == plan.row[b]).all()
         cols = where[:, 1]
         np.testing.assert_array_equal(cols, plan.offset[b] + np.arange(n))
         np.testing.assert_array_equal(plan.col[plan.row[b], cols], np.arange(n))
-    assert plan.real_tokens == sum(lengths)
+    assert sum(plan.real_tokens for plan in plans) == sum(lengths)
 
 
 def _ragged(seed, rows=6, width=5, resp=9):
@@ -92,22 +90,30 @@ def test_packed_scores_equal_each_sequences_own_forward():
     passes over right-padded sequences (an independent path) within 1e-5."""
     seqs, prompt_len, resp_len = _ragged(3)
     r = 9
-    plan = plan_packing(prompt_len + resp_len, seqs.shape[1])
-    assert plan.seq.shape[0] < len(prompt_len)  # several sequences share a row
-    batch = PackedBatch(seqs, jnp.asarray(prompt_len), jnp.asarray(resp_len),
-                        *map(jnp.asarray, (plan.seq, plan.col, plan.row, plan.offset)))  # fmt: skip
+    plans = plan_packing(prompt_len + resp_len, seqs.shape[1])
+    assert len(plans) < len(prompt_len)  # several sequences share a row
     actor, critic = tiny_params(seed=4)
     reward = init_params(CRITIC, jax.random.key(9))
     mask = np.arange(r)[None, :] < resp_len[:, None]
     pl = jnp.asarray(prompt_len)
 
-    ref = score_packed(ScorerSpec(ACTOR, "logprob", r, 0.7), actor, batch)
+    def scored(spec, params):  # each sequence from the call that packs it
+        out = 0.0
+        for plan in plans:
+            where = map(jnp.asarray, (plan.seq, plan.col, plan.row, plan.offset))
+            batch = PackedBatch(seqs, pl, jnp.asarray(resp_len), *where)
+            got = np.asarray(score_packed(spec, params, batch))
+            keep = plan.in_call.reshape((-1,) + (1,) * (got.ndim - 1))
+            out = out + np.where(keep, got, 0.0)
+        return out
+
+    ref = scored(ScorerSpec(ACTOR, "logprob", r, 0.7), actor)
     want, _ = policy_logprobs(ACTOR, actor, seqs, pl, r, 0.7)
     np.testing.assert_allclose(ref, np.where(mask, want, 0.0), atol=1e-5)
-    values = score_packed(ScorerSpec(CRITIC, "value", r), critic, batch)
+    values = scored(ScorerSpec(CRITIC, "value", r), critic)
     want = critic_values(CRITIC, critic, seqs, pl, r)
     np.testing.assert_allclose(values, np.where(mask, want, 0.0), atol=1e-5)
-    scores = score_packed(ScorerSpec(CRITIC, "score", r), reward, batch)
+    scores = scored(ScorerSpec(CRITIC, "score", r), reward)
     want = reward_scores(CRITIC, reward, seqs, pl + jnp.asarray(resp_len))
     np.testing.assert_allclose(scores, want, atol=1e-5)
 
@@ -163,17 +169,14 @@ def test_sync_step_packed_equals_r_wide_scoring():
     wide, packed = a.work, b.work
     assert packed.computed["scoring"] < wide.computed["scoring"]
     assert packed.efficiency("scoring") > wide.efficiency("scoring")
-    # A warm-up at the step's packed shape hits the step's own compilations (no new one).
-    rows = b.selection.batch
-    shape = plan_packing(b.slots.prompt_len[rows] + b.response_len, P + R).seq.shape
-    assert shape in packed_shapes(len(rows), P + R)
+    # Every call of the step had the one packed shape: the warm-up's call at it compiles nothing.
     specs, slots = engine.kernels.scorer_specs, len(b.slots.prompt_len)
     roles = ("reference", "critic", "reward")
     kernels = [make_packed_scorer(getattr(specs, role), 0, slots) for role in roles]
-    before = [f._cache_size() for f in kernels]
+    assert [f._cache_size() for f in kernels] == [1, 1, 1]
     params = {"reference": actor, "critic": critic, "reward": reward}
-    compile_packed_scoring(engine, params, len(rows), slots, shape)
-    assert [f._cache_size() for f in kernels] == before
+    compile_packed_scoring(engine, params, len(b.selection.batch), slots)
+    assert [f._cache_size() for f in kernels] == [1, 1, 1]
 
 
 @pytest.mark.slow

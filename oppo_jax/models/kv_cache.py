@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.shapes import MIN_LIVE_WIDTH, live_width, live_widths  # noqa: F401 (re-exported)
 
 
 @flax.struct.dataclass
@@ -108,30 +109,3 @@ def read_layer(
     if rows is not None:
         one = jnp.take(one, rows, axis=0, mode="clip")
     return jnp.swapaxes(one, 1, 2)
-
-
-MIN_LIVE_WIDTH = 16  # the narrowest live width: shorter contexts share one compiled variant
-
-
-def live_width(longest: int, capacity: int) -> int:
-    """Cache columns to read when no token of the call sits at a position >= ``longest``: the
-    next power of two (at least ``MIN_LIVE_WIDTH``), capped at the capacity.
-
-    Example: capacity 528 -> longest 70 gives 128, 300 gives 512, 520 gives 528, 5 gives 16.
-    """
-    if capacity < 1:
-        raise ValueError(f"cache capacity must be positive, got {capacity}")
-    bucket = max(MIN_LIVE_WIDTH, 1 << max(int(longest) - 1, 0).bit_length())
-    return min(bucket, capacity)
-
-
-def live_widths(capacity: int) -> tuple[int, ...]:
-    """Every width ``live_width`` can return for this capacity (what a warm-up compiles).
-
-    Example: capacity 100 -> (16, 32, 64, 100).
-    """
-    widths, width = [], MIN_LIVE_WIDTH
-    while width < capacity:
-        widths.append(width)
-        width *= 2
-    return (*widths, capacity)

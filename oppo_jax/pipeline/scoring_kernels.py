@@ -11,33 +11,36 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.pipeline.placement import move
-from oppo_jax.ppo.packing import bucket_up
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
-from oppo_jax.scoring.packed import (
-    MIN_WIDTH,
-    PackedBatch,
-    PackPlan,
-    plan_packing,
-    pow2_at_least,
-    score_packed,
-)
-from oppo_jax.scoring.packed_chunks import chunk_shapes, padding_plan
+from oppo_jax.scoring.packed import PackedBatch, PackPlan, padding_plan, plan_packing, score_packed
+from oppo_jax.scoring.packed_chunks import chunk_shape
+from oppo_jax.scoring.packed_chunks import padding_plan as chunk_padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import batch_shards, to_host, with_rules
 
 
 @functools.cache
 def make_packed_scorer(spec: ScorerSpec, pad_id: int, num_slots: int):
-    """(params, PackedBatch, batch rows [B]) -> (the scorer's output laid out over the
-    ``num_slots`` slots, zero outside the batch rows, and a fresh marker)."""
+    """(params, outputs over the ``num_slots`` slots (donated), PackedBatch of one call, batch
+    rows' slots [B]) -> (the outputs with this call's sequences written at their slots, a
+    fresh marker). One program per scorer: every call has the one packed shape."""
 
-    def run(params, batch: PackedBatch, rows):
-        out = score_packed(spec, params, batch, pad_id)
-        slots = jnp.zeros((num_slots, *out.shape[1:]), out.dtype).at[rows].set(out)
-        return slots, jnp.sum(out)
+    def run(params, out, batch: PackedBatch, slots):
+        scored = score_packed(spec, params, batch, pad_id)
+        rows = batch.seq.shape[0]
+        at = jnp.where(batch.row < rows, slots, num_slots)  # other calls' sequences: dropped
+        out = out.at[at].set(scored, mode="drop")
+        return out, jnp.sum(scored)
 
-    return jax.jit(with_rules(run, spec.mesh))
+    return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
+
+
+def empty_outputs(spec: ScorerSpec, num_slots: int, sharding):
+    """The zero outputs a scorer's packed calls write into: [S, R], or [S] for a score (host
+    zeros moved over: no program compiles for them)."""
+    shape = (num_slots,) if spec.kind == "score" else (num_slots, spec.response_len)
+    return jax.device_put(np.zeros(shape, np.float32), sharding)
 
 
 @functools.cache
@@ -78,55 +81,50 @@ def packed_inputs(sequences, response_len, prompt_len, plan: PackPlan) -> Packed
 
 
 def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, int, int]:
-    """Every scorer's output over the batch ``rows``, their real tokens packed; dispatched
-    through ``scorers`` (pipeline.step_scorers.StepScorers). Returns (role -> [S, R] or [S] output,
-    tokens computed per scorer, real tokens per scorer)."""
+    """Every scorer's output over the batch ``rows``, their real tokens packed into calls of
+    one shape (``scoring.packed``); dispatched through ``scorers``
+    (pipeline.step_scorers.StepScorers). Returns (role -> [S, R] or [S] output, tokens
+    computed per scorer, real tokens per scorer)."""
     k, place = scorers.kernels, scorers.place
     r = k.rollout
     rows = np.asarray(rows, np.int32)
     prompt_len = slots.prompt_len[rows]
     lengths = prompt_len + to_host(decoding.num_generated)[rows]  # the cut's only extra read
-    plan = plan_packing(lengths, r.prompt_width + r.max_response_len)
+    plans = plan_packing(lengths, r.prompt_width + r.max_response_len)
     prompts = np.asarray(slots.context[:, : r.prompt_width])
     made = make_batch_sequences(r.pad_id)(decoding, rows, prompts, slots.prompt_len)
     on_scoring = _replicated(place)
     sequences, response_len = move(made, on_scoring)
-    batch = packed_inputs(sequences, response_len, prompt_len, plan)
-    on_scoring = jax.device_put(rows, on_scoring)
+    batches = [packed_inputs(sequences, response_len, prompt_len, plan) for plan in plans]
+    at = jax.device_put(rows, on_scoring)
     out = {}
     for role in scorers.roles:
-        kernel = make_packed_scorer(getattr(k.scorer_specs, role), r.pad_id, slots.num_slots)
-        out[role] = scorers._dispatch("score", role, kernel, batch, on_scoring)
-    return out, plan.computed_tokens, plan.real_tokens
+        spec = getattr(k.scorer_specs, role)
+        kernel = make_packed_scorer(spec, r.pad_id, slots.num_slots)
+        out[role] = empty_outputs(spec, slots.num_slots, on_scoring)
+        for batch in batches:
+            out[role] = scorers.dispatch("score", role, kernel, out[role], batch, at)
+    computed = sum(plan.computed_tokens for plan in plans)
+    return out, computed, sum(plan.real_tokens for plan in plans)
 
 
-def packed_shapes(batch_size: int, max_width: int) -> list[tuple[int, int]]:
-    """Every (rows, width) ``plan_packing`` can pick for ``batch_size`` sequences of at most
-    ``max_width`` tokens: what a warm-up compiles so that no measured step does."""
-    widths = {min(pow2_at_least(n, MIN_WIDTH), max_width) for n in range(1, max_width + 1)}
-    rows = {bucket_up(n) for n in range(1, batch_size + 1)}
-    return [(n, w) for w in sorted(widths) for n in sorted(rows)]
-
-
-def compile_packed_scoring(engine, params: dict, batch_size: int, num_slots: int, shape) -> None:
-    """Run every scorer's packed kernel of ``engine`` (a StepEngine) once at ``shape`` =
-    (rows, width) on padding-only inputs (``params``: role -> parameters where the scorers
-    run)."""
+def compile_packed_scoring(engine, params: dict, batch_size: int, num_slots: int) -> None:
+    """Run every scorer's packed kernel of ``engine`` (a StepEngine) once, at its one shape, on
+    a call that scores nothing (``params``: role -> parameters where the scorers run)."""
     kernels, on_scoring = engine.kernels, _replicated(engine.placement)
-    r, (rows, width) = kernels.rollout, shape
+    r = kernels.rollout
+    full = r.prompt_width + r.max_response_len
     ones = np.ones(batch_size, np.int32)
-    zeros = np.zeros(batch_size, np.int32)
-    seqs = np.zeros((batch_size, r.prompt_width + r.max_response_len), np.int32)
-    plan = PackPlan(np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.int32),
-                    zeros, zeros)  # fmt: skip
+    seqs = np.zeros((batch_size, full), np.int32)
     seqs, response_len = jax.device_put((seqs, ones), on_scoring)
-    batch = packed_inputs(seqs, response_len, ones, plan)
-    outputs = [
-        make_packed_scorer(getattr(kernels.scorer_specs, role), r.pad_id, num_slots)(
-            params[role], batch, jax.device_put(np.arange(batch_size, dtype=np.int32), on_scoring)
-        )
-        for role in kernels.scorer_specs.present()
-    ]
+    batch = packed_inputs(seqs, response_len, ones, padding_plan(batch_size, full))
+    at = jax.device_put(np.arange(batch_size, dtype=np.int32), on_scoring)
+    outputs = []
+    for role in kernels.scorer_specs.present():
+        spec = getattr(kernels.scorer_specs, role)
+        out = empty_outputs(spec, num_slots, on_scoring)
+        kernel = make_packed_scorer(spec, r.pad_id, num_slots)
+        outputs.append(kernel(params[role], out, batch, at))
     jax.block_until_ready(outputs)
 
 
@@ -138,15 +136,14 @@ def packs_chunks(engine) -> bool:
 
 
 def compile_packed_chunks(engine, role: str, params, state, chunk, kv_width: int | None):
-    """Run ``role``'s packed chunk kernel at every packed size a chunk like ``chunk`` can take
-    (``packed_chunks.chunk_shapes``), reading ``kv_width`` columns, on plans that pack no
+    """Run ``role``'s packed chunk kernel at its one shape for a chunk like ``chunk``
+    (``packed_chunks.chunk_shape``), reading ``kv_width`` columns, on a plan that packs no
     token: what a warm-up compiles. Returns the state (donated along, unchanged)."""
     if not packs_chunks(engine):
         return state
     slots, width = chunk.tokens.shape
     kernel = engine.kernels.scorer_chunk(role, kv_width, True)
-    for shape in chunk_shapes(slots, width):
-        state, _ = kernel(params, state, chunk, padding_plan(shape, slots))
+    state, _ = kernel(params, state, chunk, chunk_padding_plan(chunk_shape(slots, width), slots))
     return state
 
 

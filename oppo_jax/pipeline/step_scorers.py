@@ -49,7 +49,7 @@ class StepScorers:
         self.states: ScorerStates | None = None
         self.packed: ScorerOutputs | None = None  # non-streaming: the packed scoring's outputs
 
-    def _dispatch(self, stage: str, role: str, kernel: Callable, *args):
+    def dispatch(self, stage: str, role: str, kernel: Callable, *args):
         state, marker = kernel(getattr(self.params, role), *args)
         self.timeline.track(f"{stage} {role}", self.group, marker)
         return state
@@ -100,31 +100,29 @@ class StepScorers:
 
     def feed(self, chunk: ChunkTokens, kv_width: int | None = None, counts=None) -> None:
         """Prefill every scorer with the chunk's new tokens (attending over the first
-        ``kv_width`` cache columns; None: all): packed when the host has read the chunk's
-        per-slot ``counts`` [S] (``scoring.packed_chunks``), else over every slot."""
-        plan = self.chunk_plan(counts, chunk.tokens.shape[1])
-        computed = token_count(chunk.tokens) if plan is None else plan["token_row"].size
+        ``kv_width`` cache columns; None: all): in packed calls of one budget when the host
+        has read the chunk's per-slot ``counts`` [S] (``scoring.packed_chunks``), else over
+        every slot in one call."""
+        plans = self.chunk_plans(counts, chunk.tokens.shape[1])
+        if plans is None:
+            calls, computed = [(chunk,)], token_count(chunk.tokens)
+        else:
+            calls = [(chunk, plan) for plan in plans]
+            computed = sum(plan["token_row"].size for plan in plans)
         self.work.add("scoring", len(self.roles) * computed)
-        args = (chunk,) if plan is None else (chunk, plan)
-        self.states = ScorerStates(
-            **{
-                role: self._dispatch(
-                    "score",
-                    role,
-                    self.kernels.scorer_chunk(role, kv_width, plan is not None),
-                    getattr(self.states, role),
-                    *args,
-                )
-                for role in self.roles
-            }
-        )
+        states = {role: getattr(self.states, role) for role in self.roles}
+        for role in self.roles:
+            kernel = self.kernels.scorer_chunk(role, kv_width, plans is not None)
+            for args in calls:
+                states[role] = self.dispatch("score", role, kernel, states[role], *args)
+        self.states = ScorerStates(**states)
 
-    def chunk_plan(self, counts, width: int) -> dict | None:
-        """The packing of a chunk with these ``counts`` (``packed_chunks.plan_chunk``); None:
-        score it over every slot (switched off, no counts read, a chunk too full to gain, or a
-        scoring mesh that splits the slots: packing across its devices would move caches).
-        Packing scorers stay in the admission's layout when the decode compacts, so every
-        chunk they get has its S slots (``pipeline.slot_map``)."""
+    def chunk_plans(self, counts, width: int) -> list[dict] | None:
+        """The packed calls of a chunk with these ``counts`` (``packed_chunks.plan_chunk``);
+        None: score it over every slot (switched off, no counts read, or a scoring mesh that
+        splits the slots: packing across its devices would move caches). Packing scorers stay
+        in the admission's layout when the decode compacts, so every chunk they get has its
+        S slots (``pipeline.slot_map``)."""
         if not self.packed_chunks or counts is None:
             return None
         return plan_chunk(counts, width)

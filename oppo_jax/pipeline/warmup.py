@@ -2,16 +2,17 @@
 the XLA compilations of each step afterwards.
 
 Without it a run compiles whenever a step first meets a shape (a chunk size under tuning, a
-replay shape of carried prefixes, a packed update shape, a kept-cache bucket, a smaller
-slot bucket of compaction, a packed scoring shape), and that step looks like a hang: on the
+replay shape of carried prefixes, a kept-cache bucket, a smaller slot bucket of compaction),
+and that step looks like a hang: on the
 CPU demo 20-50 s against 0.3 s, on a GPU with 7B models minutes. ``warm_up`` runs each kernel
-once on throwaway inputs of every shape ``warmup_shapes`` lists (the one place to extend when a
-kernel gains a bucket), with the same shardings the run uses, so the run's jits find them
-compiled; eager device ops between kernels compile too, so the step keeps them out of its
-loop (host arrays, jitted gathers) or the warm-up runs the step's own code on them.
+once on throwaway inputs of every shape ``warmup_shapes`` lists (from ``compile_plan``, the
+one place to extend when a kernel gains a shape), with the same shardings the run uses, so the
+run's jits find them compiled; eager device ops between kernels compile too, so the step
+keeps them out of its loop (host arrays, jitted gathers) or the warm-up runs the step's own
+code on them.
 The run's own train state, host state and prompt stream are never touched: the throwaway step
-updates a copy of the train state (for a moment twice its memory; ``train(warmup=False)`` /
-``--no-warmup`` skip it where that does not fit).
+updates a copy of the trained parameters and optimizer states (``trained_copy``: never the
+frozen LoRA bases, reference or reward model, which it shares).
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ from tqdm.auto import tqdm
 
 from oppo_jax.host_maps import check_map_room
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
+from oppo_jax.pipeline.compile_plan import RunShapes, compaction_moves, plan_programs, run_shapes
+from oppo_jax.pipeline.compile_plan import chunk_widths as compile_chunk_widths
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.scoring_kernels import (
     compile_packed_chunks,
-    compile_packed_scoring,
     keep_rows,
+    packs_chunks,
     restore_rows,
 )
-from oppo_jax.pipeline.scoring_kernels import packed_shapes as scoring_shapes
 from oppo_jax.pipeline.step import device_admission, run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.pipeline.warmup_compaction import compaction_moves, compile_compaction, scorer_params
+from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
 from oppo_jax.rollout.decode import CutRule
-from oppo_jax.scoring.kept import FROZEN, kept_bucket
-from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk, replay_shapes
+from oppo_jax.scoring.kept import FROZEN
+from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
 _lock = threading.Lock()
@@ -83,47 +85,40 @@ class CompileCounter:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupShapes:
-    """The shapes a run can meet beyond those of its first step."""
+    """The shapes a run can meet beyond those of its first step (``compile_plan``)."""
 
     chunk_sizes: tuple[int, ...]  # C of every decode chunk (and streamed scorer chunk)
     replay: tuple[tuple[int, int], ...]  # (rows, live width) of carried prefixes' replay
-    update_shapes: tuple[tuple[int, int, int], ...]  # (Rp, W, N) of the packed update
     kept_rows: tuple[int, ...]  # row buckets of the frozen scorers' kept caches
     compaction_moves: tuple[tuple[int, int], ...]  # (rows, bucket) of slot compaction
-    packed_scoring: tuple[tuple[int, int], ...]  # (rows, width) of sync's packed scoring
 
 
 def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
-    """Every shape bucket the run's controllers, carried sequences (the schedule carries), kept
-    caches (it streams), packed update and slot compaction can pick. Kernels that gain a
-    bucket list it here."""
-    cfg, engine = ctx.cfg, ctx.engine
-    k, place, chunks = engine.kernels, engine.placement, host.chunks
-    r, plan = k.rollout, host.plan(cfg)
-    sizes = {chunks.current, *(chunks.candidates if chunks.tuning else ())}
-    slots = place.num_slots(plan.reserved)
-    replay, kept = (), ()
-    if schedule.carry and host.deltas.slots_needed > 0:
-        replay = replay_shapes(slots, slots - plan.batch_size, (r.prompt_width, r.max_response_len))
-        if schedule.stream and engine.keep_frozen_caches:
-            carried = range(1, slots - plan.batch_size + 1)
-            kept = sorted({kept_bucket(n, plan.reserved - plan.batch_size) for n in carried})
-    all_shapes = getattr(k.update, "all_shapes", None)  # the padded update has one shape
-    full = r.prompt_width + r.max_response_len
-    update = all_shapes(plan.batch_size, full, r.max_response_len) if all_shapes else ()
+    """Every shape bucket the run's controllers, carried sequences, kept caches and slot
+    compaction can pick: ``compile_plan.run_shapes`` of the run's config (the one function
+    ``oppo-jax compile-plan`` prints), checked against the engine the run built."""
+    shapes = run_shapes(ctx.cfg, schedule)
+    engine, plan = ctx.engine, host.plan(ctx.cfg)
+    slots = engine.placement.num_slots(plan.reserved)
+    floor = engine.kernels.compaction_floor(engine.placement.num_slots(1))
+    if (slots, floor) != (shapes.slots, shapes.compaction_floor):
+        raise RuntimeError(
+            f"compile plan drifted from the engine: slots {shapes.slots} vs {slots}, "
+            f"compaction floor {shapes.compaction_floor} vs {floor}"
+        )
+    families = {f.name: f for f in plan_programs(shapes)}
+    replay = families["replay"].shapes if "replay" in families else ()
+    kept = families["kept caches"].shapes if "kept caches" in families else ()
+    if not engine.keep_frozen_caches:
+        kept = ()
     moves = ()
-    if (floor := k.compaction_floor(place.num_slots(1))) is not None:
+    if floor is not None:
         moves = compaction_moves(slots, floor)
-    scoring = ()
-    if not schedule.stream and engine.packed_scoring:
-        scoring = scoring_shapes(plan.batch_size, full)
     return WarmupShapes(
-        chunk_sizes=tuple(sorted(sizes)),
+        chunk_sizes=shapes.chunk_sizes,
         replay=tuple(replay),
-        update_shapes=tuple(update),
         kept_rows=tuple(kept),
         compaction_moves=tuple(moves),
-        packed_scoring=tuple(scoring),
     )
 
 
@@ -183,26 +178,30 @@ def compile_kept(ctx, host, state, rows: int) -> None:
     jax.block_until_ready([restore_rows(fresh[r], kept.states[r], 1) for r in roles])
 
 
-def compile_update(ctx, state, batch, shape) -> None:
-    """The packed update at ``shape`` (Rp, W, N) on a copy of the train state and the
-    throwaway step's batch."""
-    copy = jax.tree.map(jnp.copy, state)  # the update donates it
-    update = ctx.engine.kernels.update
-    jax.block_until_ready(update.compile_shape(copy, batch, shape, jnp.float32(0.0)))
-
-
 def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
-    """The live cache widths a decode chunk of ``chunk_size`` tokens (and the scorer chunk fed
-    with it) can read: every value of ``Kernels.chunk_width`` over the admitted context
-    lengths 1..P+R (later chunks only move further along the same buckets); (None,) when the
-    kernels read the whole cache."""
-    width_of = getattr(kernels, "chunk_width", None)  # absent: decode reads every column
-    if width_of is None:
+    """The live cache widths a decode chunk of ``chunk_size`` tokens can read for these
+    kernels (``compile_plan.chunk_widths``); (None,) when they read the whole cache."""
+    if getattr(kernels, "chunk_width", None) is None:  # absent: decode reads every column
         return (None,)
     r = kernels.rollout
-    capacity = r.prompt_width + r.max_response_len
-    widths = {width_of(n, chunk_size, 0) for n in range(1, capacity + 1)}
-    return tuple(sorted(widths, key=lambda w: -1 if w is None else w))
+    return compile_chunk_widths(
+        RunShapes(
+            False,
+            False,
+            0,
+            0,
+            r.prompt_width,
+            r.max_response_len,
+            (),
+            (),
+            False,
+            False,
+            None,
+            None,
+            live_prefix=getattr(kernels, "live_prefix", True),
+        ),  # fmt: skip
+        chunk_size,
+    )
 
 
 def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | None) -> None:
@@ -220,11 +219,19 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
         on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
         for role in k.scorer_specs.present():
             scored, _ = k.scorer_admit(role)(params[role], on_scoring)
-            feed = k.scorer_chunk(role, *width)
-            scored, _ = feed(params[role], scored, place.to_scoring(chunk))
-            fed = (params[role], scored, place.to_scoring(chunk), kv_width)  # packed sizes too
-            outputs.append(compile_packed_chunks(engine, role, *fed))
+            fed = (params[role], scored, place.to_scoring(chunk), kv_width)
+            if packs_chunks(engine):
+                outputs.append(compile_packed_chunks(engine, role, *fed))
+            else:
+                outputs.append(k.scorer_chunk(role, *width)(*fed[:3]))
     jax.block_until_ready(outputs)
+
+
+def trained_copy(state):
+    """A copy of what the update replaces (parameters, optimizer states, step), sharing the
+    frozen LoRA bases: the update never donates them, and a copy of a 7B base is ~15 GB."""
+    frozen = state.frozen
+    return jax.tree.map(jnp.copy, state.replace(frozen=None)).replace(frozen=frozen)
 
 
 def _throwaway_step(ctx, schedule, state):
@@ -232,7 +239,7 @@ def _throwaway_step(ctx, schedule, state):
     compiles the update, the experience kernel, sync scoring and the controllers' small ops.
     Returns the step's PPO batch (the other update shapes' throwaway input)."""
     host = HostState.fresh(ctx.cfg, schedule, ctx.prompt_iterator())
-    plan, copy = host.plan(ctx.cfg), jax.tree.map(jnp.copy, state)  # the update donates it
+    plan, copy = host.plan(ctx.cfg), trained_copy(state)  # the update donates it
     copy, _, result = run_step(ctx.engine, schedule, plan, copy, CarryBuffer(), host.prompts,
                                Timeline())  # fmt: skip
     record = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
@@ -259,28 +266,11 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
     tasks += [
         (f"kept {n}", lambda n=n: compile_kept(ctx, host, state, n)) for n in shapes.kept_rows
     ]
-    tasks += [
-        (
-            f"update {'x'.join(map(str, sh))}",
-            lambda sh=sh: compile_update(ctx, state, made["batch"], sh),
-        )
-        for sh in shapes.update_shapes
-    ]
-    plan = host.plan(ctx.cfg)
-    slots = ctx.engine.placement.num_slots(plan.reserved)
-
-    def packed_scoring(shape):
-        params = scorer_params(ctx, state)
-        compile_packed_scoring(ctx.engine, params, plan.batch_size, slots, shape)
 
     def compaction(c):  # every move and bucket of chunk size c, on a throwaway rollout
         admission = _admission(ctx, host)
         compile_compaction(ctx, schedule, host, state, admission, {c: widths[c]})
 
-    tasks += [
-        (f"packed scoring {n}x{w}", lambda sh=(n, w): packed_scoring(sh))
-        for n, w in shapes.packed_scoring
-    ]
     if shapes.compaction_moves:
         tasks += [(f"compaction chunk {c}", lambda c=c: compaction(c)) for c in shapes.chunk_sizes]
     return tasks

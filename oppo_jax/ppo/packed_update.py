@@ -13,8 +13,8 @@ as in the padded update.
 lengths=None)``, where ``lengths`` = (prompt_len, response_len) host arrays of the batch's rows
 (read from the batch when not given). Either layout adds ``update_tokens_real`` and
 ``update_tokens_computed`` (token slots of the forward passes, both models alike) to the
-metrics; the packed one also the step's packed shape (``update_rows``, ``update_width``,
-``update_slots``) and keeps the set of shapes it compiled (``PackedUpdate.shapes``).
+metrics; the packed one also its packed shape (``update_rows``, ``update_width``,
+``update_slots``) and keeps the set of shapes it ran (``PackedUpdate.shapes``).
 """
 
 from __future__ import annotations
@@ -137,8 +137,9 @@ def _permutations(key, num_rows: int, epochs: int):
 class PackedUpdate:
     """The packed update as the step calls it: plans on the host, then one jitted call.
 
-    ``jitted(state, batch, plan, kl_coef)`` compiles once per packed shape; the shapes seen so
-    far are in ``shapes`` (bounded by the bucket sets, see ``oppo_jax.ppo.packing``).
+    ``jitted(state, batch, plan, kl_coef)`` compiles once: every plan of a run has the
+    config's one packed shape (``oppo_jax.ppo.packing``); the shapes seen so far are in
+    ``shapes``.
     """
 
     def __init__(self, spec: UpdateSpec, jitted, row_multiple: int = 1):
@@ -164,17 +165,12 @@ class PackedUpdate:
             width_factor=ppo.pack_width_factor,
         )
 
-    def per_microbatch(self, num_rows: int) -> tuple[tuple[int, int, int], int]:
-        """(E, M, A) and m, the sequences of one microbatch, for a batch of ``num_rows``."""
+    def shape(self, num_rows: int, full_width: int, response_width: int):
+        """((Rp, W, N), K): the one packed shape of a batch of ``num_rows`` sequences, L =
+        ``full_width`` and R = ``response_width``, and its chunks per minibatch
+        (``packing.packed_shapes``)."""
         ppo = self.spec.ppo
         m = num_rows // (ppo.num_minibatches * ppo.grad_accum_steps)
-        return (ppo.ppo_epochs, ppo.num_minibatches, ppo.grad_accum_steps), m
-
-    def all_shapes(self, num_rows: int, full_width: int, response_width: int) -> list:
-        """Every packed shape (Rp, W, N) a batch of ``num_rows`` sequences, L = ``full_width``
-        and R = ``response_width`` can take (``packing.packed_shapes``)."""
-        _, m = self.per_microbatch(num_rows)
-        ppo = self.spec.ppo
         return packed_shapes(
             m,
             full_width,
@@ -185,11 +181,15 @@ class PackedUpdate:
             width_factor=ppo.pack_width_factor,
         )
 
-    def compile_shape(self, state, batch: PPOBatch, shape: tuple[int, int, int], kl_coef):
-        """Run the jitted update once at ``shape`` on a plan of padding only, so that a step
-        meeting that shape finds it compiled. ``state`` is donated: pass a throwaway copy."""
-        outer, m = self.per_microbatch(batch.tokens.shape[0])
-        return self.jitted(state, batch, padding_indices(outer, shape, m * outer[2]), kl_coef)
+    def compile_shape(self, state, batch: PPOBatch, kl_coef):
+        """Run the jitted update once at its one shape on a plan of padding only, so that a
+        step finds it compiled. ``state`` is donated: pass a throwaway copy."""
+        ppo = self.spec.ppo
+        rows, full = batch.tokens.shape
+        shape, count = self.shape(rows, full, batch.response_len)
+        outer = (ppo.ppo_epochs, ppo.num_minibatches, count)
+        indices = padding_indices(outer, shape, rows // ppo.num_minibatches)
+        return self.jitted(state, batch, indices, kl_coef)
 
     def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
         plan = self.plan(batch, key, lengths)

@@ -7,20 +7,23 @@ update gathers each chunk from the padded ``PPOBatch`` with the plan's indices
 from the same update key), and so are the microbatches its loss averages over.
 
 A minibatch of A microbatches x m sequences packs as one group: its A·m sequences first-fit
-decreasing into rows, the rows dealt in order to A chunks of Rp rows each (the gradient
-accumulation steps: no chunk is larger than the padded microbatch of m rows the config sized
-for memory), and a chunk that holds no sequence does not run (``PackIndices.used``). A chunk
-then mixes microbatches, so every reduction of the loss and the metrics is a weighted sum of
-its tokens with weights the host computes from the lengths (``losses.TokenWeights``):
-token_mean 1 / the microbatch's valid tokens, seq_mean 1 / (the sequence's valid tokens x the
-microbatch's sequences with any), a metric's masked mean the token_mean weight. Summed over
+decreasing into rows, the rows dealt in order to K chunks of Rp rows each (the gradient
+accumulation steps: one fixed height, ``shapes.update_chunk_rows``, no larger than the padded
+microbatch of m rows the config sized for memory; K, ``shapes.update_chunks``, enough for the
+most rows a minibatch can need), and a chunk that holds no sequence does not run
+(``PackIndices.used``): the update compiles once, and only the last chunk of a minibatch is
+partly padding. A chunk then mixes microbatches, so every reduction of the loss and the
+metrics is a weighted sum of its tokens with weights the host computes from the lengths
+(``losses.TokenWeights``): token_mean 1 / the microbatch's valid tokens, seq_mean 1 / (the
+sequence's valid tokens x the microbatch's sequences with any), a metric's masked mean the
+token_mean weight. Summed over
 the chunks and divided by A as the accumulation does, that is the padded update's mean over
 microbatches of their own means: the same function of the same tokens. Packing each
 microbatch alone instead ran every microbatch at the fullest one's rows (a config of 28
 accumulation steps of 4 sequences computed 1.75x its real tokens; docs/PROJECTIONS.md §4c).
 
 Packed layout of one chunk (dimension letters: Rp packed rows, W packed width, N response
-slots; n = A·m sequences in the minibatch):
+slots, K chunks per minibatch; n = A·m sequences in the minibatch):
 - token slots [Rp, W]: sequence i occupies a contiguous run of ``prompt_len + response_len``
   slots of one row, with positions 0.. (RoPE restarts per sequence) and its own segment id
   (its index in the minibatch: attention never crosses a segment); unused slots hold -1,
@@ -29,13 +32,11 @@ slots; n = A·m sequences in the minibatch):
   output at ``resp_at[k]`` (the position before its token) and carries the token's per-token
   PPO quantities and weights; unused slots have segment n, weight 0, and are masked out.
 
-The shape (Rp, W, N) is one per step, from a small set fixed by the config
-(``packed_shapes``), so a warm-up compiles every program the update can run: the width W is
-k x the padded width L = P + R (``ppo.pack_width_factor`` k, default 1), rounded up to the
-granule (every sequence fits a row; with k = 2 any two do, which long fixed prompts need), Rp
-is the bucket (``bucket_up``) of the rows A chunks need, at most m / k (no chunk holds more
-token slots than the padded microbatch), and N = min(Rp · W, n · R) (a chunk's responses
-never outnumber its slots nor the minibatch's). The plan is a pure function
+The shape (Rp, W, N), and K, are fixed by the config (``packed_shapes``), so the update is one
+program: the width W is k x the padded width L = P + R (``ppo.pack_width_factor`` k, default
+1), rounded up to the granule (every sequence fits a row; with k = 2 any two do, which long
+fixed prompts need), and N = min(Rp · W, n · R) (a chunk's responses never outnumber its slots
+nor the minibatch's). The plan is a pure function
 of the step's data (never of which shapes compiled before): a resumed run packs exactly as
 the uninterrupted one, so resume stays bit-identical.
 """
@@ -45,73 +46,17 @@ from __future__ import annotations
 import dataclasses
 
 import flax.struct
-import jax
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.losses import TokenWeights
+from oppo_jax.shapes import (
+    first_fit_decreasing,
+    update_chunk_rows,
+    update_chunks,
+)
 from oppo_jax.sharding import to_host
-
-# Sizes per doubling of every shape bucketed per step from its data (the packed update's chunk
-# rows, sync's packed scoring rows, a streamed chunk's packed tokens), per backend (see
-# ``bucket_steps``). Eight, 2^k·{1, 1.125, ..., 1.875}, waste at most a ninth of a bucket
-# (about 6% on average) where four waste a fifth (12%) and two a third; every count up to 16
-# is its own size. The simulator's regime maps need eight on the accelerators: with four,
-# OPPO's projected gain on the built engine stays up to 0.061 below the token-proportional
-# engine's in the one-epoch setting; with two, the 7B TPU v5p config's up to 0.05 off
-# (docs/PROJECTIONS.md §4d, §4f). On a CPU four: there a compiled program costs seconds of
-# warm-up and XLA:CPU maps each one's code separately (``host_maps``), and eight sizes (twice
-# the streamed chunk programs) took the CPU demo's warm-up from 65 to 85 shapes
-# (186 -> 219 s), for compute a tiny model hardly notices.
-ACCELERATOR_BUCKET_STEPS = 8
-CPU_BUCKET_STEPS = 4
-
-
-def bucket_steps(backend: str | None = None) -> int:
-    """Sizes per doubling of the data-bucketed shapes on ``backend`` ("cpu", "gpu", "tpu";
-    default: JAX's default backend, where the kernels run): four on a CPU, eight elsewhere."""
-    backend = backend or jax.default_backend()
-    return CPU_BUCKET_STEPS if backend == "cpu" else ACCELERATOR_BUCKET_STEPS
-
-
-def bucket_up(n: int, granule: int = 1, steps: int | None = None) -> int:
-    """Smallest ``granule · b >= n`` with b on a grid of ``steps`` sizes per doubling: above
-    2 units, b rounds up to a multiple of the largest power of two below ``units`` divided by
-    ``steps`` (at least 1). Steps 8: b in {1, ..., 16, 18, 20, ..., 32, 36, 40, ...} (at most a
-    ninth of a bucket wasted); steps 4: {1, ..., 8, 10, 12, 14, 16, 20, 24, ...} (a fifth);
-    steps 2: {1, 2, 3, 4, 6, 8, 12, 16, ...} (a third).
-
-    ``steps`` defaults to the backend's (``bucket_steps``).
-
-    Example (steps 8): granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 65 -> 80, 145 -> 160;
-    granule 1: 17 -> 18, 33 -> 36; steps 4: 17 -> 20; steps 2: 65 -> 96.
-    """
-    steps = bucket_steps() if steps is None else steps
-    units = max(-(-n // granule), 1)
-    step = max((1 << ((units - 1).bit_length() - 1)) // steps, 1) if units > 2 else 1
-    return -(-units // step) * step * granule
-
-
-def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
-    """Bins (rows) of item indices, each holding at most ``width``: longest first, each into
-    the first row with room. Deterministic (ties keep index order).
-
-    Example: lengths [5, 3, 4, 2], width 8 -> [[0, 1], [2, 3]].
-    """
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in np.argsort(-np.asarray(lengths), kind="stable"):
-        n = int(lengths[i])
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(int(i))
-                room[r] -= n
-                break
-        else:
-            rows.append([int(i)])
-            room.append(width - n)
-    return rows
 
 
 def microbatch_rows(perms: np.ndarray, num_minibatches: int, grad_accum: int) -> np.ndarray:
@@ -129,7 +74,7 @@ def microbatch_rows(perms: np.ndarray, num_minibatches: int, grad_accum: int) ->
 
 @flax.struct.dataclass
 class PackIndices:
-    """The plan's index arrays, leading axes [E, M, A] (epoch, minibatch, chunk)."""
+    """The plan's index arrays, leading axes [E, M, K] (epoch, minibatch, chunk)."""
 
     tok_src: Int[Array, "... Rp W"]  # flat index into tokens [B·L] of each token slot
     positions: Int[Array, "... Rp W"]  # position within its sequence (RoPE)
@@ -150,7 +95,7 @@ class PackPlan:
     """One step's packing: the indices (host arrays) and what they cost."""
 
     indices: PackIndices
-    shape: tuple[int, int, int]  # (Rp, W, N) of every chunk of the step
+    shape: tuple[int, int, int]  # (Rp, W, N) of every chunk (the config's one shape)
     tokens_real: int  # real tokens (prompt + response) the update's forward passes read
     tokens_computed: int  # token slots they compute: chunks that run x Rp x W
 
@@ -160,17 +105,6 @@ def packed_width(full_width: int, granule: int, factor: int = 1) -> int:
     sequence fits one row; with factor k any k do). Example: L 48, granule 16 -> 48; L 50 ->
     64; L 50, factor 2 -> 112."""
     return -(-factor * full_width // granule) * granule
-
-
-def _rows_bucket(rows: int, cap: int, multiple: int) -> int:
-    """Rows rounded up to the bucket set, in units of ``multiple`` (the batch shards)."""
-    return min(multiple * bucket_up(-(-rows // multiple)), cap)
-
-
-def _row_cap(num_seqs: int, multiple: int, factor: int = 1) -> int:
-    """Rows of a chunk at most: m / factor (the padded microbatch's tokens), whole shards."""
-    rows = -(-num_seqs // factor)
-    return -(-rows // multiple) * multiple
 
 
 def _slots(rows: int, width: int, num_seqs: int, response_width: int, multiple: int) -> int:
@@ -187,17 +121,18 @@ def packed_shapes(
     row_multiple: int = 1,
     chunks: int = 1,
     width_factor: int = 1,
-) -> list[tuple[int, int, int]]:
-    """Every (Rp, W, N) ``plan_packing`` can pick for minibatches of ``chunks`` microbatches
-    of ``num_seqs`` (m) sequences: what a warm-up compiles so that no measured step does.
+) -> tuple[tuple[int, int, int], int]:
+    """The one (Rp, W, N) of every chunk ``plan_packing`` makes for minibatches of ``chunks``
+    (A) microbatches of ``num_seqs`` (m) sequences, and K, the chunks per minibatch: what a
+    warm-up compiles so that no measured step does.
 
-    Example: m 8, L 48, R 32, granule 16, one chunk: W 48, Rp in {1, 2, 3, 4, 6, 8},
-    N = min(48 Rp, 256).
+    Example: m 8, L 48, R 32, granule 16, A 1: Rp 2, W 48, N 96; K 4.
     """
     width = packed_width(full_width, granule, width_factor)
-    cap, n = _row_cap(num_seqs, row_multiple, width_factor), num_seqs * chunks
-    rows = sorted({_rows_bucket(k, cap, row_multiple) for k in range(1, cap + 1)})
-    return [(r, width, _slots(r, width, n, response_width, row_multiple)) for r in rows]
+    rows = update_chunk_rows(num_seqs, row_multiple, width_factor)
+    n = num_seqs * chunks
+    shape = (rows, width, _slots(rows, width, n, response_width, row_multiple))
+    return shape, update_chunks(num_seqs, chunks, row_multiple, width_factor)
 
 
 def token_weights(response_len: np.ndarray, micro: np.ndarray, seq_mean: bool):
@@ -234,24 +169,23 @@ def plan_packing(
     lengths = prompt_len + response_len
     epochs, minibatches, chunks, m = micro.shape
     minis = micro.reshape(epochs * minibatches, chunks, m)
-    width = packed_width(full_width, granule, width_factor)
-    cap = _row_cap(m, row_multiple, width_factor)
+    (rows, width, slots), count = packed_shapes(
+        m, full_width, response_width, granule, row_multiple, chunks, width_factor
+    )
     members = [mini.reshape(-1) for mini in minis]  # minibatch-local index -> batch row
-    bins = [first_fit_decreasing(lengths[rows], width) for rows in members]
-    rows = max(_rows_bucket(-(-len(b) // chunks), cap, row_multiple) for b in bins)
+    bins = [first_fit_decreasing(lengths[seqs], width) for seqs in members]
     # Any k sequences fit a row of k·L, so first-fit decreasing needs at most ceil(A·m / k)
-    # rows: A chunks of ``cap`` always hold them (a row left out would lose its sequences).
-    assert all(len(b) <= rows * chunks for b in bins), (rows, chunks, [len(b) for b in bins])
-    slots = _slots(rows, width, chunks * m, response_width, row_multiple)
+    # rows: K chunks of Rp always hold them (a row left out would lose its sequences).
+    assert all(len(b) <= rows * count for b in bins), (rows, count, [len(b) for b in bins])
     dims = (rows, width, slots, full_width, response_width)
     arrays = []
     for mini, seqs, row_bins in zip(minis, members, bins, strict=True):
         weights = token_weights(response_len, mini, seq_mean)
-        for c in range(chunks):
+        for c in range(count):
             dealt = row_bins[c * rows : (c + 1) * rows]
             arrays.append(_pack_one(seqs, dealt, prompt_len, response_len, weights, dims))
     stacked = {
-        k: np.stack([a[k] for a in arrays]).reshape(micro.shape[:3] + arrays[0][k].shape)
+        k: np.stack([a[k] for a in arrays]).reshape(micro.shape[:2] + (count,) + arrays[0][k].shape)
         for k in arrays[0]
     }
     runs = sum(-(-len(b) // rows) for b in bins)
@@ -264,7 +198,7 @@ def plan_packing(
 
 
 def padding_indices(outer: tuple, shape: tuple[int, int, int], num_seqs: int) -> PackIndices:
-    """A plan of ``shape`` with every slot unused (leading axes ``outer`` = (E, M, A); a
+    """A plan of ``shape`` with every slot unused (leading axes ``outer`` = (E, M, K); a
     minibatch of ``num_seqs`` sequences): the throwaway input of a warm-up that compiles the
     update at that shape."""
     rows, width, slots = shape

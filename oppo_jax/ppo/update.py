@@ -208,9 +208,9 @@ def padded_losses(spec: UpdateSpec, layout: UpdateLayout | None) -> Losses:
 
 
 def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, params, parts):
-    """Mean (actor, critic) gradients over the ``grad_accum_steps`` microbatches ``parts``
-    (leading axis) and their loss metrics; NaN, with no model work at all, when not
-    ``batch_ok``."""
+    """(actor, critic) gradients summed over ``parts`` (leading axis: the microbatches, or the
+    packed update's chunks) and divided by ``grad_accum_steps``, and each part's loss metrics
+    [parts]; NaN, with no model work at all, when not ``batch_ok``."""
     actor_grad_fn = jax.grad(losses.actor, has_aux=True)
     critic_grad_fn = jax.grad(losses.critic, has_aux=True)
     constrain = (lambda g: g) if layout is None else layout.like_params
@@ -229,10 +229,13 @@ def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, para
         branches = (lambda _: nan_like(shapes), lambda _: zeros_like(shapes), compute)
         return jax.lax.switch(branch, branches, mb)
 
+    # A (the config's accumulation steps) divides the sum, whatever the number of parts: the
+    # packed update deals a minibatch to K chunks of one height (ppo.packing), K not A.
     steps = spec.ppo.grad_accum_steps
     shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
-    if steps == 1:  # no accumulator: one parameter-sized buffer less
-        return guarded(jax.tree.map(lambda x: x[0], parts))
+    if jax.tree.leaves(parts)[0].shape[0] == 1:  # no accumulator: one parameter-sized buffer less
+        grads, aux = guarded(jax.tree.map(lambda x: x[0], parts))
+        return jax.tree.map(lambda g: g / steps, grads), jax.tree.map(lambda v: v[None], aux)
 
     def micro(carry, mb):
         grads, aux = guarded(mb)
@@ -263,7 +266,9 @@ def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, 
     params = (state.actor_params, state.critic_params)
     losses = lora.over_frozen(losses, state.frozen)  # differentiate the trained tree only
     grads, aux = _gradients(spec, losses, layout, kl_coef, batch_ok, params, parts)
-    metrics = jax.tree.map(jnp.mean, aux)
+    # Each part's metrics are its share of the microbatches' mean (summed over the parts and
+    # divided by A, as the gradients): the padded update's parts are A microbatches.
+    metrics = jax.tree.map(lambda v: jnp.sum(v) / spec.ppo.grad_accum_steps, aux)
     # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
     metrics["actor_grad_norm"] = optax.tree.norm(grads[0])
     metrics["critic_grad_norm"] = optax.tree.norm(grads[1])

@@ -1,12 +1,13 @@
 """Scoring at real widths after the rollout (non-streaming schedules): the batch's sequences
-packed into rows with segment ids, one cache-less forward per scorer.
+packed into rows with segment ids, one cache-less forward per scorer and call.
 
 Without streaming, the scorers only need the B sequences the update takes, each scored once
 when it enters a batch (a carried sequence is scored whole in the step that takes it; nothing
 is computed for it while it waits). Their real tokens (prompt + response) are packed end to
-end into N rows of T columns (``plan_packing``: first-fit decreasing, T a power of two >= the
-longest sequence, N bucketed by ``bucket_up``), so the forward costs about the real tokens, not
-[S, P + R].
+end into rows of T = L columns (first-fit decreasing, ``shapes.score_calls``), and the rows are
+dealt N at a time to calls of one shape [N, T] (``shapes.score_rows_per_call``), looped from
+the host: one compiled program per scorer whatever the lengths, and the forward costs about
+the real tokens, not [S, P + R] (only the last call's unused rows are padding).
 A token attends only within its own sequence (segment ids) and its RoPE position restarts per
 sequence, so every quantity equals that of the sequence's own forward (up to float rounding):
 
@@ -14,17 +15,6 @@ sequence, so every quantity equals that of the sequence's own forward (up to flo
     value   (critic):     head(h[j])[0]            both at the position before a response token
     score   (reward):     head(h)[0] at the sequence's last token
 
-Why packed rather than every row at the bucketed width of the step's longest response: with
-long-tailed lengths the longest of B responses is usually near the cap, so that width saves
-little. Token accounting over 2,000 sampled batches of configs/bench_longtail_cpu.yaml's lengths
-(B 16, prompts 5-10, responses lognormal median 56 / p99 448 capped at 512), tokens computed per
-real token: R wide 5.91, bucketed width 4.41, packed 1.44 (efficiency 0.69) with N a power of
-two; attention score pairs relative to R wide: 0.62 bucketed, 0.19 packed. N in 2^k and 1.5·2^k
-raises the efficiency to ~0.82 there and from ~0.63 to ~0.77 at configs/bench_cpu.yaml's lengths
-(300 sampled batches each), for 3 row buckets more per width in the warm-up (8 instead of 5 for
-B = 16); ``bucket_up``'s four sizes per doubling (as the packed update's rows) raise it further
-for 12 row buckets per width at B = 16, and its eight (every count up to 16) for 16 (the
-efficiency is measured in BENCHMARKS.md).
 Dimension letters: B sequences, L sequence width (P + R), N packed rows, T packed width.
 """
 
@@ -39,24 +29,18 @@ from jaxtyping import Array, Float, Int
 
 from oppo_jax.models.heads import logprobs_at, scores_at
 from oppo_jax.models.transformer import Transformer
-from oppo_jax.ppo.packing import bucket_up
 from oppo_jax.scoring.stream import ScorerSpec
-
-MIN_WIDTH = 16  # narrowest packed row: fewer distinct compiled widths
-
-
-def pow2_at_least(n: int, floor: int = 1) -> int:
-    """The smallest power of two >= max(n, floor). Example: 5 -> 8, 16 -> 16, 0 -> 1."""
-    return 1 << (max(n, floor, 1) - 1).bit_length()
+from oppo_jax.shapes import score_calls, score_rows_per_call, score_width
 
 
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
-    """Where each sequence's tokens go in the packed rows (host NumPy, from lengths only)."""
+    """One packed scoring call: where its sequences' tokens go in its rows (host NumPy, from
+    lengths only). Sequences of other calls have ``row`` N (their outputs are dropped)."""
 
     seq: np.ndarray  # [N, T] sequence of each packed token; -1 for padding
     col: np.ndarray  # [N, T] its index within the sequence (its RoPE position); 0 for padding
-    row: np.ndarray  # [B] packed row of each sequence
+    row: np.ndarray  # [B] packed row of each sequence; N when another call scores it
     offset: np.ndarray  # [B] column of its first token
 
     @property
@@ -67,36 +51,48 @@ class PackPlan:
     def real_tokens(self) -> int:
         return int((self.seq >= 0).sum())
 
+    @property
+    def in_call(self) -> np.ndarray:
+        """[B] whether this call scores each sequence."""
+        return self.row < self.seq.shape[0]
 
-def plan_packing(lengths, max_width: int) -> PackPlan:
-    """Pack sequences of ``lengths`` tokens into rows: first-fit decreasing (ties by index),
-    T = a power of two >= the longest (at least ``MIN_WIDTH``, at most ``max_width``), and N
-    rounded up to 2^k·{1, 1.125, ..., 1.875} (``bucket_up``: under a ninth of the rows wasted), so
-    few (N, T) shapes compile.
 
-    Example: lengths [5, 12, 3], max_width 64 -> T 16; 12 -> row 0 at 0, 3 -> row 0 at 12,
-    5 -> row 1 at 0; N 2.
+def plan_packing(lengths, max_width: int) -> list[PackPlan]:
+    """The packed scoring calls of sequences of ``lengths`` tokens (each in [1, L]; L =
+    ``max_width``): ``shapes.score_calls``' rows, N = ``score_rows_per_call(B)`` per call, of
+    T = ``score_width(L)`` columns; every call has that one shape.
+
+    Example: lengths [5, 12, 3], L 64 -> one call [1, 64]: 12 at 0, 5 at 12, 3 at 17.
     """
     lengths = np.asarray(lengths, np.int64)
     if lengths.size == 0 or lengths.min() < 1 or lengths.max() > max_width:
         raise ValueError(f"sequence lengths must lie in [1, {max_width}], got {lengths.tolist()}")
-    width = min(pow2_at_least(int(lengths.max()), MIN_WIDTH), max_width)
-    fill: list[int] = []  # tokens used in each row so far
-    row = np.zeros(lengths.size, np.int64)
-    offset = np.zeros(lengths.size, np.int64)
-    for b in np.argsort(-lengths, kind="stable"):
-        n = next((i for i, used in enumerate(fill) if used + lengths[b] <= width), len(fill))
-        if n == len(fill):
-            fill.append(0)
-        row[b], offset[b] = n, fill[n]
-        fill[n] += int(lengths[b])
-    rows = bucket_up(len(fill))
-    seq = np.full((rows, width), -1, np.int32)
-    col = np.zeros((rows, width), np.int32)
-    for b, length in enumerate(lengths):
-        seq[row[b], offset[b] : offset[b] + length] = b
-        col[row[b], offset[b] : offset[b] + length] = np.arange(length)
-    return PackPlan(seq, col, row.astype(np.int32), offset.astype(np.int32))
+    rows, width = score_rows_per_call(lengths.size), score_width(max_width)
+    plans = []
+    for call in score_calls(lengths, max_width, lengths.size):
+        seq = np.full((rows, width), -1, np.int32)
+        col = np.zeros((rows, width), np.int32)
+        row = np.full(lengths.size, rows, np.int32)
+        offset = np.zeros(lengths.size, np.int32)
+        for r, members in enumerate(call):
+            start = 0
+            for b in members:
+                n = int(lengths[b])
+                seq[r, start : start + n], col[r, start : start + n] = b, np.arange(n)
+                row[b], offset[b] = r, start
+                start += n
+        plans.append(PackPlan(seq, col, row, offset))
+    return plans
+
+
+def padding_plan(num_seqs: int, max_width: int) -> PackPlan:
+    """A call of the one packed shape for ``num_seqs`` sequences that scores none of them:
+    a warm-up's input."""
+    rows, width = score_rows_per_call(num_seqs), score_width(max_width)
+    none = np.zeros(num_seqs, np.int32)
+    return PackPlan(
+        np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.int32), none + rows, none
+    )
 
 
 @flax.struct.dataclass
@@ -122,8 +118,10 @@ def packed_tokens(batch: PackedBatch, pad_id: int = 0) -> Int[Array, "N T"]:
 def score_packed(
     spec: ScorerSpec, params, batch: PackedBatch, pad_id: int = 0
 ) -> Float[Array, "B R"] | Float[Array, " B"]:
-    """One scorer over the packed sequences: per response token [B, R] ("logprob", "value",
-    zero past each response) or the score at each sequence's last token [B] ("score")."""
+    """One scorer over one call's packed sequences: per response token [B, R] ("logprob",
+    "value", zero past each response) or the score at each sequence's last token [B]
+    ("score"); a sequence of another call (``PackPlan.in_call`` false) gets an unspecified
+    value."""
     tokens = packed_tokens(batch, pad_id)
     # Padding forms its own segment (-1): it never mixes into a sequence.
     hidden, _ = Transformer(spec.model).apply(

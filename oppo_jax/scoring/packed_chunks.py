@@ -2,21 +2,18 @@
 
 ``stream.score_chunk`` feeds a chunk as one [S, C] call, so a slot that has finished, and
 every column past a slot's count, costs a scorer as much as a real token. Here the host,
-which reads the chunk's counts [S] (one small transfer beside the loop's one flag), plans a
-``ChunkLayout`` (``plan_chunk``): the chunk's tokens are packed end to end into M (bucketed
-at 2^k·{1, 1.125, ..., 1.875}, ``ppo.packing.bucket_up``: under a ninth of M is padding) and
-the slots with new tokens become the first of N = min(S, M) rows.
-Every token-wise layer runs over the M packed tokens; attention runs over the N rows, each
-reading its own slot's cache prefix and writing its new keys at that slot's positions
-(``models.chunk_layout``). The quantities are scattered back per slot, so the state, and
-every score, is what the [S, C] call leaves, up to float rounding; other slots are untouched.
+which reads the chunk's counts [S] (one small transfer beside the loop's one flag), deals the
+slots with new tokens to calls of one fixed budget (``shapes.chunk_groups``: N rows, M
+tokens, ``shapes.chunk_budget``) and plans each call's ``ChunkLayout`` (``plan_chunk``): its
+slots' tokens packed end to end into M, its slots the first of its N rows. Every token-wise
+layer runs over the M packed tokens; attention runs over the N rows, each reading its own
+slot's cache prefix and writing its new keys at that slot's positions
+(``models.chunk_layout``). The quantities are scattered back per slot, so the state, and every
+score, is what the [S, C] call leaves, up to float rounding; other slots are untouched.
 
-A scorer compiles at most ``bucket_steps()``·``PACKED_LEVELS`` packed programs per live width
-beside the [S, C] one (``chunk_shapes`` lists them: what a warm-up compiles), which a chunk too
-full to gain keeps. Sizes at powers of two alone leave a quarter of M empty on average; four
-sizes per doubling (a CPU's) cut that to under a tenth, eight (an accelerator's) to about 6%.
-Attention still runs over N rows of C queries; at N = S (M >= S) it costs what the [S, C]
-call's does, the token-wise layers (most of a large model's work) cost M.
+One program per scorer, chunk size and live width: a chunk whose slots all decode runs about
+``shapes.CHUNK_SPLIT`` calls, the long tail's few live slots one, and at most one call's
+budget per chunk is padding.
 
 Dimension letters: S slots, N rows, C chunk width, M packed tokens, D model width.
 """
@@ -29,70 +26,42 @@ from jaxtyping import Array
 
 from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.models.transformer import packed_chunk_hidden
-from oppo_jax.ppo.packing import bucket_up
-from oppo_jax.rollout.compaction import slot_bucket
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.scoring.stream import ScorerSpec, ScorerState, per_token_quantity, sequence_score
+from oppo_jax.shapes import chunk_budget, chunk_groups
 from oppo_jax.sharding import constrain_slots
 
-PACKED_LEVELS = 4  # doublings of packed sizes below the chunk: down to pow2(S·C)/16
+
+def chunk_shape(slots: int, width: int) -> tuple[int, int]:
+    """(N, M) of every packed call of a chunk of ``slots`` x ``width``: its one shape."""
+    return chunk_budget(slots, width)
 
 
-def chunk_shape(counts: np.ndarray, width: int) -> tuple[int, int] | None:
-    """(N, M) a chunk with these per-slot ``counts`` (of ``width`` columns) is scored at: M
-    the ``bucket_up`` size (2^k·{1, 1.125, ..., 1.875}) holding its tokens, at least
-    pow2(S·C) / 16; N = min(S, M) rows, which hold every slot with a token (each has at least
-    one). None when M would not be below S·C (score it [S, C]).
+def plan_chunk(counts: np.ndarray, width: int) -> list[dict[str, np.ndarray]]:
+    """The host arrays of each packed call's ``ChunkLayout`` for a chunk with these ``counts``
+    [S] (``shapes.chunk_groups``; [] when no slot has a token). Padding rows name slot S,
+    padding tokens row N.
 
-    Example (eight sizes per doubling): S 24, C 8 (S·C 192, floor 16): 30 tokens -> (24, 30);
-    70 -> (24, 72); 5 -> (16, 16); 180 -> None; with four: 30 -> (24, 32), 70 -> (24, 80).
+    Example: counts [0, 3, 0, 1], C 4 (budget (2, 4)) -> one call: rows [1, 3], count [3, 1],
+    token_row [0, 0, 0, 1], token_col [0, 1, 2, 0].
     """
-    counts = np.asarray(counts)
-    slots, total = counts.shape[0], int(counts.sum())
-    whole = slots * width
-    tokens = _packed_size(total, whole)
-    return None if tokens >= whole else (min(slots, tokens), tokens)
-
-
-def chunk_shapes(slots: int, width: int) -> list[tuple[int, int]]:
-    """Every (N, M) ``chunk_shape`` can pick for ``slots`` slots and chunks of ``width``: at
-    most ``bucket_steps()``·``PACKED_LEVELS`` per live width (what a warm-up compiles, per
-    scorer).
-
-    Example (eight sizes per doubling): 24 slots, C 8 -> [(16, 16), (18, 18), (20, 20),
-    (22, 22), (24, 24), (24, 26), ..., (24, 160), (24, 176)]: 28 shapes; with four, 14.
-    """
-    whole = slots * width
-    tokens = {_packed_size(n, whole) for n in range(whole)}
-    return sorted((min(slots, m), m) for m in tokens if m < whole)
-
-
-def _packed_size(total: int, whole: int) -> int:
-    """M for ``total`` tokens of a chunk of ``whole`` = S·C token places (>= whole: unpacked)."""
-    return max(bucket_up(total), slot_bucket(whole) >> PACKED_LEVELS, 1)
-
-
-def plan_chunk(counts: np.ndarray, width: int) -> dict[str, np.ndarray] | None:
-    """The host arrays of a ``ChunkLayout`` for a chunk with these ``counts`` (None: score it
-    [S, C]; padding rows name slot S, padding tokens row N). Example: counts [0, 3, 0, 1],
-    C 4 (M 4, N 4) -> rows [1, 3, 4, 4], count [3, 1, 0, 0], token_row [0, 0, 0, 1],
-    token_col [0, 1, 2, 0]."""
-    shape = chunk_shape(counts, width)
-    if shape is None:
-        return None
-    (n, m), counts = shape, np.asarray(counts, np.int32)
-    live = np.flatnonzero(counts > 0).astype(np.int32)
-    rows = np.full(n, counts.shape[0], np.int32)
-    rows[: live.size] = live
-    count = np.zeros(n, np.int32)
-    count[: live.size] = counts[live]
-    token_row = np.full(m, n, np.int32)
-    token_col = np.zeros(m, np.int32)
-    total = int(count.sum())
-    token_row[:total] = np.repeat(np.arange(n, dtype=np.int32), count)
-    starts = np.cumsum(count) - count
-    token_col[:total] = np.arange(total, dtype=np.int32) - np.repeat(starts, count)
-    return {"rows": rows, "count": count, "token_row": token_row, "token_col": token_col}
+    counts = np.asarray(counts, np.int32)
+    n, m = chunk_budget(counts.shape[0], width)
+    plans = []
+    for group in chunk_groups(counts, width):
+        live = np.asarray(group, np.int32)
+        rows = np.full(n, counts.shape[0], np.int32)
+        rows[: live.size] = live
+        count = np.zeros(n, np.int32)
+        count[: live.size] = counts[live]
+        token_row = np.full(m, n, np.int32)
+        token_col = np.zeros(m, np.int32)
+        total = int(count.sum())
+        token_row[:total] = np.repeat(np.arange(n, dtype=np.int32), count)
+        starts = np.cumsum(count) - count
+        token_col[:total] = np.arange(total, dtype=np.int32) - np.repeat(starts, count)
+        plans.append({"rows": rows, "count": count, "token_row": token_row, "token_col": token_col})
+    return plans
 
 
 def padding_plan(shape: tuple[int, int], slots: int) -> dict[str, np.ndarray]:

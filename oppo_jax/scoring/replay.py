@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState, admit_decode
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.kept import slot_axis
 from oppo_jax.scoring.stream import ScorerSpec, ScorerState, score_chunk, scorer_admit
+from oppo_jax.shapes import live_width, row_bucket
 from oppo_jax.sharding import constrain_slots
 
 # Tokens of each prefix one replay chunk feeds. Smaller wastes less of each row's last chunk
@@ -65,17 +65,6 @@ class ReplayChunk:
     @property
     def computed_tokens(self) -> int:
         return self.tokens.size
-
-
-def row_bucket(rows: int, num_slots: int) -> int:
-    """Leading slots a replay chunk runs over: 0, or a power of two >= 4, capped at S.
-
-    Few distinct values bound the compiled shapes. Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8,
-    8 -> 8, 9 -> 16, 17 -> 24.
-    """
-    if rows <= 0:
-        return 0
-    return min(max(4, 1 << (rows - 1).bit_length()), num_slots)
 
 
 def plan_replay(

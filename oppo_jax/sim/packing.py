@@ -35,6 +35,9 @@ import dataclasses
 
 import numpy as np
 
+from oppo_jax import shapes as engine_shapes
+from oppo_jax.shapes import bucket_up, live_width, pow2_at_least, row_bucket  # noqa: F401
+
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
 # ppo.packing.bucket_steps: sizes per doubling of data-bucketed shapes, per backend (an
@@ -43,21 +46,6 @@ BUCKET_STEPS = 4
 ACCELERATOR_BUCKET_STEPS = 8
 RAGGED_KEY_BLOCK = 128  # models.ragged_decode.KEY_BLOCK: a ragged row reads whole key blocks
 RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic form's blocks
-
-
-def bucket_up(n: int | float, granule: int = 1, steps: int = BUCKET_STEPS) -> int:
-    """Smallest ``granule · b >= n`` with b on a grid of ``steps`` sizes per doubling
-    (``oppo_jax.ppo.packing.bucket_up``). Example: granule 16: 1 -> 16, 17 -> 32, 33 -> 48,
-    65 -> 80, 145 -> 160; granule 1: 17 -> 18; steps 2: 65 -> 96."""
-    units = max(-(-int(np.ceil(n)) // granule), 1)
-    step = max((1 << ((units - 1).bit_length() - 1)) // steps, 1) if units > 2 else 1
-    return -(-units // step) * step * granule
-
-
-def pow2_at_least(n: int | float, floor: int = 1) -> int:
-    """The power of two >= max(n, floor). Example: 5 -> 8, 16 -> 16."""
-    n = max(int(np.ceil(n)), floor, 1)
-    return 1 << (n - 1).bit_length()
 
 
 def ffd_rows(lengths, width: int) -> int:
@@ -123,10 +111,8 @@ def minibatch_rows(
     k, mult, chunks = groups.width_factor, groups.row_multiple, groups.chunks
     width = -(-k * full // granule) * granule
     rows = [ffd_rows(lengths[mini], width) for mini in minis]
-    rows_cap = -(-(minis.shape[1] // chunks) // k)  # m / k rows: a padded microbatch's tokens
-    cap = -(-rows_cap // mult) * mult
-    per_chunk = [-(-r // chunks) for r in rows]  # rows each chunk must hold
-    height = max(min(mult * bucket_up(-(-n // mult), steps=steps), cap) for n in per_chunk)
+    m = minis.shape[1] // chunks
+    height = engine_shapes.update_chunk_rows(m, mult, k)  # the engine's one chunk height
     return sum(-(-r // height) for r in rows) * height, width
 
 
@@ -184,30 +170,27 @@ def update_tokens(
 
 
 def score_tokens(lengths, full: int, steps: int = BUCKET_STEPS) -> int:
-    """Token slots a scorer's packed ``sync`` call computes over ``lengths``, its rows at
-    ``steps`` sizes per doubling (module docstring)."""
+    """Token slots a scorer's packed ``sync`` calls compute over ``lengths``: the engine's own
+    plan (``oppo_jax.shapes.score_calls``), calls of one shape (``steps`` is unused: kept for
+    the recorded engines' signature)."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
-    width = min(pow2_at_least(int(lengths.max()), MIN_WIDTH), full)
-    return bucket_up(ffd_rows(lengths, width), steps=steps) * width
-
-
-PACKED_LEVELS = 4  # scoring.packed_chunks.PACKED_LEVELS: doublings of packed sizes below S·C
+    calls = engine_shapes.score_calls(lengths, full, lengths.size)
+    return (
+        len(calls)
+        * engine_shapes.score_rows_per_call(lengths.size)
+        * (engine_shapes.score_width(full))
+    )
 
 
 def chunk_tokens(real: int | float, slots: int, chunk: int, steps: int = BUCKET_STEPS) -> int:
-    """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at, at
-    ``steps`` sizes per doubling. Example: 24 slots, C 8: 30 -> 32, 5 -> 16, 70 -> 80,
-    100 -> 112, 140 -> 160; steps 8: 30 -> 30, 70 -> 72, 140 -> 144."""
-    whole = slots * chunk
-    packed = max(bucket_up(real, steps=steps), pow2_at_least(whole) >> PACKED_LEVELS)
-    return whole if packed >= whole else packed
-
-
-def live_width(longest: int | float, capacity: int) -> int:
-    """Cache columns read when no position reaches ``longest``. Example: cap 528: 70 -> 128."""
-    return min(pow2_at_least(longest, MIN_WIDTH), capacity)
+    """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at: whole
+    calls of the engine's budget (``oppo_jax.shapes.chunk_budget``; the simulator knows the
+    chunk's total, not its slots, so the row limit is left out). Example: 24 slots, C 8
+    (budget 32): 30 -> 32, 70 -> 96."""
+    _, budget = engine_shapes.chunk_budget(slots, chunk)
+    return -(-int(np.ceil(real)) // budget) * budget
 
 
 SEGMENT_BLOCK = 64  # models.segment_attention.BLOCK: query and key blocks of packed rows
@@ -238,14 +221,6 @@ def row_segment_pairs(lengths, width: int, block: int | None = None) -> int:
 
 
 REPLAY_CHUNK = 32  # scoring.replay.REPLAY_CHUNK: prefix tokens per replay call
-
-
-def row_bucket(rows: int, slots: int) -> int:
-    """``scoring.replay.row_bucket``: 0, or a power of two >= 4, capped at S. Example: S 24:
-    1 -> 4, 5 -> 8, 17 -> 24."""
-    if rows <= 0:
-        return 0
-    return min(max(4, 1 << (int(rows) - 1).bit_length()), slots)
 
 
 def replay_tokens(prefix, slots: int, chunk: int = REPLAY_CHUNK) -> int:

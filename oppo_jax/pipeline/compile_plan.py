@@ -1,0 +1,182 @@
+"""The programs a run compiles before its first step, from its config alone (no models built):
+what the warm-up iterates (``pipeline.warmup``) and ``oppo-jax compile-plan`` prints, one
+function for both so that the two cannot drift.
+
+A run's shapes follow from a few sizes (B, Δ_max, P, R, the chunk sizes, the mesh's batch
+shards) and switches (the schedule's streaming and carrying, the backend's slot compaction),
+``RunShapes``; the shape rules themselves live in ``oppo_jax.shapes``. ``plan_programs`` lists
+every compiled kernel family with its shapes and its program count, the budget a run's
+warm-up spends (DESIGN §3: a few dozen programs at 7B, not hundreds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oppo_jax.pipeline.schedule import Schedule
+from oppo_jax.ppo.packing import packed_shapes
+from oppo_jax.rollout.compaction import compact_bucket
+from oppo_jax.scoring.kept import kept_bucket
+from oppo_jax.scoring.replay import replay_shapes
+from oppo_jax.shapes import live_width
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShapes:
+    """What a run's compiled shapes follow from (a config, its schedule and backend)."""
+
+    stream: bool  # the scorers consume the decode's chunks (intra-step overlap)
+    carry: bool  # B + Δ slots, stragglers carried (inter-step overlap)
+    batch_size: int  # B
+    slots: int  # S: B + Δ_max rounded up to the generation mesh's batch shards
+    prompt_width: int  # P
+    response_len: int  # R
+    chunk_sizes: tuple[int, ...]  # every C the chunk controller can pick
+    scorers: tuple[str, ...]  # roles that score: reference, critic and the reward model if any
+    packs_chunks: bool  # streamed chunks scored packed (the scoring mesh keeps slots whole)
+    keeps_frozen: bool  # streaming with carrying keeps the frozen scorers' caches of carried rows
+    compaction_floor: int | None  # smallest slot bucket of compaction; None: no compaction
+    # ((Rp, W, N), K) of the packed update; None: the padded update (one shape)
+    update: tuple | None
+    live_prefix: bool = True  # decode and streamed scoring read the cache's live prefix
+
+    @property
+    def capacity(self) -> int:
+        return self.prompt_width + self.response_len
+
+    @property
+    def max_carried(self) -> int:
+        return self.slots - self.batch_size if self.carry else 0
+
+
+def run_shapes(cfg, schedule: Schedule | None = None, backend: str | None = None) -> RunShapes:
+    """``RunShapes`` of ``cfg`` under ``schedule`` (default: ``pipeline.mode``) on ``backend``
+    (default: JAX's; it decides slot compaction, on the CPU only)."""
+    from oppo_jax.pipeline.slot_map import compaction_default
+
+    schedule = schedule or Schedule.named(cfg.pipeline.mode)
+    p, r, mesh = cfg.pipeline, cfg.rollout, cfg.mesh
+    shards = mesh.data * mesh.fsdp
+    extra = (p.overcommit_max if p.adaptive_overcommit else p.overcommit) if schedule.carry else 0
+    slots = -(-(r.batch_size + extra) // shards) * shards
+    sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
+    scorers = ("reference", "critic", *(("reward",) if cfg.reward.model_weight else ()))
+    scoring_shards = mesh.scoring_devices if p.placement == "disaggregated" else shards
+    compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
+    power_of_two = not shards & (shards - 1)
+    floor = max(shards, p.compact_min_slots) if compact and power_of_two else None
+    update = None
+    if cfg.ppo.packed_update:
+        m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
+        update = packed_shapes(
+            m,
+            r.max_prompt_len + r.max_response_len,
+            r.max_response_len,
+            cfg.ppo.pack_granule,
+            shards,
+            chunks=cfg.ppo.grad_accum_steps,
+            width_factor=cfg.ppo.pack_width_factor,
+        )
+    return RunShapes(
+        stream=schedule.stream,
+        carry=schedule.carry and extra > 0,
+        batch_size=r.batch_size,
+        slots=slots,
+        prompt_width=r.max_prompt_len,
+        response_len=r.max_response_len,
+        chunk_sizes=tuple(sorted(sizes)),
+        scorers=scorers,
+        packs_chunks=scoring_shards == 1,
+        keeps_frozen=schedule.stream and schedule.carry and extra > 0,
+        compaction_floor=floor,
+        update=update,
+    )
+
+
+def chunk_widths(shapes: RunShapes, chunk_size: int) -> tuple[int | None, ...]:
+    """The live cache widths a decode chunk of ``chunk_size`` tokens (and the scorer chunk fed
+    with it) can read: ``live_width`` of (longest admitted context + C) over every context
+    1..P+R (later chunks only move further along the same widths); (None,) when the kernels
+    read the whole cache. Example: P + R 48, C 8 -> (16, 32, 48); C 32 -> (48,)."""
+    if not shapes.live_prefix:
+        return (None,)
+    cap = shapes.capacity
+    return tuple(sorted({live_width(n + chunk_size, cap) for n in range(1, cap + 1)}))
+
+
+def compaction_moves(slots: int, minimum: int = 1) -> list[tuple[int, int]]:
+    """Every (rows, bucket) move a decode of ``slots`` (S) slots can make: from S or a bucket
+    reached from it, into each smaller bucket ``compact_bucket`` allows.
+
+    Example: S 8 -> [(8, 1), (8, 2), (8, 4), (4, 1), (4, 2), (2, 1)].
+    """
+
+    def into(n: int) -> list[int]:
+        return sorted({b for r in range(n + 1) if (b := compact_bucket(r, n, minimum))})
+
+    return [(n, b) for n in [slots, *reversed(into(slots))] for b in into(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One compiled kernel family of a run: its shapes and how many programs they are."""
+
+    name: str
+    shapes: tuple  # the family's shapes (what the warm-up compiles)
+    per_shape: int  # programs per shape (one per model or scorer that runs it)
+
+    @property
+    def programs(self) -> int:
+        return len(self.shapes) * self.per_shape
+
+
+def plan_programs(shapes: RunShapes) -> list[Family]:
+    """Every kernel family the run compiles, with its shapes: the warm-up's work list.
+
+    Programs of small helpers (gathers, the kept caches' moves, compaction's scatters) are
+    not kernels and are left out; slot compaction's decode buckets are in ``decode``."""
+    s = shapes
+    widths = {c: chunk_widths(s, c) for c in s.chunk_sizes}
+    chunks = tuple((c, w) for c in s.chunk_sizes for w in widths[c])
+    buckets = (s.slots,)
+    if s.compaction_floor is not None:
+        buckets += tuple(sorted({b for _, b in compaction_moves(s.slots, s.compaction_floor)}))
+    streamed = s.scorers if s.stream else ()
+    replay = replay_shapes(s.slots, s.max_carried, (s.prompt_width, s.response_len))
+    families = [
+        Family("admission prefill", ("prompts",), 1 + len(streamed)),
+        Family("decode start", ("slots",), 1),
+        Family("replay", tuple(replay), 1 + len(streamed)),
+        Family("decode", tuple((b, c, w) for b in buckets for c, w in chunks), 1),
+        Family("streamed scoring", chunks if s.stream else (), len(s.scorers)),
+        Family("sync scoring", () if s.stream else ("packed",), len(s.scorers)),
+        Family("experience", ("batch",), 1),
+        Family("update", (s.update[0] if s.update else "padded",), 1),
+    ]
+    if s.keeps_frozen:
+        kept = sorted({kept_bucket(n, s.max_carried) for n in range(1, s.max_carried + 1)})
+        families.append(Family("kept caches", tuple(kept), 0))  # helpers only
+    return [f for f in families if f.shapes]
+
+
+def total_programs(families: list[Family]) -> int:
+    return sum(f.programs for f in families)
+
+
+def plan_report(cfg, mode: str | None = None, backend: str | None = None) -> dict:
+    """``oppo-jax compile-plan``'s report: the programs by family and their total."""
+    schedule = Schedule.named(mode or cfg.pipeline.mode)
+    families = plan_programs(run_shapes(cfg, schedule, backend))
+    return {
+        "mode": schedule.name,
+        "backend": backend,
+        "programs": total_programs(families),
+        "families": [
+            {
+                "name": f.name,
+                "programs": f.programs,
+                "shapes": [list(x) if isinstance(x, tuple) else x for x in f.shapes],
+            }
+            for f in families
+        ],
+    }

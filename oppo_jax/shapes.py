@@ -1,0 +1,215 @@
+"""The shape rules: every size a compiled kernel can be called at, as a pure function of the
+config's sizes and the step's lengths (NumPy and ints only; no JAX, no models).
+
+One home for them: the kernels' host planners, the warm-up and ``oppo-jax compile-plan``
+(``pipeline.compile_plan``), the token accounting, the memory report and the simulator all
+import these functions, so a rule changed here changes every one of them.
+
+The budget they keep: a run compiles a small, fixed set of programs, whatever its B, Δ or
+lengths. Where work follows the data it is a fixed-shape call looped a variable number of
+times from the host (``score_calls``: sync's packed scoring, ``chunk_groups``: a streamed
+chunk's packed tokens), or a length passed as data; where a shape must vary, a power of two
+(``pow2_at_least``, ``live_width``, ``row_bucket``). ``bucket_up`` (several sizes per doubling)
+remains only for the packed update's chunk rows, whose set of sizes is small at the configs'
+microbatch sizes (``pipeline.compile_plan`` counts it).
+
+Dimension letters: B sequences, S slots, C chunk width, L = P + R padded sequence width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MIN_LIVE_WIDTH = 16  # the narrowest live cache width: shorter contexts share one program
+MIN_ROW_WIDTH = 16  # packed rows' widths are multiples of this many tokens
+# Sizes per doubling of ``bucket_up`` (the packed update's chunk rows), per backend: eight on
+# an accelerator (at most a ninth of a bucket wasted), four on a CPU (a fifth), where each
+# program costs seconds of warm-up for compute a tiny model hardly notices.
+ACCELERATOR_BUCKET_STEPS = 8
+CPU_BUCKET_STEPS = 4
+# A streamed chunk's packed scoring calls hold at most S·C / CHUNK_SPLIT tokens each: a chunk
+# whose slots all decode runs CHUNK_SPLIT calls, one with few live slots one, and at most one
+# call's budget of a chunk is padding.
+CHUNK_SPLIT = 8
+# Sync's packed scoring calls hold at most B / SCORE_SPLIT rows of L tokens (a power of two):
+# a batch runs about SCORE_SPLIT calls, the last one partly padding.
+SCORE_SPLIT = 8
+
+
+def pow2_at_least(n: int | float, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, floor). Example: 5 -> 8, 16 -> 16, 0 -> 1."""
+    n = max(int(np.ceil(n)), floor, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def bucket_steps(backend: str | None = None) -> int:
+    """Sizes per doubling of ``bucket_up`` on ``backend`` ("cpu", "gpu", "tpu"; default:
+    JAX's default backend, where the kernels run): four on a CPU, eight elsewhere."""
+    if backend is None:
+        import jax  # only to ask where the kernels run
+
+        backend = jax.default_backend()
+    return CPU_BUCKET_STEPS if backend == "cpu" else ACCELERATOR_BUCKET_STEPS
+
+
+def bucket_up(n: int | float, granule: int = 1, steps: int | None = None) -> int:
+    """Smallest ``granule · b >= n`` with b on a grid of ``steps`` sizes per doubling: above
+    2 units, b rounds up to a multiple of the largest power of two below ``units`` divided by
+    ``steps`` (at least 1). Steps 8: b in {1, ..., 16, 18, 20, ..., 32, 36, 40, ...}; steps 4:
+    {1, ..., 8, 10, 12, 14, 16, 20, 24, ...}; steps 2: {1, 2, 3, 4, 6, 8, 12, 16, ...}.
+    ``steps`` defaults to the backend's (``bucket_steps``).
+
+    Example (steps 8): granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 65 -> 80, 145 -> 160;
+    granule 1: 17 -> 18, 33 -> 36; steps 4: 17 -> 20; steps 2: 65 -> 96.
+    """
+    steps = bucket_steps() if steps is None else steps
+    units = max(-(-int(np.ceil(n)) // granule), 1)
+    step = max((1 << ((units - 1).bit_length() - 1)) // steps, 1) if units > 2 else 1
+    return -(-units // step) * step * granule
+
+
+def live_width(longest: int, capacity: int) -> int:
+    """Cache columns to read when no token of the call sits at a position >= ``longest``: the
+    next power of two (at least ``MIN_LIVE_WIDTH``), capped at the capacity.
+
+    Example: capacity 528 -> longest 70 gives 128, 300 gives 512, 520 gives 528, 5 gives 16.
+    """
+    if capacity < 1:
+        raise ValueError(f"cache capacity must be positive, got {capacity}")
+    return min(pow2_at_least(longest, MIN_LIVE_WIDTH), capacity)
+
+
+def live_widths(capacity: int) -> tuple[int, ...]:
+    """Every width ``live_width`` can return for this capacity. Example: 100 -> (16, 32, 64,
+    100)."""
+    widths, width = [], MIN_LIVE_WIDTH
+    while width < capacity:
+        widths.append(width)
+        width *= 2
+    return (*widths, capacity)
+
+
+def row_bucket(rows: int, num_slots: int) -> int:
+    """Leading slots a replay chunk runs over: 0, or a power of two >= 4, capped at S.
+    Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8, 8 -> 8, 9 -> 16, 17 -> 24."""
+    if rows <= 0:
+        return 0
+    return min(max(4, 1 << (int(rows) - 1).bit_length()), num_slots)
+
+
+def first_fit_decreasing(lengths, width: int) -> list[list[int]]:
+    """Bins (rows) of item indices, each holding at most ``width``: longest first, each into
+    the first row with room. Deterministic (ties keep index order).
+
+    Example: lengths [5, 3, 4, 2], width 8 -> [[0, 1], [2, 3]].
+    """
+    lengths = np.asarray(lengths)
+    rows: list[list[int]] = []
+    room = np.empty(len(lengths), np.int64)
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        fits = np.flatnonzero(room[: len(rows)] >= n)
+        if fits.size:
+            rows[fits[0]].append(int(i))
+            room[fits[0]] -= n
+        else:
+            room[len(rows)] = width - n
+            rows.append([int(i)])
+    return rows
+
+
+# --- sync's packed scoring (scoring.packed): rows of one width, a fixed number per call ---
+
+
+def score_width(full_width: int) -> int:
+    """T, the packed scoring rows' width: L rounded up to ``MIN_ROW_WIDTH`` (any sequence fits
+    a row). Example: 80 -> 80, 90 -> 96."""
+    return -(-full_width // MIN_ROW_WIDTH) * MIN_ROW_WIDTH
+
+
+def score_rows_per_call(batch_size: int) -> int:
+    """N, the rows of every packed scoring call: pow2(B / ``SCORE_SPLIT``). Example: B 16 ->
+    2, 112 -> 16, 4 -> 1."""
+    return pow2_at_least(batch_size / SCORE_SPLIT)
+
+
+def score_calls(lengths, full_width: int, batch_size: int) -> list[list[list[int]]]:
+    """Sync's packed scoring of sequences of ``lengths`` (prompt + response): their first-fit
+    decreasing rows of ``score_width``, dealt ``score_rows_per_call`` at a time to calls of
+    one shape. Returns each call's rows (lists of sequence indices).
+
+    Example: lengths [70, 10, 60, 20, 5], L 80, B 8 (one row a call): rows [0, 1], [2, 3],
+    [4] -> [[[0, 1]], [[2, 3]], [[4]]].
+    """
+    rows = first_fit_decreasing(lengths, score_width(full_width))
+    per_call = score_rows_per_call(batch_size)
+    return [rows[i : i + per_call] for i in range(0, len(rows), per_call)]
+
+
+# --- a streamed chunk's packed scoring (scoring.packed_chunks): one budget per call ---
+
+
+def chunk_budget(num_slots: int, chunk_width: int) -> tuple[int, int]:
+    """(N rows, M tokens) of every packed call of a streamed chunk of S slots x C columns:
+    M = pow2(S·C / ``CHUNK_SPLIT``), at least C, at most S·C; N = min(S, 2·M / C), rows of
+    slots with fewer than C new tokens leaving room for more of them.
+
+    Example: S 20, C 16 -> (8, 64); S 120, C 256 -> (32, 4096); S 4, C 8 -> (2, 8).
+    """
+    whole = num_slots * chunk_width
+    tokens = min(max(pow2_at_least(whole / CHUNK_SPLIT), chunk_width), whole)
+    return min(num_slots, max(1, 2 * tokens // chunk_width)), tokens
+
+
+def chunk_groups(counts, chunk_width: int) -> list[list[int]]:
+    """The slots with new tokens (``counts`` [S], each at most C) dealt in slot order to the
+    chunk's packed calls, each within ``chunk_budget``'s N rows and M tokens; [] when no slot
+    has a token.
+
+    Example: counts [16, 0, 4, 4, 16, 3, 0, 0], C 16 (budget (2, 16)) -> [[0], [2, 3], [4],
+    [5]].
+    """
+    counts = np.asarray(counts)
+    rows, tokens = chunk_budget(counts.shape[0], chunk_width)
+    groups: list[list[int]] = []
+    used = tokens + 1  # forces a first group
+    for slot in np.flatnonzero(counts > 0):
+        n = int(counts[slot])
+        if used + n > tokens or len(groups[-1]) == rows:
+            groups.append([])
+            used = 0
+        groups[-1].append(int(slot))
+        used += n
+    return groups
+
+
+# --- the packed update (ppo.packing): chunks of one height, as many as a minibatch can need ---
+
+UPDATE_SPLIT = 4  # an update chunk holds about a quarter of a padded microbatch's tokens
+
+
+def update_row_cap(num_seqs: int, row_multiple: int = 1, width_factor: int = 1) -> int:
+    """Rows of the padded microbatch's tokens: m / k rows of k·L, in whole shards. Example:
+    m 16 -> 16; m 3, k 2 -> 2; m 3, shards 2 -> 4."""
+    rows = -(-num_seqs // width_factor)
+    return -(-rows // row_multiple) * row_multiple
+
+
+def update_chunk_rows(num_seqs: int, row_multiple: int = 1, width_factor: int = 1) -> int:
+    """Rp, the rows of every packed update chunk: pow2(cap / ``UPDATE_SPLIT``) in whole shards,
+    at most ``update_row_cap`` (no chunk computes more than the padded microbatch the config
+    sized its memory for). Example: m 16 -> 4; m 2 -> 1; m 64, shards 4 -> 16."""
+    cap = update_row_cap(num_seqs, row_multiple, width_factor)
+    units = pow2_at_least(-(-num_seqs // width_factor) / (UPDATE_SPLIT * row_multiple))
+    return min(cap, units * row_multiple)
+
+
+def update_chunks(
+    num_seqs: int, chunks: int = 1, row_multiple: int = 1, width_factor: int = 1
+) -> int:
+    """K, the chunks a minibatch of ``chunks`` (A) microbatches of ``num_seqs`` (m) sequences is
+    dealt to: enough Rp-row chunks for the ceil(A·m / k) rows first-fit decreasing can need
+    (any k sequences fit a row of k·L); a chunk holding no sequence does not run. Example:
+    m 16, A 1 -> 4; m 2, A 56 -> 112."""
+    rows = -(-chunks * num_seqs // width_factor)
+    return -(-rows // update_chunk_rows(num_seqs, row_multiple, width_factor))

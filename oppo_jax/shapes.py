@@ -68,7 +68,7 @@ def bucket_up(n: int | float, granule: int = 1, steps: int | None = None) -> int
     return -(-units // step) * step * granule
 
 
-def live_width(longest: int, capacity: int) -> int:
+def live_width(longest: int | float, capacity: int) -> int:
     """Cache columns to read when no token of the call sits at a position >= ``longest``: the
     next power of two (at least ``MIN_LIVE_WIDTH``), capped at the capacity.
 

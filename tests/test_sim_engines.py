@@ -88,8 +88,9 @@ def test_padded_engine_decodes_whole_chunks():
         # Sequences 4 + [32, 3, 5, 9, 12, 1] = [36, 7, 9, 13, 16, 5] in rows of P + R = 68
         # rounded to the granule, 80: first-fit decreasing in 2 rows ([36, 16, 13, 9, 5], [7]).
         ("packed_update", "update_tokens", 2 * 80),
-        # The same sequences in rows of pow2(36) = 64: 2 rows (a power of two) per scorer.
-        ("real_width_scoring", "sync_score_tokens", 3 * 2 * 64),
+        # The same sequences in rows of L = 68 rounded to 80: 2 rows, dealt to calls of
+        # pow2(6 / 8) = 1 row each, per scorer (oppo_jax.shapes.score_calls).
+        ("real_width_scoring", "sync_score_tokens", 3 * 2 * 80),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
         # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.25, 1.5, 1.75} (the

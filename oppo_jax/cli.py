@@ -103,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("compile-plan", help="the programs a run compiles before step 0")
     _config_args(plan)
     plan.add_argument("--mode", default=None, help="schedule (default: pipeline.mode)")
-    plan.add_argument("--backend", default=None, choices=("cpu", "gpu", "tpu"),
-                      help="backend the run targets (default: this machine's)")  # fmt: skip
+    backends = ("cpu", "gpu", "tpu")
+    plan.add_argument("--backend", choices=backends, help="target (default: this machine's)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
     sub.add_parser(

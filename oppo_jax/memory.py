@@ -302,6 +302,13 @@ class Lowering:
     target: str = "cpu"  # the compiler: "cpu" (fake devices) or "tpu-v5p" (memory_target)
 
 
+def _update_shape(packed) -> dict:
+    """The report's packed update shape (Rp, W, N) and its chunks per minibatch K (None, 0:
+    the padded update)."""
+    shape, chunks = packed or (None, 0)
+    return {"packed_update": shape, "packed_update_chunks": chunks}
+
+
 def memory_report(
     models: ReportModels,
     shapes: RunShapes,
@@ -358,7 +365,7 @@ def memory_report(
             for n, m in zip(("actor", "critic", "reward"), (*trained, reward), strict=True)
         },
         "shapes": dataclasses.asdict(shapes)
-        | {"slots_padded": run.slots, "packed_update": run.packed_update_shape},
+        | {"slots_padded": run.slots, **_update_shape(run.packed_update_shape)},
         "note": note,
         "bytes": state,
         "resident": resident,

@@ -111,9 +111,10 @@ def format_table(report: dict) -> str:
         cells = (k[f] for f in fields)
         lines.append(f"| {name} | " + " | ".join(map(fmt, cells)) + " |")
     packed = report["shapes"].get("packed_update")
+    chunks = report["shapes"].get("packed_update_chunks")
     update = (
-        f"the update: packed, at its largest shape {packed[0]} rows x {packed[1]} columns, "
-        f"{packed[2]} response slots"
+        f"the update: packed, at its one shape {packed[0]} rows x {packed[1]} columns, "
+        f"{packed[2]} response slots, {chunks} chunks per minibatch"
         if packed
         else "the update: padded over [B, P + R]"
     )

@@ -240,10 +240,6 @@ class _BatchResharded:
         batch = jax.device_put(batch, self.shardings)
         return self.update(state, batch, key, kl_coef, lengths=lengths)
 
-    def compile_shape(self, state, batch, kl_coef):
-        batch = jax.device_put(batch, self.shardings)
-        return self.update.compile_shape(state, batch, kl_coef)
-
     def __getattr__(self, name: str):
         return getattr(self.__dict__["update"], name)
 

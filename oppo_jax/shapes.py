@@ -89,6 +89,14 @@ def live_widths(capacity: int) -> tuple[int, ...]:
     return (*widths, capacity)
 
 
+def chunk_widths(capacity: int, chunk_size: int) -> tuple[int, ...]:
+    """Every live width a decode chunk of ``chunk_size`` tokens (and the scorer chunk fed with
+    it) can read: ``live_width`` of (longest admitted context + C) over every context
+    1..capacity (later chunks only move further along the same widths).
+    Example: capacity 48, C 8 -> (16, 32, 48); C 32 -> (48,)."""
+    return tuple(sorted({live_width(n + chunk_size, capacity) for n in range(1, capacity + 1)}))
+
+
 def row_bucket(rows: int, num_slots: int) -> int:
     """Leading slots a replay chunk runs over: 0, or a power of two >= 4, capped at S.
     Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8, 8 -> 8, 9 -> 16, 17 -> 24."""
@@ -133,16 +141,17 @@ def score_rows_per_call(batch_size: int) -> int:
     return pow2_at_least(batch_size / SCORE_SPLIT)
 
 
-def score_calls(lengths, full_width: int, batch_size: int) -> list[list[list[int]]]:
+def score_calls(lengths, full_width: int) -> list[list[list[int]]]:
     """Sync's packed scoring of sequences of ``lengths`` (prompt + response): their first-fit
-    decreasing rows of ``score_width``, dealt ``score_rows_per_call`` at a time to calls of
-    one shape. Returns each call's rows (lists of sequence indices).
+    decreasing rows of ``score_width``, dealt ``score_rows_per_call(B)`` at a time (B the
+    number of sequences) to calls of one shape. Returns each call's rows (lists of sequence
+    indices).
 
-    Example: lengths [70, 10, 60, 20, 5], L 80, B 8 (one row a call): rows [0, 1], [2, 3],
+    Example: lengths [70, 10, 60, 20, 5], L 80 (B 5: one row a call): rows [0, 1], [2, 3],
     [4] -> [[[0, 1]], [[2, 3]], [[4]]].
     """
     rows = first_fit_decreasing(lengths, score_width(full_width))
-    per_call = score_rows_per_call(batch_size)
+    per_call = score_rows_per_call(len(lengths))
     return [rows[i : i + per_call] for i in range(0, len(rows), per_call)]
 
 

@@ -92,8 +92,8 @@ def test_kernels_are_compiled_with_positive_temporaries():
 
 
 def test_the_update_is_compiled_packed_at_its_largest_shape():
-    """The run's update (ppo.packed_update, the default): compiled at the packed shape of the
-    most token slots; its arguments are the padded update's but for the plan's indices in
+    """The run's update (ppo.packed_update, the default): compiled at its one packed shape;
+    its arguments are the padded update's but for the plan's indices in
     place of the shuffle key. ppo.packed_update=false compiles the padded one."""
     import dataclasses
 
@@ -104,15 +104,15 @@ def test_the_update_is_compiled_packed_at_its_largest_shape():
     report = _report()
     m = SHAPES.batch_size // 4  # 2 minibatches x 2 accumulation steps
     full = SHAPES.prompt_len + SHAPES.response_len
-    shapes = packed_shapes(m, full, SHAPES.response_len, 16, FSDP, chunks=2)
-    largest = max(shapes, key=lambda sh: (sh[0] * sh[1], sh[2]))
+    largest, count = packed_shapes(m, full, SHAPES.response_len, 16, FSDP, chunks=2)
     assert tuple(report["shapes"]["packed_update"]) == largest
+    assert report["shapes"]["packed_update_chunks"] == count
     ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, grad_accum_steps=2, packed_update=False)
     lowering = Lowering(("update",))
     padded = memory_report(ReportModels(MODEL), SHAPES, ReportSettings((1, FSDP, 1), ppo=ppo),
                            lowering)  # fmt: skip
     assert padded["shapes"]["packed_update"] is None
-    indices = padding_indices((1, 2, 2), largest, 2 * m)
+    indices = padding_indices((1, 2, count), largest, 2 * m)
     index_bytes = sum(np.asarray(x).nbytes for x in dataclasses.astuple(indices))
     got, want = report["kernels"]["update"], padded["kernels"]["update"]
     # jit drops arguments a program never reads (the padded update's key, a few per-row
@@ -120,7 +120,7 @@ def test_the_update_is_compiled_packed_at_its_largest_shape():
     # within them.
     assert abs(got["argument"] - want["argument"] - index_bytes) <= 32
     assert got["temp"] != want["temp"]
-    assert f"packed, at its largest shape {largest[0]} rows x {largest[1]} columns" in (
+    assert f"packed, at its one shape {largest[0]} rows x {largest[1]} columns" in (
         format_table(report)
     )
     assert "the update: padded over [B, P + R]" in format_table(padded)

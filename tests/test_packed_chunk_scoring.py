@@ -35,7 +35,7 @@ from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.scoring.packed_chunks import chunk_shape, padding_plan, plan_chunk
+from oppo_jax.scoring.packed_chunks import padding_plan, plan_chunk
 from oppo_jax.scoring.replay import admit_actor, admit_scorer, plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.shapes import chunk_budget, chunk_groups
@@ -195,7 +195,7 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     # a warm-up's padding plan compiles a shape and changes nothing
     spec, params = specs["critic"]
     before = [np.asarray(x) for x in jax.tree.leaves(live["critic"])]
-    plan = padding_plan(chunk_shape(6, chunk), 6)
+    plan = padding_plan(chunk_budget(6, chunk), 6)
     after, _ = make_scorer_chunk(spec, None, True)(params, live["critic"], emitted, plan)
     for x, y in zip(before, jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)

@@ -6,9 +6,9 @@ import json
 import jax
 import pytest
 
+from oppo_jax.pipeline.compile_plan import compaction_moves
 from oppo_jax.pipeline.slot_map import compaction_floor, step_compaction
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
-from oppo_jax.pipeline.warmup_compaction import compaction_moves
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.run_log import read_metrics
 from oppo_jax.train import train
@@ -33,7 +33,7 @@ class _LivePrefixKernels:
     """Kernels whose decode reads a live width: the next power of two >= 16 of the furthest
     position the chunk can reach, capped at the cache's 48 columns."""
 
-    rollout = _Rollout()
+    rollout, live_prefix = _Rollout(), True
 
     def chunk_width(self, longest, chunk_size, chunks_before):
         reach = longest + (chunks_before + 1) * chunk_size

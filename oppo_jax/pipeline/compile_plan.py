@@ -18,7 +18,7 @@ from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.scoring.kept import kept_bucket
 from oppo_jax.scoring.replay import replay_shapes
-from oppo_jax.shapes import live_width
+from oppo_jax.shapes import chunk_widths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +33,10 @@ class RunShapes:
     response_len: int  # R
     chunk_sizes: tuple[int, ...]  # every C the chunk controller can pick
     scorers: tuple[str, ...]  # roles that score: reference, critic and the reward model if any
-    packs_chunks: bool  # streamed chunks scored packed (the scoring mesh keeps slots whole)
     keeps_frozen: bool  # streaming with carrying keeps the frozen scorers' caches of carried rows
     compaction_floor: int | None  # smallest slot bucket of compaction; None: no compaction
     # ((Rp, W, N), K) of the packed update; None: the padded update (one shape)
     update: tuple | None
-    live_prefix: bool = True  # decode and streamed scoring read the cache's live prefix
 
     @property
     def capacity(self) -> int:
@@ -61,7 +59,6 @@ def run_shapes(cfg, schedule: Schedule | None = None, backend: str | None = None
     slots = -(-(r.batch_size + extra) // shards) * shards
     sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
     scorers = ("reference", "critic", *(("reward",) if cfg.reward.model_weight else ()))
-    scoring_shards = mesh.scoring_devices if p.placement == "disaggregated" else shards
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
     power_of_two = not shards & (shards - 1)
     floor = max(shards, p.compact_min_slots) if compact and power_of_two else None
@@ -86,22 +83,10 @@ def run_shapes(cfg, schedule: Schedule | None = None, backend: str | None = None
         response_len=r.max_response_len,
         chunk_sizes=tuple(sorted(sizes)),
         scorers=scorers,
-        packs_chunks=scoring_shards == 1,
         keeps_frozen=schedule.stream and schedule.carry and extra > 0,
         compaction_floor=floor,
         update=update,
     )
-
-
-def chunk_widths(shapes: RunShapes, chunk_size: int) -> tuple[int | None, ...]:
-    """The live cache widths a decode chunk of ``chunk_size`` tokens (and the scorer chunk fed
-    with it) can read: ``live_width`` of (longest admitted context + C) over every context
-    1..P+R (later chunks only move further along the same widths); (None,) when the kernels
-    read the whole cache. Example: P + R 48, C 8 -> (16, 32, 48); C 32 -> (48,)."""
-    if not shapes.live_prefix:
-        return (None,)
-    cap = shapes.capacity
-    return tuple(sorted({live_width(n + chunk_size, cap) for n in range(1, cap + 1)}))
 
 
 def compaction_moves(slots: int, minimum: int = 1) -> list[tuple[int, int]]:
@@ -136,7 +121,7 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
     Programs of small helpers (gathers, the kept caches' moves, compaction's scatters) are
     not kernels and are left out; slot compaction's decode buckets are in ``decode``."""
     s = shapes
-    widths = {c: chunk_widths(s, c) for c in s.chunk_sizes}
+    widths = {c: chunk_widths(s.capacity, c) for c in s.chunk_sizes}
     chunks = tuple((c, w) for c in s.chunk_sizes for w in widths[c])
     buckets = (s.slots,)
     if s.compaction_floor is not None:
@@ -153,10 +138,16 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
         Family("experience", ("batch",), 1),
         Family("update", (s.update[0] if s.update else "padded",), 1),
     ]
-    if s.keeps_frozen:
-        kept = sorted({kept_bucket(n, s.max_carried) for n in range(1, s.max_carried + 1)})
-        families.append(Family("kept caches", tuple(kept), 0))  # helpers only
     return [f for f in families if f.shapes]
+
+
+def kept_rows(shapes: RunShapes) -> tuple[int, ...]:
+    """Row buckets of the frozen scorers' kept caches (``scoring.kept``) a run can fill; their
+    keep and restore are small gathers, not kernels."""
+    if not shapes.keeps_frozen:
+        return ()
+    carried = range(1, shapes.max_carried + 1)
+    return tuple(sorted({kept_bucket(n, shapes.max_carried) for n in carried}))
 
 
 def total_programs(families: list[Family]) -> int:
@@ -165,6 +156,10 @@ def total_programs(families: list[Family]) -> int:
 
 def plan_report(cfg, mode: str | None = None, backend: str | None = None) -> dict:
     """``oppo-jax compile-plan``'s report: the programs by family and their total."""
+    if backend is None:
+        import jax  # only to ask where the kernels would run
+
+        backend = jax.default_backend()
     schedule = Schedule.named(mode or cfg.pipeline.mode)
     families = plan_programs(run_shapes(cfg, schedule, backend))
     return {

@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from oppo_jax.pipeline.placement import move
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
-from oppo_jax.scoring.packed import PackedBatch, PackPlan, padding_plan, plan_packing, score_packed
-from oppo_jax.scoring.packed_chunks import chunk_shape
-from oppo_jax.scoring.packed_chunks import padding_plan as chunk_padding_plan
+from oppo_jax.scoring.packed import PackedBatch, PackPlan, plan_packing, score_packed
+from oppo_jax.scoring.packed_chunks import padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.shapes import chunk_budget
 from oppo_jax.sharding import batch_shards, to_host, with_rules
 
 
@@ -108,26 +108,6 @@ def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, in
     return out, computed, sum(plan.real_tokens for plan in plans)
 
 
-def compile_packed_scoring(engine, params: dict, batch_size: int, num_slots: int) -> None:
-    """Run every scorer's packed kernel of ``engine`` (a StepEngine) once, at its one shape, on
-    a call that scores nothing (``params``: role -> parameters where the scorers run)."""
-    kernels, on_scoring = engine.kernels, _replicated(engine.placement)
-    r = kernels.rollout
-    full = r.prompt_width + r.max_response_len
-    ones = np.ones(batch_size, np.int32)
-    seqs = np.zeros((batch_size, full), np.int32)
-    seqs, response_len = jax.device_put((seqs, ones), on_scoring)
-    batch = packed_inputs(seqs, response_len, ones, padding_plan(batch_size, full))
-    at = jax.device_put(np.arange(batch_size, dtype=np.int32), on_scoring)
-    outputs = []
-    for role in kernels.scorer_specs.present():
-        spec = getattr(kernels.scorer_specs, role)
-        out = empty_outputs(spec, num_slots, on_scoring)
-        kernel = make_packed_scorer(spec, r.pad_id, num_slots)
-        outputs.append(kernel(params[role], out, batch, at))
-    jax.block_until_ready(outputs)
-
-
 def packs_chunks(engine) -> bool:
     """Whether ``engine``'s (a StepEngine) streaming scorers pack their chunks: switched on
     and on a scoring mesh that does not split the slots (``StepScorers.chunk_plan``)."""
@@ -137,13 +117,13 @@ def packs_chunks(engine) -> bool:
 
 def compile_packed_chunks(engine, role: str, params, state, chunk, kv_width: int | None):
     """Run ``role``'s packed chunk kernel at its one shape for a chunk like ``chunk``
-    (``packed_chunks.chunk_shape``), reading ``kv_width`` columns, on a plan that packs no
+    (``shapes.chunk_budget``), reading ``kv_width`` columns, on a plan that packs no
     token: what a warm-up compiles. Returns the state (donated along, unchanged)."""
     if not packs_chunks(engine):
         return state
     slots, width = chunk.tokens.shape
     kernel = engine.kernels.scorer_chunk(role, kv_width, True)
-    state, _ = kernel(params, state, chunk, chunk_padding_plan(chunk_shape(slots, width), slots))
+    state, _ = kernel(params, state, chunk, padding_plan(chunk_budget(slots, width), slots))
     return state
 
 

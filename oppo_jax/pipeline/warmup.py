@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from oppo_jax import shapes as shape_rules
 from oppo_jax.host_maps import check_map_room
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
-from oppo_jax.pipeline.compile_plan import RunShapes, compaction_moves, plan_programs, run_shapes
-from oppo_jax.pipeline.compile_plan import chunk_widths as compile_chunk_widths
+from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.scoring_kernels import (
     compile_packed_chunks,
@@ -108,9 +108,7 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
         )
     families = {f.name: f for f in plan_programs(shapes)}
     replay = families["replay"].shapes if "replay" in families else ()
-    kept = families["kept caches"].shapes if "kept caches" in families else ()
-    if not engine.keep_frozen_caches:
-        kept = ()
+    kept = kept_rows(shapes) if engine.keep_frozen_caches else ()
     moves = ()
     if floor is not None:
         moves = compaction_moves(slots, floor)
@@ -180,28 +178,11 @@ def compile_kept(ctx, host, state, rows: int) -> None:
 
 def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
     """The live cache widths a decode chunk of ``chunk_size`` tokens can read for these
-    kernels (``compile_plan.chunk_widths``); (None,) when they read the whole cache."""
-    if getattr(kernels, "chunk_width", None) is None:  # absent: decode reads every column
+    kernels (``shapes.chunk_widths``); (None,) when they read the whole cache."""
+    if not getattr(kernels, "live_prefix", False):  # absent: decode reads every column
         return (None,)
     r = kernels.rollout
-    return compile_chunk_widths(
-        RunShapes(
-            False,
-            False,
-            0,
-            0,
-            r.prompt_width,
-            r.max_response_len,
-            (),
-            (),
-            False,
-            False,
-            None,
-            None,
-            live_prefix=getattr(kernels, "live_prefix", True),
-        ),  # fmt: skip
-        chunk_size,
-    )
+    return shape_rules.chunk_widths(r.prompt_width + r.max_response_len, chunk_size)
 
 
 def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | None) -> None:

@@ -21,24 +21,11 @@ import types
 import jax
 import jax.numpy as jnp
 
+from oppo_jax.pipeline.compile_plan import compaction_moves
 from oppo_jax.pipeline.scoring_kernels import packs_chunks
 from oppo_jax.pipeline.slot_map import SlotMap
-from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.stream import ScorerStates
-
-
-def compaction_moves(slots: int, minimum: int = 1) -> list[tuple[int, int]]:
-    """Every (rows, bucket) move a decode of ``slots`` (S) slots can make: from S or a bucket
-    reached from it, into each smaller bucket ``compact_bucket`` allows.
-
-    Example: S 8 -> [(8, 1), (8, 2), (8, 4), (4, 1), (4, 2), (2, 1)].
-    """
-
-    def into(n: int) -> list[int]:
-        return sorted({b for r in range(n + 1) if (b := compact_bucket(r, n, minimum))})
-
-    return [(n, b) for n in [slots, *reversed(into(slots))] for b in into(n)]
 
 
 class _Scorers(types.SimpleNamespace):

@@ -39,7 +39,6 @@ from oppo_jax.ppo.packing import (
     host_lengths,
     microbatch_rows,
     packed_shapes,
-    padding_indices,
     plan_packing,
 )
 from oppo_jax.ppo.update import (
@@ -180,16 +179,6 @@ class PackedUpdate:
             chunks=ppo.grad_accum_steps,
             width_factor=ppo.pack_width_factor,
         )
-
-    def compile_shape(self, state, batch: PPOBatch, kl_coef):
-        """Run the jitted update once at its one shape on a plan of padding only, so that a
-        step finds it compiled. ``state`` is donated: pass a throwaway copy."""
-        ppo = self.spec.ppo
-        rows, full = batch.tokens.shape
-        shape, count = self.shape(rows, full, batch.response_len)
-        outer = (ppo.ppo_epochs, ppo.num_minibatches, count)
-        indices = padding_indices(outer, shape, rows // ppo.num_minibatches)
-        return self.jitted(state, batch, indices, kl_coef)
 
     def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
         plan = self.plan(batch, key, lengths)

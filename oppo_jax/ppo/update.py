@@ -229,13 +229,12 @@ def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, para
         branches = (lambda _: nan_like(shapes), lambda _: zeros_like(shapes), compute)
         return jax.lax.switch(branch, branches, mb)
 
-    # A (the config's accumulation steps) divides the sum, whatever the number of parts: the
-    # packed update deals a minibatch to K chunks of one height (ppo.packing), K not A.
+    # A divides the sum, whatever the parts (packed: K >= A chunks); one part means A = 1.
     steps = spec.ppo.grad_accum_steps
     shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
     if jax.tree.leaves(parts)[0].shape[0] == 1:  # no accumulator: one parameter-sized buffer less
         grads, aux = guarded(jax.tree.map(lambda x: x[0], parts))
-        return jax.tree.map(lambda g: g / steps, grads), jax.tree.map(lambda v: v[None], aux)
+        return grads, jax.tree.map(lambda v: v[None], aux)
 
     def micro(carry, mb):
         grads, aux = guarded(mb)
@@ -266,8 +265,7 @@ def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, 
     params = (state.actor_params, state.critic_params)
     losses = lora.over_frozen(losses, state.frozen)  # differentiate the trained tree only
     grads, aux = _gradients(spec, losses, layout, kl_coef, batch_ok, params, parts)
-    # Each part's metrics are its share of the microbatches' mean (summed over the parts and
-    # divided by A, as the gradients): the padded update's parts are A microbatches.
+    # Each part's metrics are its share of the mean over A microbatches (as the gradients).
     metrics = jax.tree.map(lambda v: jnp.sum(v) / spec.ppo.grad_accum_steps, aux)
     # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
     metrics["actor_grad_norm"] = optax.tree.norm(grads[0])

@@ -69,7 +69,7 @@ def plan_packing(lengths, max_width: int) -> list[PackPlan]:
         raise ValueError(f"sequence lengths must lie in [1, {max_width}], got {lengths.tolist()}")
     rows, width = score_rows_per_call(lengths.size), score_width(max_width)
     plans = []
-    for call in score_calls(lengths, max_width, lengths.size):
+    for call in score_calls(lengths, max_width):
         seq = np.full((rows, width), -1, np.int32)
         col = np.zeros((rows, width), np.int32)
         row = np.full(lengths.size, rows, np.int32)
@@ -83,16 +83,6 @@ def plan_packing(lengths, max_width: int) -> list[PackPlan]:
                 start += n
         plans.append(PackPlan(seq, col, row, offset))
     return plans
-
-
-def padding_plan(num_seqs: int, max_width: int) -> PackPlan:
-    """A call of the one packed shape for ``num_seqs`` sequences that scores none of them:
-    a warm-up's input."""
-    rows, width = score_rows_per_call(num_seqs), score_width(max_width)
-    none = np.zeros(num_seqs, np.int32)
-    return PackPlan(
-        np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.int32), none + rows, none
-    )
 
 
 @flax.struct.dataclass

@@ -32,11 +32,6 @@ from oppo_jax.shapes import chunk_budget, chunk_groups
 from oppo_jax.sharding import constrain_slots
 
 
-def chunk_shape(slots: int, width: int) -> tuple[int, int]:
-    """(N, M) of every packed call of a chunk of ``slots`` x ``width``: its one shape."""
-    return chunk_budget(slots, width)
-
-
 def plan_chunk(counts: np.ndarray, width: int) -> list[dict[str, np.ndarray]]:
     """The host arrays of each packed call's ``ChunkLayout`` for a chunk with these ``counts``
     [S] (``shapes.chunk_groups``; [] when no slot has a token). Padding rows name slot S,

@@ -176,7 +176,7 @@ def score_tokens(lengths, full: int, steps: int = BUCKET_STEPS) -> int:
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
-    calls = engine_shapes.score_calls(lengths, full, lengths.size)
+    calls = engine_shapes.score_calls(lengths, full)
     return (
         len(calls)
         * engine_shapes.score_rows_per_call(lengths.size)

@@ -139,8 +139,7 @@ class _Run:
 
     @functools.cached_property
     def packed_update_shape(self):
-        """((Rp, W, N), K): the packed update's one shape and chunks per minibatch
-        (``PackedUpdate.shape``); None for the padded update."""
+        """((Rp, W, N), K) of the packed update (``PackedUpdate.shape``); None if padded."""
         if not self.spec.ppo.packed_update:
             return None
         s = self.shapes
@@ -303,8 +302,7 @@ class Lowering:
 
 
 def _update_shape(packed) -> dict:
-    """The report's packed update shape (Rp, W, N) and its chunks per minibatch K (None, 0:
-    the padded update)."""
+    """The packed update's (Rp, W, N) and chunks per minibatch K (None, 0: the padded one)."""
     shape, chunks = packed or (None, 0)
     return {"packed_update": shape, "packed_update_chunks": chunks}
 

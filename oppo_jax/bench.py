@@ -28,7 +28,6 @@ from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
-from oppo_jax.shapes import bucket_steps
 from oppo_jax.sim.trace import step_trace
 from oppo_jax.train import train_step
 
@@ -152,8 +151,8 @@ def run_bench(
             )
             record["compiles"], record["compile_s"] = compiles.take()
             if step >= warmup:  # the first steps compile
-                prompt_width, steps = cfg.rollout.max_prompt_len, bucket_steps()
-                record["trace"] = step_trace(result, carried, prompt_width, compacted, steps)
+                prompt_width = cfg.rollout.max_prompt_len
+                record["trace"] = step_trace(result, carried, prompt_width, compacted)
                 lane.records.append(record)
                 lane.events = result.events
             bar.update(1)

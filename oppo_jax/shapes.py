@@ -9,9 +9,8 @@ The budget they keep: a run compiles a small, fixed set of programs, whatever it
 lengths. Where work follows the data it is a fixed-shape call looped a variable number of
 times from the host (``score_calls``: sync's packed scoring, ``chunk_groups``: a streamed
 chunk's packed tokens), or a length passed as data; where a shape must vary, a power of two
-(``pow2_at_least``, ``live_width``, ``row_bucket``). ``bucket_up`` (several sizes per doubling)
-remains only for the packed update's chunk rows, whose set of sizes is small at the configs'
-microbatch sizes (``pipeline.compile_plan`` counts it).
+(``pow2_at_least``, ``live_width``, ``row_bucket``); the packed update's chunks have one height
+(``update_chunk_rows``), as many running as a minibatch needs.
 
 Dimension letters: B sequences, S slots, C chunk width, L = P + R padded sequence width.
 """
@@ -22,50 +21,24 @@ import numpy as np
 
 MIN_LIVE_WIDTH = 16  # the narrowest live cache width: shorter contexts share one program
 MIN_ROW_WIDTH = 16  # packed rows' widths are multiples of this many tokens
-# Sizes per doubling of ``bucket_up`` (the packed update's chunk rows), per backend: eight on
-# an accelerator (at most a ninth of a bucket wasted), four on a CPU (a fifth), where each
-# program costs seconds of warm-up for compute a tiny model hardly notices.
-ACCELERATOR_BUCKET_STEPS = 8
-CPU_BUCKET_STEPS = 4
-# A streamed chunk's packed scoring calls hold at most S·C / CHUNK_SPLIT tokens each: a chunk
-# whose slots all decode runs CHUNK_SPLIT calls, one with few live slots one, and at most one
-# call's budget of a chunk is padding.
-CHUNK_SPLIT = 8
-# Sync's packed scoring calls hold at most B / SCORE_SPLIT rows of L tokens (a power of two):
-# a batch runs about SCORE_SPLIT calls, the last one partly padding.
-SCORE_SPLIT = 8
+# A streamed chunk's packed scoring calls hold pow2(S·C / CHUNK_SPLIT) tokens, at least one
+# slot's C: a chunk whose slots all decode
+# runs about CHUNK_SPLIT calls, the long tail's few live slots one, and at most one call's budget
+# of a chunk is padding. 32 keeps the tail's calls near its real tokens: at the 7B configs'
+# S 120, C 256 a call is 1024 tokens, four slots' chunks (with 8, 4096: the simulator's labelled
+# one-epoch regime map then drifts up to 0.071 from the token-proportional engine's; 32: 0.02).
+CHUNK_SPLIT = 32
+# Sync's packed scoring calls hold pow2(B / SCORE_SPLIT) rows of L tokens: a batch runs about
+# SCORE_SPLIT / (sequences per row) calls, the last one partly padding (at 7B, B 112: 4 rows
+# of 1536 a call; with 8, 16 rows a call left up to 15 empty, and the simulator's built sync
+# step at the 7B GH200 config came to 1.32x the token-proportional engine's).
+SCORE_SPLIT = 32
 
 
 def pow2_at_least(n: int | float, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor). Example: 5 -> 8, 16 -> 16, 0 -> 1."""
     n = max(int(np.ceil(n)), floor, 1)
     return 1 << (n - 1).bit_length()
-
-
-def bucket_steps(backend: str | None = None) -> int:
-    """Sizes per doubling of ``bucket_up`` on ``backend`` ("cpu", "gpu", "tpu"; default:
-    JAX's default backend, where the kernels run): four on a CPU, eight elsewhere."""
-    if backend is None:
-        import jax  # only to ask where the kernels run
-
-        backend = jax.default_backend()
-    return CPU_BUCKET_STEPS if backend == "cpu" else ACCELERATOR_BUCKET_STEPS
-
-
-def bucket_up(n: int | float, granule: int = 1, steps: int | None = None) -> int:
-    """Smallest ``granule · b >= n`` with b on a grid of ``steps`` sizes per doubling: above
-    2 units, b rounds up to a multiple of the largest power of two below ``units`` divided by
-    ``steps`` (at least 1). Steps 8: b in {1, ..., 16, 18, 20, ..., 32, 36, 40, ...}; steps 4:
-    {1, ..., 8, 10, 12, 14, 16, 20, 24, ...}; steps 2: {1, 2, 3, 4, 6, 8, 12, 16, ...}.
-    ``steps`` defaults to the backend's (``bucket_steps``).
-
-    Example (steps 8): granule 16: 1 -> 16, 17 -> 32, 33 -> 48, 65 -> 80, 145 -> 160;
-    granule 1: 17 -> 18, 33 -> 36; steps 4: 17 -> 20; steps 2: 65 -> 96.
-    """
-    steps = bucket_steps() if steps is None else steps
-    units = max(-(-int(np.ceil(n)) // granule), 1)
-    step = max((1 << ((units - 1).bit_length() - 1)) // steps, 1) if units > 2 else 1
-    return -(-units // step) * step * granule
 
 
 def live_width(longest: int | float, capacity: int) -> int:
@@ -137,7 +110,7 @@ def score_width(full_width: int) -> int:
 
 def score_rows_per_call(batch_size: int) -> int:
     """N, the rows of every packed scoring call: pow2(B / ``SCORE_SPLIT``). Example: B 16 ->
-    2, 112 -> 16, 4 -> 1."""
+    1, 112 -> 4, 256 -> 8."""
     return pow2_at_least(batch_size / SCORE_SPLIT)
 
 
@@ -160,13 +133,13 @@ def score_calls(lengths, full_width: int) -> list[list[list[int]]]:
 
 def chunk_budget(num_slots: int, chunk_width: int) -> tuple[int, int]:
     """(N rows, M tokens) of every packed call of a streamed chunk of S slots x C columns:
-    M = pow2(S·C / ``CHUNK_SPLIT``), at least C, at most S·C; N = min(S, 2·M / C), rows of
-    slots with fewer than C new tokens leaving room for more of them.
+    M = pow2(S·C / ``CHUNK_SPLIT``), at least C; N = min(S, 2·M / C), rows of slots with fewer
+    than C new tokens leaving room for more.
 
-    Example: S 20, C 16 -> (8, 64); S 120, C 256 -> (32, 4096); S 4, C 8 -> (2, 8).
+    Example: S 24, C 16 -> (2, 16); S 120, C 256 -> (8, 1024); S 64, C 32 -> (4, 64).
     """
     whole = num_slots * chunk_width
-    tokens = min(max(pow2_at_least(whole / CHUNK_SPLIT), chunk_width), whole)
+    tokens = max(pow2_at_least(whole / CHUNK_SPLIT), chunk_width)
     return min(num_slots, max(1, 2 * tokens // chunk_width)), tokens
 
 
@@ -194,7 +167,19 @@ def chunk_groups(counts, chunk_width: int) -> list[list[int]]:
 
 # --- the packed update (ppo.packing): chunks of one height, as many as a minibatch can need ---
 
-UPDATE_SPLIT = 4  # an update chunk holds about a quarter of a padded microbatch's tokens
+
+def packed_width(full_width: int, granule: int, factor: int = 1) -> int:
+    """W: ``factor`` x the padded width L rounded up to a multiple of ``granule`` (the longest
+    sequence fits one row; with factor k any k do). Example: L 48, granule 16 -> 48; L 50 ->
+    64; L 50, factor 2 -> 112."""
+    return -(-factor * full_width // granule) * granule
+
+
+# An update chunk holds pow2(m / UPDATE_SPLIT) rows (m sequences a microbatch), at least one:
+# the last chunk of a minibatch is the only one partly padding, under Rp rows. 64: one row at
+# the 7B configs' m of 2 and 4 and the demo's 16, two at the labelled setting's 112 (4 and 16
+# left the simulator's one-epoch regime map 0.06-0.09 from the token-proportional engine's).
+UPDATE_SPLIT = 64
 
 
 def update_row_cap(num_seqs: int, row_multiple: int = 1, width_factor: int = 1) -> int:
@@ -207,7 +192,7 @@ def update_row_cap(num_seqs: int, row_multiple: int = 1, width_factor: int = 1) 
 def update_chunk_rows(num_seqs: int, row_multiple: int = 1, width_factor: int = 1) -> int:
     """Rp, the rows of every packed update chunk: pow2(cap / ``UPDATE_SPLIT``) in whole shards,
     at most ``update_row_cap`` (no chunk computes more than the padded microbatch the config
-    sized its memory for). Example: m 16 -> 4; m 2 -> 1; m 64, shards 4 -> 16."""
+    sized its memory for). Example: m 16 -> 1; m 112 -> 2; m 64, shards 4 -> 4."""
     cap = update_row_cap(num_seqs, row_multiple, width_factor)
     units = pow2_at_least(-(-num_seqs // width_factor) / (UPDATE_SPLIT * row_multiple))
     return min(cap, units * row_multiple)
@@ -219,6 +204,6 @@ def update_chunks(
     """K, the chunks a minibatch of ``chunks`` (A) microbatches of ``num_seqs`` (m) sequences is
     dealt to: enough Rp-row chunks for the ceil(A·m / k) rows first-fit decreasing can need
     (any k sequences fit a row of k·L); a chunk holding no sequence does not run. Example:
-    m 16, A 1 -> 4; m 2, A 56 -> 112."""
+    m 16, A 1 -> 16; m 2, A 56 -> 112."""
     rows = -(-chunks * num_seqs // width_factor)
     return -(-rows // update_chunk_rows(num_seqs, row_multiple, width_factor))

@@ -54,12 +54,12 @@ P, R = 4, 20
 
 
 def test_chunk_budget_and_groups_on_hand_counted_cases():
-    # S 24, C 8: S·C 192 -> M = pow2(192 / 8) = 32 tokens, N = 2 x 32 / 8 = 8 rows a call
-    assert chunk_budget(24, 8) == (8, 32)
-    assert chunk_budget(20, 16) == (8, 64) and chunk_budget(4, 8) == (2, 8)
+    # M = pow2(S·C / 32) tokens, at least C; N = min(S, 2·M / C) rows
+    assert chunk_budget(120, 256) == (8, 1024)  # the 7B configs' streamed calls
+    assert chunk_budget(64, 32) == (4, 64) and chunk_budget(24, 8) == (2, 8)
     counts = np.zeros(24, int)
-    counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots
-    assert chunk_groups(counts, 8) == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]  # 8 rows at most a call
+    counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots, calls of 2 rows, 8 tokens
+    assert chunk_groups(counts, 8) == [[0], [1, 2], [3, 4], [5, 6], [7, 8]]
     assert chunk_groups(np.zeros(24, int), 8) == []  # nothing to score: no call
     [plan] = plan_chunk(np.array([0, 3, 0, 1]), 4)  # S 4, C 4: budget (2, 4)
     assert plan["rows"].tolist() == [1, 3] and plan["count"].tolist() == [3, 1]

@@ -37,7 +37,7 @@ from oppo_jax.ppo.update import (
     init_train_state,
 )
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
-from oppo_jax.shapes import bucket_steps, bucket_up, first_fit_decreasing
+from oppo_jax.shapes import first_fit_decreasing, update_chunk_rows, update_chunks
 from oppo_jax.sharding import make_device_groups, make_mesh
 from tests.hf_fixtures import save_tiny_hf_model
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
@@ -251,16 +251,13 @@ def test_sharded_packed_update_equals_single_device(root):
     assert got["actor"] <= 1e-5 and got["critic"] <= 1e-5 and got["loss"] <= 1e-5, got
 
 
-def test_bucket_and_first_fit():
-    # eight sizes per doubling (an accelerator's): every count to 16, then 2^k·{1, 1.125, ...};
-    # four (a CPU's, the default here): 2^k·{1, 1.25, 1.5, 1.75}; two: 2^k, 1.5·2^k
-    assert (bucket_steps("gpu"), bucket_steps("tpu"), bucket_steps("cpu")) == (8, 8, 4)
-    got = [bucket_up(n, steps=8) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
-    assert got == [1, 2, 3, 5, 7, 9, 11, 13, 18, 36]
-    got = [bucket_up(n) for n in (1, 2, 3, 5, 7, 9, 11, 13, 17, 33)]
-    assert got == [1, 2, 3, 5, 7, 10, 12, 14, 20, 40]
-    assert [bucket_up(n, steps=2) for n in (3, 5, 7, 9, 13)] == [3, 6, 8, 12, 16]
-    assert [bucket_up(n, 16) for n in (0, 16, 17, 33, 65, 145)] == [16, 16, 32, 48, 80, 160]
+def test_chunk_heights_and_first_fit():
+    # one height a config: pow2(m / 64) rows, at least one, in whole shards, at most m / k
+    assert [update_chunk_rows(m) for m in (1, 4, 16, 64, 112, 256)] == [1, 1, 1, 1, 2, 4]
+    assert update_chunk_rows(112, row_multiple=4) == 4 and update_chunk_rows(3, 1, 2) == 1
+    # K: enough chunks for the A·m / k rows first-fit may need
+    assert update_chunks(16) == 16 and update_chunks(2, 56) == 112
+    assert update_chunks(112, 2, 1, 2) == 112  # rows of 2L: 112 of them, one a chunk
     assert first_fit_decreasing(np.array([5, 3, 4, 2]), 8) == [[0, 1], [2, 3]]
     assert first_fit_decreasing(np.array([8, 8]), 8) == [[0], [1]]
 

@@ -9,7 +9,6 @@ lowering at the 7B config's packed-update shapes: three Triton calls, no [T, T] 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -269,8 +268,8 @@ def test_a_mesh_that_splits_query_groups_is_a_clear_error():
 
 
 def test_sync_packed_scoring_with_it_equals_xla_and_each_sequences_own_forward(monkeypatch):
-    """Sync's packed scoring (scoring.packed: rows of pow2(longest), padding -1, whole rows of
-    it in the row bucket) through the kernel: reference log-probs equal XLA's packed scoring
+    """Sync's packed scoring (scoring.packed: rows of L, padding -1, whole rows of it in a
+    call's unused rows) through the kernel: reference log-probs equal XLA's packed scoring
     and each sequence's own padded forward within 1e-5."""
     from oppo_jax.models import init_params
     from oppo_jax.models.model_config import ModelConfig
@@ -290,17 +289,19 @@ def test_sync_packed_scoring_with_it_equals_xla_and_each_sequences_own_forward(m
         prompts[b, : prompt_len[b]] = rng.integers(2, 64, prompt_len[b])
         response[b, : resp_len[b]] = rng.integers(2, 64, resp_len[b])
     seqs = assemble_sequences(*map(jnp.asarray, (prompts, prompt_len, response, resp_len)))
-    # Four row sizes per doubling (a CPU's, pinned here) put the 9 rows first-fit needs into a
-    # bucket of 10: one row of padding only, which the kernel must skip (an accelerator's
-    # eight sizes would give 9).
-    import oppo_jax.scoring.packed as packed_scoring
-    from oppo_jax.ppo.packing import bucket_up
-
-    monkeypatch.setattr(packed_scoring, "bucket_up", functools.partial(bucket_up, steps=4))
-    plan = plan_packing(prompt_len + resp_len, seqs.shape[1])
-    assert plan.seq.shape == (10, 32) and (plan.seq < 0).all(axis=1).any()  # a row of padding
+    # The calls' rows (one a call for B 9) gathered into one batch with a row of padding only
+    # after them, which the kernel must skip.
+    plans = plan_packing(prompt_len + resp_len, seqs.shape[1])
+    width = plans[0].seq.shape[1]
+    seq = np.concatenate([p.seq for p in plans] + [np.full((1, width), -1, np.int32)])
+    col = np.concatenate([p.col for p in plans] + [np.zeros((1, width), np.int32)])
+    call = np.argmax(np.stack([p.in_call for p in plans]), axis=0)  # the call of each sequence
+    rows_before = np.cumsum([0] + [p.seq.shape[0] for p in plans])[call]
+    row = rows_before + np.choose(call, [p.row for p in plans])
+    offset = np.choose(call, [p.offset for p in plans])
+    assert seq.shape == (len(plans) + 1, 32) and (seq < 0).all(axis=1).any()  # a padding row
     batch = PackedBatch(seqs, jnp.asarray(prompt_len), jnp.asarray(resp_len),
-                        *map(jnp.asarray, (plan.seq, plan.col, plan.row, plan.offset)))  # fmt: skip
+                        *map(jnp.asarray, (seq, col, row, offset)))  # fmt: skip
     traced, real = [], sa.segment_attention
     monkeypatch.setattr(
         sa, "segment_attention", lambda *a, **kw: traced.append(1) or real(*a, **kw)

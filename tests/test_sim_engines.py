@@ -93,10 +93,10 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 80),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks' real tokens (43 and 13) packed into 2^k·{1, 1.25, 1.5, 1.75} (the
-        # CPU's four sizes per doubling; at least pow2(S·C) / 16 = 4): 43 into 48 (below the
-        # whole [8, 8] chunk's 64), 13 into 14.
-        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 14]),
+        # Streamed chunks' real tokens (43 and 13) in calls of one budget (oppo_jax.shapes.
+        # chunk_budget: pow2(S·C / 32) = 2 tokens, at least C = 8): 43 in 6 calls, 48 (below
+        # the whole [8, 8] chunk's 64), 13 in 2, 16.
+        ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
     ],
 )
 def test_each_feature_changes_only_its_stage(feature, field, want):
@@ -142,15 +142,6 @@ def test_ragged_decode_reads_each_running_rows_own_context():
     assert built_for("gpu").ragged_decode and built_for("gpu").name == "built"
     assert built_for("gpu").ragged_key_block == RAGGED_KEY_BLOCK
     assert built_for("cpu") == BUILT and not BUILT.ragged_decode
-    # Eight sizes per doubling on accelerators, four on a CPU (ppo.packing.bucket_steps): the
-    # streamed chunks' 43 and 13 real tokens packed into 44 and 13 instead of 48 and 14.
-    assert (built_for("gpu").bucket_steps, built_for("tpu").bucket_steps, BUILT.bucket_steps) == (
-        8,
-        8,
-        4,
-    )
-    fine = dataclasses.replace(FIXED.with_features(["packed_chunk_scoring"]), bucket_steps=8)
-    assert step_work(fine, FACTS, 3, 1).score_chunks == [3 * 44, 3 * 13]
     tpu = built_for("tpu")  # and splash's causal blocks in the update
     assert tpu.causal_update_attention and tpu.ragged_decode and tpu.name == "built"
     assert tpu.ragged_key_block == RAGGED_KEY_BLOCK_TPU == 1024
@@ -197,9 +188,9 @@ def test_slot_compaction_stops_at_its_floor_and_follows_the_engines_rule():
 def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots():
     # Six slots finish at 1, one at 5, one at 12; C = 2. Chunks 2 and 3 run in bucket 2, 4 and
     # 5 in bucket 1. Packing scorers stay in the admission's 8 slots (pipeline.slot_map), so
-    # every chunk packs its real tokens over S·C = 16 (floor 1): chunk 0 holds 10 -> 10,
-    # chunk 1 4, chunk 2 3 (slot 6's last and slot 7's two), then 2 each; a compacted chunk
-    # is not scored over its bucket (chunk 2 would be 2 x 2 = 4).
+    # every chunk's real tokens go to calls of the budget for S·C = 16 (pow2(16 / 32) = 1, at
+    # least C = 2 tokens): chunk 0 holds 10 -> 10, chunk 1 4, chunk 2 3 (slot 6's last and slot
+    # 7's two) -> 4, then 2 each; a compacted chunk's budget is not its bucket's.
     facts = dataclasses.replace(
         FACTS, finish=np.array([1] * 6 + [5, 12]), cut=12, chunk=2, chunks=7, carried_rows=0,
         prefix=np.zeros(8, int), width=4,
@@ -207,7 +198,7 @@ def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots()
     engine = FIXED.with_features(["compact_slots", "packed_chunk_scoring"])
     w = step_work(engine, facts, 3, 1)
     assert [d[1] for d in w.decode] == [16, 16, 4, 4, 2, 1, 0]
-    assert w.score_chunks == [3 * 10, 3 * 4, 3 * 3, 3 * 2, 3 * 2, 3 * 2]
+    assert w.score_chunks == [3 * 10, 3 * 4, 3 * 4, 3 * 2, 3 * 2, 3 * 2]
 
 
 def test_built_engine_replays_carried_prefixes():

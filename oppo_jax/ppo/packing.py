@@ -53,6 +53,7 @@ from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.losses import TokenWeights
 from oppo_jax.shapes import (
     first_fit_decreasing,
+    packed_width,
     update_chunk_rows,
     update_chunks,
 )
@@ -100,13 +101,6 @@ class PackPlan:
     tokens_computed: int  # token slots they compute: chunks that run x Rp x W
 
 
-def packed_width(full_width: int, granule: int, factor: int = 1) -> int:
-    """W: ``factor`` x the padded width L rounded up to a multiple of ``granule`` (the longest
-    sequence fits one row; with factor k any k do). Example: L 48, granule 16 -> 48; L 50 ->
-    64; L 50, factor 2 -> 112."""
-    return -(-factor * full_width // granule) * granule
-
-
 def _slots(rows: int, width: int, num_seqs: int, response_width: int, multiple: int) -> int:
     """N for Rp = ``rows``: every token slot could hold a response token, and a chunk holds
     at most the minibatch's ``num_seqs`` x R of them (a multiple of the shards)."""
@@ -126,7 +120,7 @@ def packed_shapes(
     (A) microbatches of ``num_seqs`` (m) sequences, and K, the chunks per minibatch: what a
     warm-up compiles so that no measured step does.
 
-    Example: m 8, L 48, R 32, granule 16, A 1: Rp 2, W 48, N 96; K 4.
+    Example: m 8, L 48, R 32, granule 16, A 1: Rp 1, W 48, N 48; K 8.
     """
     width = packed_width(full_width, granule, width_factor)
     rows = update_chunk_rows(num_seqs, row_multiple, width_factor)

@@ -66,7 +66,7 @@ class Engine:
     compact_slots: bool = False  # slots gathered into pow2(live) once live <= half the slots
     compact_min_slots: int = 1  # the smallest bucket compaction moves into (a power of two)
     kept_scorer_caches: bool = False  # reference and reward keep carried rows' caches
-    # a streamed chunk's real tokens packed into bucket_up >= pow2(S·C) / 16, over S slots
+    # a streamed chunk's real tokens packed into calls of one token budget, over S slots
     # also once compacted (packing.chunk_tokens)
     packed_chunk_scoring: bool = False
     # decode attention per row over its own context (whole key blocks), finished rows none
@@ -82,10 +82,6 @@ class Engine:
     # over leading row buckets (scoring.replay; packing.replay_tokens); False: the split
     # admission (``split_admission``) or every slot at the carried width
     replayed_admission: bool = False
-    # sizes per doubling of the data-bucketed shapes (the update's chunk rows, sync scoring's
-    # rows, streamed chunks' tokens): ppo.packing.bucket_steps, four on a CPU (and in the
-    # recorded benches' engines), eight on an accelerator
-    bucket_steps: int = packing.BUCKET_STEPS
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -152,20 +148,15 @@ def built_for(backend: str) -> Engine:
     """The engine as built on ``backend`` ("gpu", "tpu", "cpu"): ``BUILT``, on a GPU with the
     ragged decode attention and the segment attention of the packed update (both Triton), and
     on a TPU with the ragged decode attention (Mosaic) and splash's causal update attention,
-    the kernels ``model.attention=auto`` picks there; on either, eight sizes per doubling of
-    the data-bucketed shapes (``ppo.packing.bucket_steps``)."""
-    steps = packing.ACCELERATOR_BUCKET_STEPS
+    the kernels ``model.attention=auto`` picks there."""
     if backend == "gpu":
-        return dataclasses.replace(
-            BUILT, ragged_decode=True, segment_update_attention=True, bucket_steps=steps
-        )
+        return dataclasses.replace(BUILT, ragged_decode=True, segment_update_attention=True)
     if backend == "tpu":
         return dataclasses.replace(
             BUILT,
             ragged_decode=True,
             ragged_key_block=packing.RAGGED_KEY_BLOCK_TPU,
             causal_update_attention=True,
-            bucket_steps=steps,
         )
     return BUILT
 

@@ -1,21 +1,18 @@
-"""The engine's packing and width rules, mirrored without JAX, so the simulator counts the shapes
-the built kernels run at (``engines.BUILT``), not an idealised packing.
+"""The tokens the built kernels compute (``engines.BUILT``), counted with the engine's own shape
+rules (``oppo_jax.shapes``, JAX-free), not an idealised packing.
 
 - ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): each
   minibatch's sequences (prompt + response) first-fit-decreasing into rows of one width,
-  P + R rounded up to the 16-token granule, dealt to its A accumulation chunks of one height
-  for the step (the ``bucket_up`` bucket, at the engine's sizes per doubling: eight on an
-  accelerator, 2^k·{1, 1.125, ..., 1.875}, four on a CPU, in units of the batch
-  shards, of the rows A chunks need in the fullest minibatch, at most the m sequences of a
-  microbatch); the chunks holding no sequence do not run (``UpdateGroups``: the config's
-  epochs, minibatches, accumulation steps and shards).
-- ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the batch's
-  sequences first-fit-decreasing into rows of pow2(longest) (at least 16, at most P + R), the
-  row count bucketed by ``bucket_up``; the scorers' admission prefill is skipped.
-- ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): its
-  real tokens rounded up by ``bucket_up`` (the engine's sizes), at least pow2(S·C) / 16,
-  and [S, C] when that is not below S·C. S is the admission's slots even when the decode has
-  compacted: packing scorers stay in that layout (``oppo_jax.pipeline.slot_map``).
+  P + R rounded up to the 16-token granule, dealt to chunks of the engine's one height
+  (``oppo_jax.shapes.update_chunk_rows``); the chunks holding no sequence do not run
+  (``UpdateGroups``: the config's epochs, minibatches, accumulation steps and shards).
+- ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the engine's
+  calls of one shape (``oppo_jax.shapes.score_calls``); the scorers' admission prefill is
+  skipped.
+- ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): whole
+  calls of the engine's token budget (``oppo_jax.shapes.chunk_budget``) over its real tokens.
+  S is the admission's slots even when the decode has compacted: packing scorers stay in that
+  layout (``oppo_jax.pipeline.slot_map``).
 - ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
   a GPU (``models.segment_attention``): per first-fit row, each query block's key blocks from
   its first query's segment start to the diagonal (``row_segment_pairs``).
@@ -36,14 +33,10 @@ import dataclasses
 import numpy as np
 
 from oppo_jax import shapes as engine_shapes
-from oppo_jax.shapes import bucket_up, live_width, pow2_at_least, row_bucket  # noqa: F401
+from oppo_jax.shapes import live_width, pow2_at_least, row_bucket  # noqa: F401
 
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
-# ppo.packing.bucket_steps: sizes per doubling of data-bucketed shapes, per backend (an
-# engine's ``bucket_steps``); the CPU's is the default here
-BUCKET_STEPS = 4
-ACCELERATOR_BUCKET_STEPS = 8
 RAGGED_KEY_BLOCK = 128  # models.ragged_decode.KEY_BLOCK: a ragged row reads whole key blocks
 RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic form's blocks
 
@@ -51,24 +44,15 @@ RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic fo
 def ffd_rows(lengths, width: int) -> int:
     """Rows first-fit decreasing needs for ``lengths`` in rows of ``width`` (each <= width).
     Example: [5, 3, 4, 2] in 8 -> 2."""
-    return len(ffd_place(lengths, width))
+    return len(engine_shapes.first_fit_decreasing(lengths, width))
 
 
 def ffd_place(lengths, width: int) -> list[list[int]]:
-    """The rows first-fit decreasing fills, each its sequences' lengths from column 0, as
-    ``oppo_jax.ppo.packing.first_fit_decreasing`` places them. Example: [5, 3, 4, 2] in 8 ->
-    [[5, 3], [4, 2]]."""
-    room = np.empty(len(lengths), np.int64)
-    rows: list[list[int]] = []
-    for n in sorted((int(x) for x in lengths), reverse=True):
-        fits = np.flatnonzero(room[: len(rows)] >= n)
-        if fits.size:
-            room[fits[0]] -= n
-            rows[fits[0]].append(n)
-        else:
-            room[len(rows)] = width - n
-            rows.append([n])
-    return rows
+    """The rows first-fit decreasing fills (``oppo_jax.shapes.first_fit_decreasing``), each its
+    sequences' lengths from column 0. Example: [5, 3, 4, 2] in 8 -> [[5, 3], [4, 2]]."""
+    lengths = np.asarray(lengths)
+    rows = engine_shapes.first_fit_decreasing(lengths, width)
+    return [[int(lengths[i]) for i in row] for row in rows]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,17 +83,15 @@ class UpdateGroups:
         return np.concatenate([p.reshape(self.minibatches, -1) for p in perms])
 
 
-def minibatch_rows(
-    lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE, steps=BUCKET_STEPS
-):
+def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE):
     """(rows that run, their width) of the packed update over the minibatches ``minis``
     [G, A·m] (batch rows) of sequences of ``lengths`` (prompt + response), padded width
-    ``full`` = P + R, split as ``groups`` says: one chunk height for the step, the bucket of
-    the rows A chunks need in the fullest minibatch (at most m / k, ``steps`` sizes per
-    doubling), and only the chunks holding sequences run (module docstring)."""
+    ``full`` = P + R, split as ``groups`` says: chunks of the engine's one height
+    (``oppo_jax.shapes.update_chunk_rows``), only those holding sequences run (module
+    docstring)."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
     k, mult, chunks = groups.width_factor, groups.row_multiple, groups.chunks
-    width = -(-k * full // granule) * granule
+    width = engine_shapes.packed_width(full, granule, k)
     rows = [ffd_rows(lengths[mini], width) for mini in minis]
     m = minis.shape[1] // chunks
     height = engine_shapes.update_chunk_rows(m, mult, k)  # the engine's one chunk height
@@ -120,7 +102,7 @@ def minibatch_pairs(lengths, full: int, minis, groups: UpdateGroups, granule: in
     """Query-key pairs the segment attention visits over ``minibatch_rows``' rows: each
     minibatch's first-fit rows by ``row_segment_pairs``; the chunks' padding rows, none."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
-    width = -(-groups.width_factor * full // granule) * granule
+    width = engine_shapes.packed_width(full, granule, groups.width_factor)
     block = segment_block(width)
     return sum(
         row_segment_pairs(row, width, block)
@@ -135,18 +117,15 @@ def minibatch_slots(lengths, full: int, minis, groups: UpdateGroups = UpdateGrou
     return rows * width
 
 
-def update_rows(
-    lengths, full: int, groups: UpdateGroups = UpdateGroups(), steps: int = BUCKET_STEPS
-) -> tuple[float, int]:
+def update_rows(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> tuple[float, int]:
     """(rows, width) one pass of the packed update computes over sequences of ``lengths``
-    (prompt + response) with padded width ``full`` = P + R, split as ``groups`` says, chunk
-    heights at ``steps`` sizes per doubling (module docstring); the shuffles are seeded by the
-    lengths, so a step is reproducible."""
+    (prompt + response) with padded width ``full`` = P + R, split as ``groups`` says (module
+    docstring); the shuffles are seeded by the lengths, so a step is reproducible."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0.0, 0
     minis = groups.draw(lengths.size, seed=int(lengths.sum()))
-    rows, width = minibatch_rows(lengths, full, minis, groups, steps=steps)
+    rows, width = minibatch_rows(lengths, full, minis, groups)
     return rows / (1 if groups.minibatches == 1 else groups.passes), width
 
 
@@ -161,18 +140,15 @@ def update_segment_pairs(lengths, full: int, groups: UpdateGroups = UpdateGroups
     return pairs / (1 if groups.minibatches == 1 else groups.passes)
 
 
-def update_tokens(
-    lengths, full: int, groups: UpdateGroups = UpdateGroups(), steps: int = BUCKET_STEPS
-) -> float:
+def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> float:
     """Token slots of ``update_rows``: one pass of the packed update."""
-    rows, width = update_rows(lengths, full, groups, steps)
+    rows, width = update_rows(lengths, full, groups)
     return rows * width
 
 
-def score_tokens(lengths, full: int, steps: int = BUCKET_STEPS) -> int:
+def score_tokens(lengths, full: int) -> int:
     """Token slots a scorer's packed ``sync`` calls compute over ``lengths``: the engine's own
-    plan (``oppo_jax.shapes.score_calls``), calls of one shape (``steps`` is unused: kept for
-    the recorded engines' signature)."""
+    plan (``oppo_jax.shapes.score_calls``), calls of one shape."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
@@ -184,11 +160,11 @@ def score_tokens(lengths, full: int, steps: int = BUCKET_STEPS) -> int:
     )
 
 
-def chunk_tokens(real: int | float, slots: int, chunk: int, steps: int = BUCKET_STEPS) -> int:
+def chunk_tokens(real: int | float, slots: int, chunk: int) -> int:
     """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at: whole
     calls of the engine's budget (``oppo_jax.shapes.chunk_budget``; the simulator knows the
     chunk's total, not its slots, so the row limit is left out). Example: 24 slots, C 8
-    (budget 32): 30 -> 32, 70 -> 96."""
+    (budget 8): 30 -> 32, 70 -> 72."""
     _, budget = engine_shapes.chunk_budget(slots, chunk)
     return -(-int(np.ceil(real)) // budget) * budget
 

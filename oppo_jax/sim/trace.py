@@ -16,7 +16,6 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax.sim import packing
 from oppo_jax.sim.engines import BUILT
 
 GENERATION = "generation"
@@ -27,13 +26,12 @@ def step_trace(
     carried_in: list[int],
     prompt_width: int,
     compacted: int = 0,
-    bucket_steps: int = packing.BUCKET_STEPS,
 ) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).
     ``engine`` stamps the engine that ran it (``engines.BUILT``, with ``compacted``: the
-    smallest slot bucket its decode compacted into, 0 when it did not, and ``bucket_steps``,
-    the sizes per doubling of its data-bucketed shapes: what the calibration fits)."""
+    smallest slot bucket its decode compacted into, 0 when it did not: what the calibration
+    fits)."""
     finish = np.asarray(result.rollout.finish_step)
     slots, capacity = finish.size, int(np.asarray(result.rollout.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
@@ -51,7 +49,6 @@ def step_trace(
             BUILT,
             compact_slots=bool(compacted),
             compact_min_slots=max(compacted, 1),
-            bucket_steps=bucket_steps,
         ).to_dict(),
     }
 

@@ -113,8 +113,7 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
             # over the admission's S slots, also once the decode has compacted: packing
             # scorers stay in that layout (pipeline.slot_map)
             real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
-            steps = engine.bucket_steps
-            per_chunk = [packing.chunk_tokens(r, f.slots, f.chunk, steps) for r in real]
+            per_chunk = [packing.chunk_tokens(r, f.slots, f.chunk) for r in real]
         if engine.replayed_admission:  # prompts, then each prefix in chunks (scoring.replay)
             actor = f.slots * f.prompt_len + packing.replay_tokens(f.prefix, f.slots)
         else:
@@ -124,11 +123,11 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         full, sequences = f.prompt_len + f.capacity, f.prompt_len + f.batch_lengths
         sync = f.slots * f.capacity
         if engine.real_width_scoring:  # the batch's sequences packed, no admission prefill
-            sync = packing.score_tokens(sequences, full, engine.bucket_steps)
+            sync = packing.score_tokens(sequences, full)
         rows, row_width = f.batch_lengths.size, full
         if engine.packed_update:
             groups = f.update_groups
-            rows, row_width = packing.update_rows(sequences, full, groups, engine.bucket_steps)
+            rows, row_width = packing.update_rows(sequences, full, groups)
         update = rows * row_width
         if engine.packed_update and engine.segment_update_attention:
             pairs = packing.update_segment_pairs(sequences, full, f.update_groups)

@@ -70,6 +70,23 @@ def chunk_widths(capacity: int, chunk_size: int) -> tuple[int, ...]:
     return tuple(sorted({live_width(n + chunk_size, capacity) for n in range(1, capacity + 1)}))
 
 
+# The smallest cache whose live widths pay for their programs on a backend without a ragged
+# decode kernel. Measured on the CPU (2026-12-06, 30 + 30 steps each): the demo's P + R = 80
+# ran no faster with them (sync 0.087 vs 0.085 s a step without, oppo 0.083 vs 0.085: noise)
+# for 3x the decode and streamed-scoring programs; the long-tail bench's 528 ran sync 1.3x
+# faster with them (0.369 vs 0.478 s). 256 lies between; no capacity between was measured.
+LIVE_WIDTH_MIN_CAPACITY = 256
+
+
+def live_widths_pay(capacity: int, reads_lengths: bool) -> bool:
+    """Whether decode and streamed scoring read power-of-two live widths (a program each)
+    rather than the whole cache (one): not where the decode's attention takes lengths as data
+    (``models.attention.reads_lengths``: it reads no key past a row's length anyway), nor on
+    a cache under ``LIVE_WIDTH_MIN_CAPACITY``. Example: (528, False) -> True; (80, False) ->
+    False; (1536, True) -> False."""
+    return not reads_lengths and capacity >= LIVE_WIDTH_MIN_CAPACITY
+
+
 def row_bucket(rows: int, num_slots: int) -> int:
     """Leading slots a replay chunk runs over: 0, or a power of two >= 4, capped at S.
     Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8, 8 -> 8, 9 -> 16, 17 -> 24."""

@@ -51,7 +51,10 @@ def _kernels(median: float) -> Kernels:
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(median, 5 * median)
     )
-    return build_kernels(spec, rollout, reward_model=CRITIC)
+    kernels = build_kernels(spec, rollout, reward_model=CRITIC)
+    # P + R is under shapes.LIVE_WIDTH_MIN_CAPACITY, where a run reads the whole cache: the
+    # live widths are switched on for these tests, which check them.
+    return dataclasses.replace(kernels, live_prefix=True)
 
 
 @functools.cache

@@ -74,7 +74,7 @@ def test_plan_worked_example():
     plan = plan_replay(context, prompt_len, prefix, (4, 196), chunk=64)
     assert [c.rows for c in plan] == [4, 4, 4]
     assert [c.count.tolist() for c in plan] == [[64, 64, 0, 10], [64, 6, 0, 0], [2, 0, 0, 0]]
-    assert [c.kv_width for c in plan] == [128, 200, 200]  # pow2(P + (j + 1)·c), at most P + R
+    assert [c.kv_width for c in plan] == [200, 200, 200]  # the whole cache: one width
     np.testing.assert_array_equal(plan[1].tokens[0], context[0, 2 + 64 : 2 + 128])
     np.testing.assert_array_equal(plan[0].tokens[3, :10], context[3, 4:14])
     assert plan[0].tokens[3, 10:].sum() == 0 and plan[2].tokens[1:].sum() == 0
@@ -88,7 +88,8 @@ def test_plan_rows_follow_the_prefixes_and_shapes_cover_them():
     (rows, width) a plan picks is one the warm-up compiles."""
     rng = np.random.default_rng(0)
     slots, carried = 24, 17
-    shapes = set(replay_shapes(slots, carried, (P, R), chunk=4))
+    shapes = set(replay_shapes(slots, carried, (P, R)))
+    assert shapes == {(4, P + R), (8, P + R), (16, P + R), (24, P + R)}  # row buckets only
     for _ in range(50):
         prefix = np.zeros(slots, int)
         prefix[:carried] = np.sort(rng.integers(0, R + 1, carried))[::-1]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tests.test_packed_update as packed_update
-from oppo_jax.models import attention
+from oppo_jax.models import attention, kernel_check
 from oppo_jax.models import segment_attention as sa
 from oppo_jax.models.attention import attend
 from oppo_jax.models.model_config import preset
@@ -151,6 +151,7 @@ def test_attend_routes_packed_rows_to_it_and_only_those():
     seg = jnp.asarray(_segments([[20, 30], [64]], 64))
     calls = []
     real = sa.segment_attention
+    assert kernel_check.trusted("segment")  # its self-check runs before the spy counts calls
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)

@@ -1,12 +1,14 @@
 """The warm-up compiles every shape a run meets before step 0: records count compilations,
 no step after the warm-up compiles, and the warm-up changes nothing of the run itself."""
 
+import functools
 import json
 
 import jax
 import pytest
 
-from oppo_jax.pipeline.compile_plan import compaction_moves
+from oppo_jax import run_setup
+from oppo_jax.pipeline.compile_plan import compaction_moves, plan_programs, run_shapes
 from oppo_jax.pipeline.slot_map import compaction_floor, step_compaction
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
 from oppo_jax.rollout.compaction import compact_bucket
@@ -127,10 +129,63 @@ def test_carried_sequences_and_the_packed_update_compile_nothing_after_the_warmu
     if schedule == OPPO_WITH_CARRYING:
         assert warm[1]["carried"] > 0  # carried admissions, buckets of carried rows and widths
     report = json.loads((tmp_path / "warm" / "warmup.json").read_text())
-    assert len(report["update_shapes"]) > 1 and report["compaction_moves"]
+    assert report["compaction_moves"]
     # pipeline.compact_min_slots (4): no smaller bucket is compiled, or met
     assert min(bucket for _, bucket in report["compaction_moves"]) == 4
     assert [r["compiles"] for r in warm] == [0] * 4
     assert metric_values(tmp_path / "warm" / "metrics.jsonl") == metric_values(
         tmp_path / "cold" / "metrics.jsonl"
     )
+
+
+def _spy_programs(monkeypatch):
+    """Every jitted kernel the run's makers build, by compile-plan family (the makers' caches
+    start empty, so only this run's programs count)."""
+    from oppo_jax.pipeline import kernels, scoring_kernels
+    from oppo_jax.ppo import packed_update
+
+    made: dict[str, list] = {}
+    families = [
+        (kernels, "make_scorer_admit", "admission prefill"),
+        (kernels, "make_actor_start", "decode start"),
+        (kernels, "make_replay", "replay"),
+        (kernels, "make_decode_chunk_emit", "decode"),
+        (kernels, "make_scorer_chunk", "streamed scoring"),
+        (scoring_kernels, "make_packed_scorer", "sync scoring"),
+        (kernels, "make_experience", "experience"),
+    ]
+    for module, name, family in families:
+        maker = getattr(module, name).__wrapped__
+
+        def spy(*args, maker=maker, family=family, **kw):
+            jitted = maker(*args, **kw)
+            made.setdefault(family, []).append(jitted)
+            return jitted
+
+        monkeypatch.setattr(module, name, functools.cache(spy))
+    real_update = packed_update.make_update.__wrapped__
+
+    def update(*args, **kw):
+        made.setdefault("update", []).append((built := real_update(*args, **kw)).jitted)
+        return built
+
+    monkeypatch.setattr(run_setup, "make_update", update)
+    return made
+
+
+@pytest.mark.slow  # one short oppo run per schedule from nothing (~1-2 min)
+@pytest.mark.parametrize("schedule", [OPPO_WITH_CARRYING, ("pipeline.mode=sync",)],
+                         ids=["oppo_carrying", "sync"])  # fmt: skip
+def test_the_warmup_compiles_exactly_the_planned_kernel_programs(
+    demo_cache, tmp_path, monkeypatch, schedule
+):
+    """``oppo-jax compile-plan``'s families are the programs the warm-up compiles: each
+    kernel family's compiled programs, counted in its jits' caches after a whole run, equal
+    the plan's (and no step compiles after the warm-up)."""
+    cfg = small_demo_config(*schedule, "train.steps=3")
+    made = _spy_programs(monkeypatch)
+    _, records = _warm_run(cfg, tmp_path / "run")
+    assert [r["compiles"] for r in records] == [0] * 3
+    compiled = {name: sum(f._cache_size() for f in jits) for name, jits in made.items()}
+    planned = {f.name: f.programs for f in plan_programs(run_shapes(cfg))}
+    assert {k: v for k, v in compiled.items() if v} == planned

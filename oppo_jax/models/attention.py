@@ -39,6 +39,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from oppo_jax.models import kernel_check
 from oppo_jax.models import ragged_decode as ragged_decode_kernel
 from oppo_jax.models import segment_attention as segment_kernel
 from oppo_jax.models.query_blocks import attention as blocked_xla_attention
@@ -65,12 +66,40 @@ def resolve(implementation: Implementation, dtype, head_dim: int, backend: str |
 
 
 def ragged_decode(implementation: Implementation, head_dim: int, width: int, backend=None):
-    """Whether a decode step over ``width`` cache columns runs the ragged kernel: asked for,
-    or "auto" on a GPU or a TPU where its lowering takes the shapes (``ragged_decode.fits``)."""
+    """Whether a decode step over ``width`` cache columns runs the ragged kernel: chosen
+    (``reads_lengths``) and trusted on this backend (``kernel_check``: else XLA runs it)."""
+    return reads_lengths(implementation, head_dim, width, backend) and kernel_check.trusted(
+        "ragged_decode", backend
+    )
+
+
+def reads_lengths(implementation: Implementation, head_dim: int, width: int, backend=None):
+    """Whether decode over ``width`` cache columns is given to the ragged kernel, which takes
+    each row's length as data: asked for, or "auto" on a GPU or a TPU where its lowering takes
+    the shapes (``ragged_decode.fits``). Then a run needs no live-width programs (one width,
+    the capacity): the kernel reads no key past a row's length. Its fallback where it is not
+    trusted (``kernel_check``) is XLA's attention over the whole cache: the same programs,
+    more keys read."""
     if implementation == "ragged":
         return True
     backend = backend or jax.default_backend()
     return implementation == "auto" and ragged_decode_kernel.fits(head_dim, width, backend)
+
+
+def implementations(cfg, capacity: int, packed_width: int) -> dict[str, str]:
+    """The kernel each form of ``cfg``'s attention runs (a ``ModelConfig``; a cache of
+    ``capacity`` columns, packed rows of ``packed_width``): what a run's ``warmup.json``
+    names."""
+    kernel = resolve(cfg.attention, cfg.jnp_dtype, cfg.head_dim)
+    pallas = cfg.attention == "ragged" or (cfg.attention == "auto" and kernel == "cudnn")
+    segment = pallas and segment_kernel.fits(cfg.head_dim, packed_width)
+    decode = "cudnn" if kernel == "cudnn" else "xla"  # (attend: cuDNN takes a decode step)
+    if ragged_decode(cfg.attention, cfg.head_dim, capacity):
+        decode = "ragged"
+    rows = "splash" if kernel == "splash" else "xla"
+    if segment and kernel_check.trusted("segment"):
+        rows = "segment"
+    return {"decode": decode, "packed rows": rows, "chunks": "xla"}  # chunks: an explicit mask
 
 
 def attend(
@@ -93,7 +122,8 @@ def attend(
     # auto's GPU kernels or "ragged"; an explicit "cudnn" keeps the kernels before the Pallas
     # ones (benchmarks/gpu_bench.sh falls back to it when a Pallas kernel fails its check).
     pallas = implementation == "ragged" or (implementation == "auto" and kernel == "cudnn")
-    if packed_rows and pallas and segment_kernel.fits(q.shape[-1], t):
+    segment = pallas and segment_kernel.fits(q.shape[-1], t)
+    if packed_rows and segment and kernel_check.trusted("segment"):
         return segment_kernel.segment_attention(q, k, v, segment_ids)
     if kernel == "cudnn" and segment_ids is None and (causal or decode_step):
         return fused_arguments_attention(q, k, v, causal, kv_lengths, "cudnn")

@@ -18,7 +18,7 @@ from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.scoring.kept import kept_bucket
 from oppo_jax.scoring.replay import replay_shapes
-from oppo_jax.shapes import chunk_widths
+from oppo_jax.shapes import chunk_widths, live_widths_pay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,12 @@ class RunShapes:
     compaction_floor: int | None  # smallest slot bucket of compaction; None: no compaction
     # ((Rp, W, N), K) of the packed update; None: the padded update (one shape)
     update: tuple | None
+    # decode, streamed scoring and replay read power-of-two live widths (``Kernels.live_prefix``);
+    # False: the whole cache, where the decode's attention takes lengths as data
+    live_prefix: bool = True
+    # the reference is the actor as a scorer: colocated without LoRA it runs the actor's own
+    # admission and replay programs (same model, mesh and parameter tree)
+    reference_is_actor: bool = False
 
     @property
     def capacity(self) -> int:
@@ -47,9 +53,15 @@ class RunShapes:
         return self.slots - self.batch_size if self.carry else 0
 
 
-def run_shapes(cfg, schedule: Schedule | None = None, backend: str | None = None) -> RunShapes:
+def run_shapes(
+    cfg, schedule: Schedule | None = None, backend: str | None = None, head_dim: int | None = None
+) -> RunShapes:
     """``RunShapes`` of ``cfg`` under ``schedule`` (default: ``pipeline.mode``) on ``backend``
-    (default: JAX's; it decides slot compaction, on the CPU only)."""
+    (default: JAX's; it decides slot compaction, on the CPU only, and whether the decode's
+    attention takes lengths as data: ``models.attention.reads_lengths``, for the actor's
+    ``head_dim``: default its ``model.preset``'s, 128 without one)."""
+    from oppo_jax.models.attention import reads_lengths
+    from oppo_jax.models.model_config import PRESETS
     from oppo_jax.pipeline.slot_map import compaction_default
 
     schedule = schedule or Schedule.named(cfg.pipeline.mode)
@@ -62,6 +74,12 @@ def run_shapes(cfg, schedule: Schedule | None = None, backend: str | None = None
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
     power_of_two = not shards & (shards - 1)
     floor = max(shards, p.compact_min_slots) if compact and power_of_two else None
+    if head_dim is None:
+        head_dim = PRESETS[cfg.model.preset].head_dim if cfg.model.preset in PRESETS else 128
+    capacity = r.max_prompt_len + r.max_response_len
+    live = live_widths_pay(
+        capacity, reads_lengths(cfg.model.attention, head_dim, capacity, backend)
+    )
     update = None
     if cfg.ppo.packed_update:
         m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
@@ -86,6 +104,8 @@ def run_shapes(cfg, schedule: Schedule | None = None, backend: str | None = None
         keeps_frozen=schedule.stream and schedule.carry and extra > 0,
         compaction_floor=floor,
         update=update,
+        live_prefix=live,
+        reference_is_actor=p.placement == "colocated" and not cfg.model.lora_rank,
     )
 
 
@@ -121,17 +141,20 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
     Programs of small helpers (gathers, the kept caches' moves, compaction's scatters) are
     not kernels and are left out; slot compaction's decode buckets are in ``decode``."""
     s = shapes
-    widths = {c: chunk_widths(s.capacity, c) for c in s.chunk_sizes}
+    whole = (s.capacity,)
+    widths = {c: chunk_widths(s.capacity, c) if s.live_prefix else whole for c in s.chunk_sizes}
     chunks = tuple((c, w) for c in s.chunk_sizes for w in widths[c])
     buckets = (s.slots,)
     if s.compaction_floor is not None:
         buckets += tuple(sorted({b for _, b in compaction_moves(s.slots, s.compaction_floor)}))
     streamed = s.scorers if s.stream else ()
+    # models that prefill: the actor, and the streaming scorers but a reference it serves
+    prefilled = 1 + len(streamed) - (s.reference_is_actor and "reference" in streamed)
     replay = replay_shapes(s.slots, s.max_carried, (s.prompt_width, s.response_len))
     families = [
-        Family("admission prefill", ("prompts",), 1 + len(streamed)),
+        Family("admission prefill", ("prompts",), prefilled),
         Family("decode start", ("slots",), 1),
-        Family("replay", tuple(replay), 1 + len(streamed)),
+        Family("replay", tuple(replay), prefilled),
         Family("decode", tuple((b, c, w) for b in buckets for c, w in chunks), 1),
         Family("streamed scoring", chunks if s.stream else (), len(s.scorers)),
         Family("sync scoring", () if s.stream else ("packed",), len(s.scorers)),

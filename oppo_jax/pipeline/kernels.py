@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from oppo_jax.models.attention import reads_lengths
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.pipeline.slot_map import compaction_floor
@@ -32,6 +33,7 @@ from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
 from oppo_jax.scoring.replay import ReplayChunk, actor_spec, plan_replay, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
+from oppo_jax.shapes import live_widths_pay
 from oppo_jax.sharding import to_host, with_rules
 
 __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_chunk"]
@@ -133,7 +135,8 @@ class Kernels:
     reward_model: ModelConfig | None  # the reward model's architecture (None with reward_fn)
     # (train state, batch, key, kl_coef, lengths=None) -> (train state, metrics); donates
     update: Callable
-    # decode and streamed scoring read the cache's live prefix only (False: the whole P + R)
+    # decode and streamed scoring read the cache's live prefix, a power-of-two width per program
+    # (False: the whole P + R, one program; ``shapes.live_widths_pay``)
     live_prefix: bool = True
     # gather the running decode slots into smaller buckets as others finish (pipeline.slot_map);
     # None: the backend's default (slot_map.compaction_default: on for the CPU)
@@ -249,4 +252,7 @@ def build_kernels(
         )
     if update is None:  # packed or padded (ppo.packed_update); donates all but LoRA's bases
         update = make_update(spec)
-    return Kernels(spec, rollout, reward_fn, reward_model, update)
+    capacity = rollout.prompt_width + rollout.max_response_len
+    reads = reads_lengths(spec.actor.attention, spec.actor.head_dim, capacity)
+    live = live_widths_pay(capacity, reads)
+    return Kernels(spec, rollout, reward_fn, reward_model, update, live_prefix=live)

@@ -28,6 +28,8 @@ from tqdm.auto import tqdm
 
 from oppo_jax import shapes as shape_rules
 from oppo_jax.host_maps import check_map_room
+from oppo_jax.models import kernel_check
+from oppo_jax.models.attention import implementations
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.host_state import HostState
@@ -43,6 +45,7 @@ from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_param
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.kept import FROZEN
 from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk
+from oppo_jax.shapes import packed_width
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
 _lock = threading.Lock()
@@ -97,14 +100,16 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     """Every shape bucket the run's controllers, carried sequences, kept caches and slot
     compaction can pick: ``compile_plan.run_shapes`` of the run's config (the one function
     ``oppo-jax compile-plan`` prints), checked against the engine the run built."""
-    shapes = run_shapes(ctx.cfg, schedule)
     engine, plan = ctx.engine, host.plan(ctx.cfg)
+    shapes = run_shapes(ctx.cfg, schedule, head_dim=engine.kernels.spec.actor.head_dim)
     slots = engine.placement.num_slots(plan.reserved)
     floor = engine.kernels.compaction_floor(engine.placement.num_slots(1))
-    if (slots, floor) != (shapes.slots, shapes.compaction_floor):
+    built = (slots, floor, engine.kernels.live_prefix)
+    planned = (shapes.slots, shapes.compaction_floor, shapes.live_prefix)
+    if built != planned:  # a bug: the plan must describe the kernels the run built
         raise RuntimeError(
-            f"compile plan drifted from the engine: slots {shapes.slots} vs {slots}, "
-            f"compaction floor {shapes.compaction_floor} vs {floor}"
+            f"compile plan drifted from the engine: (slots, compaction floor, live widths) "
+            f"{planned} planned, {built} built"
         )
     families = {f.name: f for f in plan_programs(shapes)}
     replay = families["replay"].shapes if "replay" in families else ()
@@ -257,6 +262,15 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
     return tasks
 
 
+def _attention(ctx) -> dict[str, str]:
+    """The actor's attention kernels at the run's sizes (``models.attention.implementations``)."""
+    k = ctx.engine.kernels
+    r, ppo = k.rollout, k.spec.ppo
+    full = r.prompt_width + r.max_response_len
+    width = packed_width(full, ppo.pack_granule, ppo.pack_width_factor)
+    return implementations(k.spec.actor, full, width)
+
+
 def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
     """Compile every shape of ``warmup_shapes`` and one whole step before the run measures
     anything, with its own progress line. Returns the warm-up's report: seconds, shapes,
@@ -281,6 +295,8 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
         "warmup_compile_time_s": seconds,
         **{k: list(v) for k, v in dataclasses.asdict(shapes).items()},
         "warmup_by_task": by_task,
+        "attention": _attention(ctx),  # the kernel each form runs, after its self-check
+        "kernel_checks": kernel_check.checked(),
     }
     if progress:
         print(

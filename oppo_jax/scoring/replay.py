@@ -40,7 +40,7 @@ from oppo_jax.rollout.decode import ChunkTokens, DecodeState, admit_decode
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.kept import slot_axis
 from oppo_jax.scoring.stream import ScorerSpec, ScorerState, score_chunk, scorer_admit
-from oppo_jax.shapes import live_width, row_bucket
+from oppo_jax.shapes import row_bucket
 from oppo_jax.sharding import constrain_slots
 
 # Tokens of each prefix one replay chunk feeds. Smaller wastes less of each row's last chunk
@@ -77,9 +77,11 @@ def plan_replay(
     """The replay of every slot's carried prefix (host arrays of the admission: ``context``
     [S, >= P + longest prefix], prompt then prefix per row); ``shape`` is (P, R).
 
-    Chunk j runs over the row bucket holding every slot whose prefix is longer than j·c and
-    reads the live width over P + (j + 1)·c. Example: prefixes [130, 70, 0, 10], c 64, S 8:
-    three chunks over 4, 4 and 4 rows, counts [64, 64, 0, 10], [64, 6, 0, 0], [2, 0, 0, 0].
+    Chunk j runs over the row bucket holding every slot whose prefix is longer than j·c, over
+    the whole cache (one program per row bucket: live widths here would multiply the replay's
+    programs by up to log2(P + R) for a few carried rows' attention). Example: prefixes
+    [130, 70, 0, 10], c 64, S 8: three chunks over 4, 4 and 4 rows, counts [64, 64, 0, 10],
+    [64, 6, 0, 0], [2, 0, 0, 0].
     """
     prompt_width, response_len = shape
     prefix_len = np.asarray(prefix_len)
@@ -93,22 +95,15 @@ def plan_replay(
         for r in np.flatnonzero(count):
             at = int(prompt_len[r]) + start
             tokens[r, : count[r]] = context[r, at : at + count[r]]
-        width = live_width(prompt_width + start + chunk, capacity)
-        chunks.append(ReplayChunk(tokens, count, width))
+        chunks.append(ReplayChunk(tokens, count, capacity))
     return chunks
 
 
-def replay_shapes(
-    num_slots: int, max_carried: int, shape: tuple[int, int], chunk: int = REPLAY_CHUNK
-) -> list[tuple[int, int]]:
-    """Every (rows, live width) ``plan_replay`` can pick when at most ``max_carried`` of
-    ``num_slots`` slots carry a prefix of at most R tokens: what a warm-up compiles."""
-    prompt_width, response_len = shape
+def replay_shapes(num_slots: int, max_carried: int, shape: tuple[int, int]) -> list[tuple]:
+    """Every (rows, width) ``plan_replay`` can pick when at most ``max_carried`` of
+    ``num_slots`` slots carry a prefix (``shape`` = (P, R)): what a warm-up compiles."""
     rows = sorted({row_bucket(n, num_slots) for n in range(1, max_carried + 1)})
-    starts = range(0, response_len, chunk)
-    capacity = prompt_width + response_len
-    widths = sorted({live_width(prompt_width + s + chunk, capacity) for s in starts})
-    return [(n, w) for n in rows for w in widths]
+    return [(n, sum(shape)) for n in rows]
 
 
 def replay_chunk(

@@ -178,10 +178,13 @@ def quiet_torch_notice() -> None:
 
 
 def compilation_cache() -> str | None:
-    """Turn on JAX's persistent compilation cache in ``<cache>/xla`` (``OPPO_JAX_CACHE``, by
-    default ~/.cache/oppo_jax) as ``$OPPO_JAX_COMPILATION_CACHE`` says: ``auto`` (default) on
-    GPU and TPU and off on the CPU, where reading the PPO update's executable back crashed
-    XLA:CPU; ``on``; ``off``. Returns the directory, or None when off."""
+    """Turn on JAX's persistent compilation cache as ``$OPPO_JAX_COMPILATION_CACHE`` says:
+    ``auto`` or ``on`` (default), ``off``; in ``$JAX_COMPILATION_CACHE_DIR``, else
+    ``<cache>/xla`` (``OPPO_JAX_CACHE``, by default ~/.cache/oppo_jax). Every program is kept
+    (JAX keeps only those that took a second to compile unless told otherwise, and most of a
+    CPU run's take less), so a resumed run, a second run of the config or a notebook restart
+    reads its programs back instead of compiling them (BENCHMARKS.md: the CPU demo's warm-up).
+    Returns the directory, or None when off."""
     import jax
 
     from oppo_jax.errors import InputError
@@ -190,10 +193,12 @@ def compilation_cache() -> str | None:
     setting = os.environ.get(COMPILATION_CACHE_ENV, "auto").strip().lower() or "auto"
     if setting not in ("auto", "on", "off"):
         raise InputError(f"{COMPILATION_CACHE_ENV}={setting!r}: use auto, on or off")
-    if setting == "off" or (setting == "auto" and jax.default_backend() == "cpu"):
+    if setting == "off":
         return None
-    path = str(cache_dir() / "xla")
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir() / "xla")
     jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 

@@ -36,6 +36,8 @@ from oppo_jax.memory_abstract import (
     sds,
     shape_checks_off,
     shaped,
+    update_shape,
+    warmup_peak,
 )
 from oppo_jax.memory_target import target_meshes, target_note
 from oppo_jax.models.kv_cache import init_cache
@@ -301,12 +303,6 @@ class Lowering:
     target: str = "cpu"  # the compiler: "cpu" (fake devices) or "tpu-v5p" (memory_target)
 
 
-def _update_shape(packed) -> dict:
-    """The packed update's (Rp, W, N) and chunks per minibatch K (None, 0: the padded one)."""
-    shape, chunks = packed or (None, 0)
-    return {"packed_update": shape, "packed_update_chunks": chunks}
-
-
 def memory_report(
     models: ReportModels,
     shapes: RunShapes,
@@ -325,8 +321,8 @@ def memory_report(
         A JSON-ready dict: ``bytes`` (parameters, AdamW moments, KV caches, batch),
         ``resident`` (their sum) and ``kernels``: per kernel its memory analysis, ``peak``,
         ``with_resident`` (everything resident on top, the admission's output cache being the
-        resident actor cache: an upper bound), ``live`` (what the
-        step holds while it runs, ``live_during``) and ``with_live``.
+        resident actor cache: an upper bound), ``live`` (what the step holds while it runs,
+        ``live_during``) and ``with_live``; ``warmup``: its peak (``warmup_peak``).
     """
     actor = _model(models.actor, "lm")
     critic = (
@@ -363,7 +359,7 @@ def memory_report(
             for n, m in zip(("actor", "critic", "reward"), (*trained, reward), strict=True)
         },
         "shapes": dataclasses.asdict(shapes)
-        | {"slots_padded": run.slots, **_update_shape(run.packed_update_shape)},
+        | {"slots_padded": run.slots, **update_shape(run.packed_update_shape)},
         "note": note,
         "bytes": state,
         "resident": resident,
@@ -385,6 +381,7 @@ def memory_report(
             "live": live,
             "with_live": live + mem.temp + mem.output - mem.alias,
         }
+    report["warmup"] = warmup_peak(state, report["kernels"])
     return report
 
 

@@ -125,3 +125,22 @@ def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) 
     kept = kept_fraction * (caches["reference"] + caches["reward"])
     own = caches["actor"] if kernel == "replay" else 0
     return resident - sum(caches.values()) + int(kept) + own
+
+
+def warmup_peak(state: dict, kernels: dict) -> dict:
+    """The warm-up's peak per device: its throwaway step runs the step's kernels with a copy
+    of what the update replaces (trained parameters and device optimizer states:
+    ``pipeline.warmup.trained_copy``; never the frozen bases) resident besides the run's."""
+    copy = state["actor_params"] + state["critic_params"] + state["optimizer"]
+    worst = lambda field: max((k[field] for k in kernels.values()), default=0)  # noqa: E731
+    return {
+        "trained_copy": copy,
+        "with_resident": worst("with_resident") + copy,
+        "with_live": worst("with_live") + copy,
+    }
+
+
+def update_shape(packed) -> dict:
+    """The packed update's (Rp, W, N) and chunks per minibatch K (None, 0: the padded one)."""
+    shape, chunks = packed or (None, 0)
+    return {"packed_update": shape, "packed_update_chunks": chunks}

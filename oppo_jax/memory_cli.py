@@ -118,9 +118,14 @@ def format_table(report: dict) -> str:
         if packed
         else "the update: padded over [B, P + R]"
     )
+    warm = report.get("warmup")
     lines += [
         "",
         update + ".",
+        f"the warm-up: the step's kernels with a copy of the trained parameters and optimizer "
+        f"states ({fmt(warm['trained_copy'])} {unit}; never the frozen bases) besides the run's: "
+        f"at most {fmt(warm['with_resident'])} {unit} with resident, "
+        f"{fmt(warm['with_live'])} with live.",
         "with resident: a kernel's temporaries and new outputs on top of everything resident "
         "(an upper bound); with live: on top of what the step holds while it runs (the "
         "admission before, the update after the KV caches but the frozen scorers' kept rows).",

@@ -19,6 +19,18 @@ from __future__ import annotations
 
 import numpy as np
 
+# The kernel families a run compiles (``pipeline.compile_plan``). Each family's jits carry its
+# name (``program_name``), so compile events and logs say which family a program is.
+FAMILIES = (
+    "admission prefill",
+    "decode start",
+    "replay",
+    "decode",
+    "streamed scoring",
+    "sync scoring",
+    "experience",
+    "update",
+)
 MIN_LIVE_WIDTH = 16  # the narrowest live cache width: shorter contexts share one program
 MIN_ROW_WIDTH = 16  # packed rows' widths are multiples of this many tokens
 # A streamed chunk's packed scoring calls hold pow2(S·C / CHUNK_SPLIT) tokens, at least one
@@ -33,6 +45,22 @@ CHUNK_SPLIT = 32
 # of 1536 a call; with 8, 16 rows a call left up to 15 empty, and the simulator's built sync
 # step at the 7B GH200 config came to 1.32x the token-proportional engine's).
 SCORE_SPLIT = 32
+
+
+def program_name(family: str) -> str:
+    """The function name a ``family``'s jitted kernels carry (jax reports "jit(<name>)").
+    Example: "sync scoring" -> "oppo_sync_scoring"."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+    return "oppo_" + family.replace(" ", "_")
+
+
+def family_of(compiled_name: str) -> str | None:
+    """The family of a compiled program jax named ``compiled_name`` ("jit(<name>)" or the
+    name itself), None for a program of no family (a helper). Example: "jit(oppo_decode)" ->
+    "decode"."""
+    name = compiled_name.removeprefix("jit(").removesuffix(")")
+    return next((f for f in FAMILIES if program_name(f) == name), None)
 
 
 def pow2_at_least(n: int | float, floor: int = 1) -> int:

@@ -2,6 +2,7 @@
 two fresh processes (sync and oppo), and SIGTERM sent to a running `oppo-jax train` saves a
 checkpoint, exits with EXIT_PREEMPTED, and a resumed run equals one never interrupted."""
 
+import json
 import os
 import signal
 import subprocess
@@ -77,3 +78,31 @@ def test_sigterm_checkpoints_exits_75_and_resume_equals_uninterrupted(demo_cache
     saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [stopped_at]  # checkpoint_every=0: the signal made the only checkpoint
     assert _run(demo_cache, out, *OPPO_WITH_CARRYING, resume=True) == reference
+
+
+def test_a_resumed_run_reads_its_programs_back_instead_of_compiling(demo_cache, tmp_path):
+    """With the persistent compilation cache (on by default, every program kept), a resumed
+    run and a second run of the config compile at most a quarter of the first run's programs
+    (here none: they read all of them back) and reproduce its metrics."""
+    env = dict(os.environ, OPPO_JAX_CACHE=str(demo_cache), OPPO_JAX_WARMUP="on")
+    env |= {"OPPO_JAX_COMPILATION_CACHE": "on", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "x")}
+    env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)  # the CLI's own default
+
+    def run(out, steps, *flags):
+        args = small_demo_args(f"train.steps={steps}", "train.checkpoint_every=2")
+        cmd = [sys.executable, "-m", "oppo_jax.cli", "train", "--out", str(out), "--quiet"]
+        cmd += [f"--set={a}" for a in (*args, *OPPO_WITH_CARRYING)] + list(flags)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads((out / "warmup.json").read_text())
+
+    first = run(tmp_path / "a", 2)
+    resumed = run(tmp_path / "a", 4, "--resume")
+    second = run(tmp_path / "b", 4)
+    assert first["warmup_compiles"] > 0
+    for later in (resumed, second):
+        assert later["warmup_compiles"] <= first["warmup_compiles"] // 4
+        assert later["warmup_cache_reads"] >= first["warmup_compiles"]
+    assert metric_values(tmp_path / "a" / "metrics.jsonl") == metric_values(
+        tmp_path / "b" / "metrics.jsonl"
+    )

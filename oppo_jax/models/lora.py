@@ -175,14 +175,17 @@ def over_frozen(losses, frozen: dict | None):
     )
 
 
-def jit_keeping_frozen(fn, in_shardings=None, out_shardings=None):
+def jit_keeping_frozen(fn, in_shardings=None, out_shardings=None, name: str = "inner"):
     """``jax.jit`` of ``fn(state, *args) -> (state, aux)`` donating ``state`` except its
     ``frozen`` bases: those arrays also serve the reference and reward scorers, and a donated
-    array is deleted. Has ``.lower(state, *args)`` like a jitted function."""
+    array is deleted. Has ``.lower(state, *args)`` like a jitted function; its program is
+    called ``name``."""
 
     def inner(trained_state, frozen, *args):
         new, aux = fn(trained_state.replace(frozen=frozen), *args)
         return new.replace(frozen=None), aux
+
+    inner.__name__ = inner.__qualname__ = name
 
     kwargs = {}
     if in_shardings is not None:

@@ -33,10 +33,21 @@ from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
 from oppo_jax.scoring.replay import ReplayChunk, actor_spec, plan_replay, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
-from oppo_jax.shapes import live_widths_pay
+from oppo_jax.shapes import live_widths_pay, program_name
 from oppo_jax.sharding import to_host, with_rules
 
 __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_chunk"]
+
+
+def family_jit(family: str, fn, mesh=None, **jit_kwargs):
+    """``jax.jit`` of ``fn`` traced under ``mesh``'s rules, its program named for its compile
+    plan ``family`` (``shapes.program_name``: compile events say which family compiled)."""
+
+    def program(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    program.__name__ = program.__qualname__ = program_name(family)
+    return jax.jit(with_rules(program, mesh), **jit_kwargs)
 
 
 @functools.cache
@@ -46,7 +57,7 @@ def make_decode_chunk(
     """``decode_chunk`` jitted for one (model, sampling, C, mesh, live width), donating the
     state."""
     fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width)
-    return jax.jit(with_rules(fn, mesh), donate_argnums=(1,))
+    return family_jit("decode", fn, mesh, donate_argnums=(1,))
 
 
 @functools.cache
@@ -58,14 +69,15 @@ def make_decode_chunk_emit(
     fn = functools.partial(
         decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width
     )
-    return jax.jit(with_rules(fn, mesh), donate_argnums=(1,))
+    return family_jit("decode", fn, mesh, donate_argnums=(1,))
 
 
 @functools.cache
 def make_start_decode(cfg: ModelConfig, rollout: RolloutSpec):
     """``start_decode`` jitted for one model and rollout shape: (params, prompts, prompt_lens,
     base_key, active=None) -> DecodeState."""
-    return jax.jit(with_rules(functools.partial(start_decode, cfg, rollout=rollout), rollout.mesh))
+    fn = functools.partial(start_decode, cfg, rollout=rollout)
+    return family_jit("decode start", fn, rollout.mesh)
 
 
 @functools.cache
@@ -79,7 +91,7 @@ def make_actor_start(cfg: ModelConfig, rollout: RolloutSpec):
         state = admit_decode(cfg, params, admission, base_key, rollout, made)
         return state, state.num_generated + 0  # a fresh marker: the state itself gets donated
 
-    return jax.jit(with_rules(run, rollout.mesh), donate_argnums=(3,))
+    return family_jit("decode start", run, rollout.mesh, donate_argnums=(3,))
 
 
 @functools.cache
@@ -91,13 +103,13 @@ def make_replay(spec: ScorerSpec, kv_width: int):
         new = replay_chunk(spec, params, state, tokens, count, kv_width)
         return new, jnp.sum(new.num_fed)
 
-    return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
+    return family_jit("replay", run, spec.mesh, donate_argnums=(1,))
 
 
 @functools.cache
 def make_experience(spec: UpdateSpec, rollout: RolloutSpec, reward_fn: RewardFn | None):
     """``batch_from_rollout`` jitted for one (update spec, rollout, reward function)."""
-    return jax.jit(functools.partial(batch_from_rollout, spec, rollout, reward_fn))
+    return family_jit("experience", functools.partial(batch_from_rollout, spec, rollout, reward_fn))
 
 
 @functools.cache
@@ -106,7 +118,7 @@ def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
         state = scorer_admit(spec, params, admission, prompt_width)
         return state, jnp.sum(state.num_fed)
 
-    return jax.jit(with_rules(run, spec.mesh))
+    return family_jit("admission prefill", run, spec.mesh)
 
 
 @functools.cache
@@ -122,7 +134,15 @@ def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None, packed: boo
             new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
         return new, jnp.sum(new.num_fed)
 
-    return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
+    return family_jit("streamed scoring", run, spec.mesh, donate_argnums=(1,))
+
+
+def prompts_only(admission, prompt_width: int):
+    """The admission with its context cut to the prompts' P columns (the admission prefill
+    reads no more; the context may hold room for carried prefixes)."""
+    if admission.context.shape[1] == prompt_width:
+        return admission
+    return admission.replace(context=admission.context[:, :prompt_width])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +184,7 @@ class Kernels:
         if replay is None:
             host = to_host((admission.context, admission.prompt_len, admission.prefix_len))
             replay = plan_replay(*host, (prompt_width, self.rollout.max_response_len))
-        prompts = admission.replace(context=admission.context[:, :prompt_width])
+        prompts = prompts_only(admission, prompt_width)
         prefilled, _ = make_scorer_admit(self.actor_spec, prompt_width)(params, prompts)
         prefilled, _ = self.replay(self.actor_spec, params, prefilled, replay)
         start = make_actor_start(self.spec.actor, self.rollout)
@@ -212,8 +232,11 @@ class Kernels:
         )
 
     def scorer_admit(self, role: str) -> Callable:
-        """(params, admission) -> (ScorerState, marker): one role's admission prefill."""
-        return make_scorer_admit(getattr(self.scorer_specs, role), self.rollout.prompt_width)
+        """(params, admission) -> (ScorerState, marker): one role's prefill of the admission's
+        prompts (``prompts_only``: one program whatever the admission's context width)."""
+        width = self.rollout.prompt_width
+        jitted = make_scorer_admit(getattr(self.scorer_specs, role), width)
+        return lambda params, admission: jitted(params, prompts_only(admission, width))
 
     def scorer_chunk(self, role: str, kv_width: int | None = None, packed: bool = False):
         """(params, state, chunk[, plan]) -> (ScorerState, marker): one role's chunk prefill,

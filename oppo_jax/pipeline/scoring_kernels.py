@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from oppo_jax.pipeline.kernels import family_jit
 from oppo_jax.pipeline.placement import move
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
@@ -17,7 +18,7 @@ from oppo_jax.scoring.packed import PackedBatch, PackPlan, plan_packing, score_p
 from oppo_jax.scoring.packed_chunks import padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.shapes import chunk_budget
-from oppo_jax.sharding import batch_shards, to_host, with_rules
+from oppo_jax.sharding import batch_shards, to_host
 
 
 @functools.cache
@@ -33,7 +34,7 @@ def make_packed_scorer(spec: ScorerSpec, pad_id: int, num_slots: int):
         out = out.at[at].set(scored, mode="drop")
         return out, jnp.sum(scored)
 
-    return jax.jit(with_rules(run, spec.mesh), donate_argnums=(1,))
+    return family_jit("sync scoring", run, spec.mesh, donate_argnums=(1,))
 
 
 def empty_outputs(spec: ScorerSpec, num_slots: int, sharding):

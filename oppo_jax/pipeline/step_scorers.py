@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, token_count
+from oppo_jax.pipeline.kernels import prompts_only
 from oppo_jax.pipeline.scoring_kernels import (
     keep_rows,
     packed_outputs,
@@ -64,7 +65,7 @@ class StepScorers:
         """Prefill every scorer with the prompts, then feed the carried prefixes of ``replay``
         (``scoring.replay``); the frozen ones take the first ``used`` slots from ``kept``
         instead of replaying them."""
-        prompts = admission.replace(context=admission.context[:, : self.prompt_width])
+        prompts = prompts_only(admission, self.prompt_width)
         head = admission_computed(admission.num_slots, self.prompt_width)
         states = {}
         for role in self.roles:

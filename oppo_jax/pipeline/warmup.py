@@ -17,6 +17,7 @@ frozen LoRA bases, reference or reward model, which it shares).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -33,6 +34,7 @@ from oppo_jax.models.attention import implementations
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.host_state import HostState
+from oppo_jax.pipeline.kernels import prompts_only
 from oppo_jax.pipeline.scoring_kernels import (
     compile_packed_chunks,
     keep_rows,
@@ -45,45 +47,71 @@ from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_param
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.kept import FROZEN
 from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk
-from oppo_jax.shapes import packed_width
+from oppo_jax.shapes import family_of, packed_width
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compilation or a cache read
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the persistent cache
 _lock = threading.Lock()
-_totals = [0, 0.0]  # compilations and their seconds since the listener was registered
+_totals = [0, 0.0, 0]  # compile events, their seconds, and cache hits since the listeners began
+_families: collections.Counter = collections.Counter()  # compile events by kernel family
 _listening = False
 
 
-def _listen(event: str, duration: float, **_) -> None:
+def _listen(event: str, duration: float, fun_name: str = "", **_) -> None:
     if event == COMPILE_EVENT:
         with _lock:
             _totals[0] += 1
             _totals[1] += duration
+            if (family := family_of(fun_name)) is not None:
+                _families[family] += 1
+
+
+def _listen_hits(event: str, **_) -> None:
+    if event == CACHE_HIT_EVENT:
+        with _lock:
+            _totals[2] += 1
 
 
 class CompileCounter:
-    """Counts XLA backend compilations (served from a persistent cache: not counted) and their
-    seconds through ``jax.monitoring``. One listener serves every counter of the process (jax
-    has no public way to remove one), so a run that starts many counters adds none."""
+    """Counts XLA compilations and their seconds through ``jax.monitoring``; a program read
+    back from the persistent compilation cache is not a compilation (jax reports both as a
+    compile event, and the reads as cache hits too). One pair of listeners serves every
+    counter of the process (jax has no public way to remove one)."""
 
     def __init__(self):
         global _listening
         with _lock:
             if not _listening:
                 jax.monitoring.register_event_duration_secs_listener(_listen)
+                jax.monitoring.register_event_listener(_listen_hits)
                 _listening = True
         self._mark = self._now()
+        with _lock:
+            self._start = collections.Counter(_families)
+
+    def programs(self) -> dict[str, int]:
+        """Kernel programs compiled or read from the persistent cache since this counter was
+        made, by compile-plan family (``shapes.family_of``; helpers are in no family)."""
+        with _lock:
+            return dict(_families - self._start)
 
     @staticmethod
-    def _now() -> tuple[int, float]:
+    def _now() -> tuple[int, float, int]:
         with _lock:
-            return _totals[0], _totals[1]
+            return _totals[0], _totals[1], _totals[2]
 
     def take(self) -> tuple[int, float]:
-        """(compilations, seconds) since the last ``take`` (or since creation)."""
-        now = self._now()
-        count, seconds = now[0] - self._mark[0], now[1] - self._mark[1]
-        self._mark = now
+        """(compilations, seconds of compilations and cache reads) since the last ``take``."""
+        count, seconds, _ = self.take_with_hits()
         return count, seconds
+
+    def take_with_hits(self) -> tuple[int, float, int]:
+        """(compilations, seconds, programs read from the persistent cache) since the last
+        ``take``."""
+        now = self._now()
+        events, seconds, hits = (n - m for n, m in zip(now, self._mark, strict=True))
+        self._mark = now
+        return events - hits, seconds, hits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +189,7 @@ def compile_replay(ctx, host, state, rows: int, kv_width: int) -> None:
     )
     outputs = [k.admit(state.actor_model_params, admission, ctx.engine.sample_key, [chunk])]
     on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
-    prompts = on_scoring.replace(context=on_scoring.context[:, :prompt_width])
+    prompts = prompts_only(on_scoring, prompt_width)
     for role in k.scorer_specs.present():
         fresh, _ = k.scorer_admit(role)(params[role], prompts)
         spec = getattr(k.scorer_specs, role)
@@ -287,11 +315,13 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
         by_task.append([label, *per_task.take()])
         check_map_room(f"the warm-up's {label}")  # a clear stop, not LLVM's segfault
     bar.close()
-    compiles, seconds = counter.take()
+    compiles, seconds, hits = counter.take_with_hits()
     report = {
         "warmup_s": time.perf_counter() - start,
         "warmup_shapes": len(tasks),
         "warmup_compiles": compiles,
+        "warmup_cache_reads": hits,  # programs read back from the persistent cache
+        "warmup_programs": counter.programs(),  # by compile-plan family (oppo-jax compile-plan)
         "warmup_compile_time_s": seconds,
         **{k: list(v) for k, v in dataclasses.asdict(shapes).items()},
         "warmup_by_task": by_task,
@@ -300,8 +330,8 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
     }
     if progress:
         print(
-            f"Warm-up: {len(tasks)} shapes, {compiles} compilations, {report['warmup_s']:.1f} s "
-            "(not counted in any step's time)",
+            f"Warm-up: {len(tasks)} shapes, {compiles} compilations, {hits} read from the "
+            f"compilation cache, {report['warmup_s']:.1f} s (not counted in any step's time)",
             flush=True,
         )
     return report

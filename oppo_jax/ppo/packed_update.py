@@ -52,7 +52,10 @@ from oppo_jax.ppo.update import (
     ppo_update,
     train_state_shardings,
 )
+from oppo_jax.shapes import program_name
 from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards, replicated, to_host
+
+UPDATE = program_name("update")  # the update program's name in compile events
 
 
 def _response_hidden(cfg, params, mb: PackedMicrobatch):
@@ -225,7 +228,7 @@ def make_update(
     packed = spec.ppo.packed_update if packed is None else packed
     fn = ppo_update_packed if packed else ppo_update
     if mesh is None:
-        jitted = lora.jit_keeping_frozen(functools.partial(fn, spec))
+        jitted = lora.jit_keeping_frozen(functools.partial(fn, spec), name=UPDATE)
         return PackedUpdate(spec, jitted) if packed else PaddedUpdate(spec, jitted)
     state_sh, repl = train_state_shardings(spec, mesh, rules), replicated(mesh)
     jitted = lora.jit_keeping_frozen(
@@ -234,6 +237,7 @@ def make_update(
         # over the batch axes inside (``UpdateLayout.rows``).
         in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
         out_shardings=(state_sh, repl),
+        name=UPDATE,
     )
     if not packed:
         return PaddedUpdate(spec, jitted)

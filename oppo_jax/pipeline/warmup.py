@@ -54,6 +54,7 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the
 _lock = threading.Lock()
 _totals = [0, 0.0, 0]  # compile events, their seconds, and cache hits since the listeners began
 _families: collections.Counter = collections.Counter()  # compile events by kernel family
+_family_s: collections.Counter = collections.Counter()  # and their seconds
 _listening = False
 
 
@@ -64,6 +65,7 @@ def _listen(event: str, duration: float, fun_name: str = "", **_) -> None:
             _totals[1] += duration
             if (family := family_of(fun_name)) is not None:
                 _families[family] += 1
+                _family_s[family] += duration
 
 
 def _listen_hits(event: str, **_) -> None:
@@ -87,13 +89,15 @@ class CompileCounter:
                 _listening = True
         self._mark = self._now()
         with _lock:
-            self._start = collections.Counter(_families)
+            self._start = collections.Counter(_families), collections.Counter(_family_s)
 
-    def programs(self) -> dict[str, int]:
+    def programs(self) -> dict[str, tuple[int, float]]:
         """Kernel programs compiled or read from the persistent cache since this counter was
-        made, by compile-plan family (``shapes.family_of``; helpers are in no family)."""
+        made, and their seconds, by compile-plan family (``shapes.family_of``; helpers are in
+        no family)."""
         with _lock:
-            return dict(_families - self._start)
+            count, seconds = _families - self._start[0], _family_s - self._start[1]
+        return {f: (n, round(seconds[f], 3)) for f, n in count.items()}
 
     @staticmethod
     def _now() -> tuple[int, float, int]:
@@ -321,7 +325,8 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
         "warmup_shapes": len(tasks),
         "warmup_compiles": compiles,
         "warmup_cache_reads": hits,  # programs read back from the persistent cache
-        "warmup_programs": counter.programs(),  # by compile-plan family (oppo-jax compile-plan)
+        # by compile-plan family (oppo-jax compile-plan): [programs, their seconds]
+        "warmup_programs": counter.programs(),
         "warmup_compile_time_s": seconds,
         **{k: list(v) for k, v in dataclasses.asdict(shapes).items()},
         "warmup_by_task": by_task,

@@ -38,7 +38,8 @@ MIN_ROW_WIDTH = 16  # packed rows' widths are multiples of this many tokens
 # runs about CHUNK_SPLIT calls, the long tail's few live slots one, and at most one call's budget
 # of a chunk is padding. 32 keeps the tail's calls near its real tokens: at the 7B configs'
 # S 120, C 256 a call is 1024 tokens, four slots' chunks (with 8, 4096: the simulator's labelled
-# one-epoch regime map then drifts up to 0.071 from the token-proportional engine's; 32: 0.02).
+# one-epoch regime map, pricing a chunk by its tokens alone, drifted up to 0.071 from the
+# token-proportional engine's; with 32, 0.020; docs/PROJECTIONS.md §4g).
 CHUNK_SPLIT = 32
 # Sync's packed scoring calls hold pow2(B / SCORE_SPLIT) rows of L tokens: a batch runs about
 # SCORE_SPLIT / (sequences per row) calls, the last one partly padding (at 7B, B 112: 4 rows
@@ -123,23 +124,27 @@ def row_bucket(rows: int, num_slots: int) -> int:
     return min(max(4, 1 << (int(rows) - 1).bit_length()), num_slots)
 
 
-def first_fit_decreasing(lengths, width: int) -> list[list[int]]:
-    """Bins (rows) of item indices, each holding at most ``width``: longest first, each into
-    the first row with room. Deterministic (ties keep index order).
+def first_fit_decreasing(lengths, width: int, max_items: int | None = None) -> list[list[int]]:
+    """Bins (rows) of item indices, each holding at most ``width`` (and at most ``max_items``
+    items): longest first, each into the first bin with room. Deterministic (ties keep index
+    order).
 
-    Example: lengths [5, 3, 4, 2], width 8 -> [[0, 1], [2, 3]].
+    Example: lengths [5, 3, 4, 2], width 8 -> [[0, 1], [2, 3]]; max_items 1 -> four bins.
     """
     lengths = np.asarray(lengths)
     rows: list[list[int]] = []
     room = np.empty(len(lengths), np.int64)
+    slots = np.empty(len(lengths), np.int64)  # items each bin may still take
     for i in np.argsort(-lengths, kind="stable"):
         n = int(lengths[i])
-        fits = np.flatnonzero(room[: len(rows)] >= n)
+        fits = np.flatnonzero((room[: len(rows)] >= n) & (slots[: len(rows)] > 0))
         if fits.size:
             rows[fits[0]].append(int(i))
             room[fits[0]] -= n
+            slots[fits[0]] -= 1
         else:
             room[len(rows)] = width - n
+            slots[len(rows)] = (len(lengths) if max_items is None else max_items) - 1
             rows.append([int(i)])
     return rows
 
@@ -178,36 +183,32 @@ def score_calls(lengths, full_width: int) -> list[list[list[int]]]:
 
 def chunk_budget(num_slots: int, chunk_width: int) -> tuple[int, int]:
     """(N rows, M tokens) of every packed call of a streamed chunk of S slots x C columns:
-    M = pow2(S·C / ``CHUNK_SPLIT``), at least C; N = min(S, 2·M / C), rows of slots with fewer
-    than C new tokens leaving room for more.
+    M = pow2(S·C / ``CHUNK_SPLIT``), at least C; N = min(S, 4·M / C), rows for slots with
+    fewer than C new tokens (the long tail's ends, a carried slot's first chunk). With 2·M / C
+    the simulator's labelled regime map drifted up to 0.106 from the token-proportional
+    engine's, with 4·M / C 0.031; the rows beyond M / C are attention over padding only, at most
+    ~12% of a 7B scorer chunk's FLOPs by estimate (attention ~4% of a row's), not priced.
 
-    Example: S 24, C 16 -> (2, 16); S 120, C 256 -> (8, 1024); S 64, C 32 -> (4, 64).
+    Example: S 24, C 16 -> (4, 16); S 120, C 256 -> (16, 1024); S 64, C 32 -> (8, 64).
     """
     whole = num_slots * chunk_width
     tokens = max(pow2_at_least(whole / CHUNK_SPLIT), chunk_width)
-    return min(num_slots, max(1, 2 * tokens // chunk_width)), tokens
+    return min(num_slots, max(1, 4 * tokens // chunk_width)), tokens
 
 
 def chunk_groups(counts, chunk_width: int) -> list[list[int]]:
-    """The slots with new tokens (``counts`` [S], each at most C) dealt in slot order to the
-    chunk's packed calls, each within ``chunk_budget``'s N rows and M tokens; [] when no slot
-    has a token.
+    """The slots with new tokens (``counts`` [S], each at most C) dealt to the chunk's packed
+    calls, first-fit decreasing (``first_fit_decreasing``) within ``chunk_budget``'s M tokens
+    and N rows a call; [] when no slot has a token.
 
-    Example: counts [16, 0, 4, 4, 16, 3, 0, 0], C 16 (budget (2, 16)) -> [[0], [2, 3], [4],
+    Example: counts [16, 0, 4, 4, 16, 3, 0, 0], C 16 (budget (2, 16)) -> [[0], [4], [2, 3],
     [5]].
     """
     counts = np.asarray(counts)
     rows, tokens = chunk_budget(counts.shape[0], chunk_width)
-    groups: list[list[int]] = []
-    used = tokens + 1  # forces a first group
-    for slot in np.flatnonzero(counts > 0):
-        n = int(counts[slot])
-        if used + n > tokens or len(groups[-1]) == rows:
-            groups.append([])
-            used = 0
-        groups[-1].append(int(slot))
-        used += n
-    return groups
+    live = np.flatnonzero(counts > 0)
+    bins = first_fit_decreasing(counts[live], tokens, max_items=rows)
+    return [sorted(int(live[i]) for i in b) for b in bins]
 
 
 # --- the packed update (ppo.packing): chunks of one height, as many as a minibatch can need ---

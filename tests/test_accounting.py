@@ -106,8 +106,8 @@ def _expected(result, plan, stream: bool, packed_update: bool = True) -> dict:
     c = plan.chunk_size
     chunks = max(1, math.ceil(sel.cut / c))
     made = host.num_generated - prefix
-    per_chunk = [int(np.clip(made - j * c, 0, c).sum()) for j in range(chunks)]
-    scoring = (sum(sim_packing.chunk_tokens(t, s, c) for t in per_chunk), new)
+    counts = [np.clip(made - j * c, 0, c) for j in range(chunks)]
+    scoring = (sum(sim_packing.chunk_tokens(n, c) for n in counts), new)
     if not stream:
         scoring = (sim_packing.score_tokens(sequences, P + R), int(sequences.sum()))
     # Update: EPOCHS passes of actor and critic over the batch's sequences packed (the same

@@ -54,15 +54,16 @@ P, R = 4, 20
 
 
 def test_chunk_budget_and_groups_on_hand_counted_cases():
-    # M = pow2(S·C / 32) tokens, at least C; N = min(S, 2·M / C) rows
-    assert chunk_budget(120, 256) == (8, 1024)  # the 7B configs' streamed calls
-    assert chunk_budget(64, 32) == (4, 64) and chunk_budget(24, 8) == (2, 8)
+    # M = pow2(S·C / 32) tokens, at least C; N = min(S, 4·M / C) rows
+    assert chunk_budget(120, 256) == (16, 1024)  # the 7B configs' streamed calls
+    assert chunk_budget(64, 32) == (8, 64) and chunk_budget(24, 8) == (4, 8)
     counts = np.zeros(24, int)
-    counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots, calls of 2 rows, 8 tokens
-    assert chunk_groups(counts, 8) == [[0], [1, 2], [3, 4], [5, 6], [7, 8]]
+    counts[:9] = [8, 2, 3, 1, 4, 4, 3, 3, 2]  # 30 tokens in 9 slots: calls of 4 rows, 8 tokens
+    # first-fit decreasing: 8 | 4 4 | 3 3 2 | 3 2 1, four calls (32 tokens for 30)
+    assert chunk_groups(counts, 8) == [[0], [4, 5], [1, 2, 6], [3, 7, 8]]
     assert chunk_groups(np.zeros(24, int), 8) == []  # nothing to score: no call
-    [plan] = plan_chunk(np.array([0, 3, 0, 1]), 4)  # S 4, C 4: budget (2, 4)
-    assert plan["rows"].tolist() == [1, 3] and plan["count"].tolist() == [3, 1]
+    [plan] = plan_chunk(np.array([0, 3, 0, 1]), 4)  # S 4, C 4: budget (4, 4)
+    assert plan["rows"].tolist() == [1, 3, 4, 4] and plan["count"].tolist() == [3, 1, 0, 0]
     assert plan["token_row"].tolist() == [0, 0, 0, 1]
     assert plan["token_col"].tolist() == [0, 1, 2, 0]
 
@@ -78,10 +79,11 @@ def test_chunk_groups_cover_each_live_slot_once_within_one_budget(slots, width, 
     assert sorted(s for g in groups for s in g) == np.flatnonzero(counts).tolist()
     for g in groups:
         assert len(g) <= rows and counts[g].sum() <= tokens
-    # a new call starts only when the next slot does not fit: two calls in a row always
-    # together overflow one budget, so at most one call's budget of the chunk is padding
-    for a, b in zip(groups, groups[1:], strict=False):
-        assert counts[a + b].sum() > tokens or len(a) + len(b) > rows
+    # first-fit decreasing: no two calls would fit one budget together, so the calls are at
+    # most twice the fewest possible
+    for i, a in enumerate(groups):
+        for b in groups[i + 1 :]:
+            assert counts[a + b].sum() > tokens or len(a) + len(b) > rows
     plans = plan_chunk(counts, width)
     assert [p["rows"].shape + p["token_row"].shape for p in plans] == [(rows, tokens)] * len(groups)
 

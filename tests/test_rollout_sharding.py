@@ -322,7 +322,7 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
     counts = np.array([6, 0, 2, 0, 0, 1, 0, 3], np.int32)  # most slots done: 12 of 48 tokens
     chunk = chunk.replace(count=jnp.asarray(counts))
     plans = plan_chunk(counts, CHUNK)
-    assert [p["token_row"].size for p in plans] == [6, 6, 6]  # budget (2 rows, 6 tokens): 3 calls
+    assert [p["token_row"].size for p in plans] == [6, 6]  # budget (4 rows, 6 tokens): 6 | 3 2 1
     for role in ("reference", "reward"):
         admit_role = kernels.scorer_admit(role)
         fresh = [admit_role(params[role], admission)[0] for _ in range(3)]

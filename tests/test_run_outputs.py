@@ -100,11 +100,23 @@ def test_transformers_torch_notice_is_dropped_and_other_warnings_kept(caplog):
     assert [r.getMessage() for r in caplog.records] == ["something else"]
 
 
-def test_compilation_cache_setting(monkeypatch):
+def test_compilation_cache_setting(monkeypatch, tmp_path):
     monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "off")
     assert cli.compilation_cache() is None
-    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "auto")
-    assert cli.compilation_cache() is None  # the CPU: off (XLA:CPU crashed reading it back)
+    import jax
+
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "auto")  # on, on every backend
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)  # fmt: skip
+    try:
+        assert cli.compilation_cache() == str(tmp_path / "xla")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0  # every program
+    finally:  # the rest of this process's tests run without it
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
     monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "maybe")
     with pytest.raises(InputError, match="OPPO_JAX_COMPILATION_CACHE='maybe'"):
         cli.compilation_cache()

@@ -93,9 +93,10 @@ def test_padded_engine_decodes_whole_chunks():
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 80),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
-        # Streamed chunks' real tokens (43 and 13) in calls of one budget (oppo_jax.shapes.
-        # chunk_budget: pow2(S·C / 32) = 2 tokens, at least C = 8): 43 in 6 calls, 48 (below
-        # the whole [8, 8] chunk's 64), 13 in 2, 16.
+        # Streamed chunks' new tokens per slot ([2, 3, 5, 8, 8, 8, 8, 1] and [0, 0, 0, 4, 1,
+        # 4, 4, 0]) first-fit decreasing into calls of one budget (oppo_jax.shapes.
+        # chunk_budget: 8 tokens, at least C, pow2(S·C / 32) = 2 being less; 4 rows): 8 | 8 |
+        # 8 | 8 | 5 3 | 2 1, 48 (below the whole [8, 8] chunk's 64), then 4 4 | 4 1, 16.
         ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),
     ],
 )
@@ -189,8 +190,8 @@ def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots()
     # Six slots finish at 1, one at 5, one at 12; C = 2. Chunks 2 and 3 run in bucket 2, 4 and
     # 5 in bucket 1. Packing scorers stay in the admission's 8 slots (pipeline.slot_map), so
     # every chunk's real tokens go to calls of the budget for S·C = 16 (pow2(16 / 32) = 1, at
-    # least C = 2 tokens): chunk 0 holds 10 -> 10, chunk 1 4, chunk 2 3 (slot 6's last and slot
-    # 7's two) -> 4, then 2 each; a compacted chunk's budget is not its bucket's.
+    # least C = 2 tokens, 4 rows): chunk 0 holds 10 -> 10, chunk 1 4, chunk 2 3 (slot 6's last
+    # and slot 7's two) -> 4, then 2 each; a compacted chunk's budget is not its bucket's.
     facts = dataclasses.replace(
         FACTS, finish=np.array([1] * 6 + [5, 12]), cut=12, chunk=2, chunks=7, carried_rows=0,
         prefix=np.zeros(8, int), width=4,

@@ -30,13 +30,10 @@ def test_mirrors_count_what_the_engine_plans(seed):
         assert packing.update_tokens(prompt + response, p + r) == want
         want = sum(plan.computed_tokens for plan in score_plan(prompt + response, p + r))
         assert packing.score_tokens(prompt + response, p + r) == want
-        # A streamed chunk: the simulator knows its total tokens, not its slots, so it counts
-        # the token budget's calls and leaves the rows' limit out (a lower bound).
         slots, c = int(rng.integers(1, 40)), int(rng.choice([1, 3, 8, 32]))
         counts = rng.integers(0, c + 1, slots) * (rng.random(slots) < rng.random())
-        engine = sum(plan["token_row"].size for plan in plan_chunk(counts, c))
-        priced = packing.chunk_tokens(int(counts.sum()), slots, c)
-        assert priced <= engine and (priced == engine or priced > 0)
+        want = sum(plan["token_row"].size for plan in plan_chunk(counts, c))
+        assert packing.chunk_tokens(counts, c) == want
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -37,8 +37,8 @@ def plan_chunk(counts: np.ndarray, width: int) -> list[dict[str, np.ndarray]]:
     [S] (``shapes.chunk_groups``; [] when no slot has a token). Padding rows name slot S,
     padding tokens row N.
 
-    Example: counts [0, 3, 0, 1], C 4 (budget (2, 4)) -> one call: rows [1, 3], count [3, 1],
-    token_row [0, 0, 0, 1], token_col [0, 1, 2, 0].
+    Example: counts [0, 3, 0, 1], C 4 (budget (4, 4)) -> one call: rows [1, 3, 4, 4], count
+    [3, 1, 0, 0], token_row [0, 0, 0, 1], token_col [0, 1, 2, 0].
     """
     counts = np.asarray(counts, np.int32)
     n, m = chunk_budget(counts.shape[0], width)

@@ -160,13 +160,14 @@ def score_tokens(lengths, full: int) -> int:
     )
 
 
-def chunk_tokens(real: int | float, slots: int, chunk: int) -> int:
-    """Tokens a streamed chunk of ``slots`` x ``chunk`` with ``real`` tokens is scored at: whole
-    calls of the engine's budget (``oppo_jax.shapes.chunk_budget``; the simulator knows the
-    chunk's total, not its slots, so the row limit is left out). Example: 24 slots, C 8
-    (budget 8): 30 -> 32, 70 -> 72."""
-    _, budget = engine_shapes.chunk_budget(slots, chunk)
-    return -(-int(np.ceil(real)) // budget) * budget
+def chunk_tokens(counts, chunk: int) -> int:
+    """Tokens a streamed chunk with these new tokens per slot (``counts`` [S], each at most C =
+    ``chunk``) is scored at: the engine's calls of one budget (``oppo_jax.shapes.
+    chunk_groups``, ``chunk_budget``). Example: C 8, 24 slots (budget 2 rows, 8 tokens):
+    [8, 2, 3, 1] and 20 empty -> 3 calls, 24."""
+    counts = np.asarray(counts)
+    _, budget = engine_shapes.chunk_budget(counts.size, chunk)
+    return len(engine_shapes.chunk_groups(counts, chunk)) * budget
 
 
 SEGMENT_BLOCK = 64  # models.segment_attention.BLOCK: query and key blocks of packed rows

@@ -112,8 +112,9 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         if engine.packed_chunk_scoring:  # each chunk's real tokens packed (packing.chunk_tokens)
             # over the admission's S slots, also once the decode has compacted: packing
             # scorers stay in that layout (pipeline.slot_map)
-            real = _chunk_tokens(ends, f.cut, f.chunk)[: len(per_chunk)]
-            per_chunk = [packing.chunk_tokens(r, f.slots, f.chunk) for r in real]
+            scored = min(len(per_chunk), math.ceil(f.cut / f.chunk))  # chunks up to the cut
+            made = [np.clip(new_tokens - j * f.chunk, 0, f.chunk) for j in range(scored)]
+            per_chunk = [packing.chunk_tokens(counts, f.chunk) for counts in made]
         if engine.replayed_admission:  # prompts, then each prefix in chunks (scoring.replay)
             actor = f.slots * f.prompt_len + packing.replay_tokens(f.prefix, f.slots)
         else:
@@ -166,14 +167,6 @@ def _row_pairs(width: int, causal: bool) -> float:
 def _running(ends: np.ndarray, t: np.ndarray) -> np.ndarray:
     """Slots still running at each decode position ``t`` (end > t)."""
     return ends.size - np.searchsorted(np.sort(ends), t, side="right")
-
-
-def _chunk_tokens(ends: np.ndarray, cut: int, chunk: int) -> list[float]:
-    """Real tokens each chunk makes up to the cut (the running slots at each position)."""
-    t = np.arange(cut)
-    if not cut:
-        return []
-    return [float(x) for x in np.add.reduceat(_running(ends, t), np.arange(0, cut, chunk))]
 
 
 def _running_contexts(f: StepFacts, ends: np.ndarray):

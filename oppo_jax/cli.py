@@ -11,7 +11,7 @@ from pathlib import Path
 
 from oppo_jax.help_text import plain
 
-# Where JAX's persistent compilation cache goes: auto (on for GPU/TPU, off on the CPU), on, off
+# JAX's persistent compilation cache: auto or on (every backend, every program kept), off
 COMPILATION_CACHE_ENV = "OPPO_JAX_COMPILATION_CACHE"
 
 

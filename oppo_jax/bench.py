@@ -136,7 +136,7 @@ def run_bench(
     lanes, timeline = _lanes(cfg, ctx, state, seeds), Timeline()
     if precompile:  # every shape of every schedule (one seed's lanes): ``train``'s warm-up
         for lane in lanes[: len(SCHEDULES)]:
-            warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
+            _, lane.state = warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
     compiles = warm.CompileCounter()
     bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
     for step in range(warmup + steps):

@@ -128,15 +128,17 @@ def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) 
 
 
 def warmup_peak(state: dict, kernels: dict) -> dict:
-    """The warm-up's peak per device: its throwaway step runs the step's kernels with a copy
-    of what the update replaces (trained parameters and device optimizer states:
-    ``pipeline.warmup.trained_copy``; never the frozen bases) resident besides the run's."""
+    """The warm-up's peak per device: its throwaway step runs the step's kernels on the train
+    state itself, the trained part parked in host memory meanwhile (one process: the step's
+    own peak), or on a device copy of what the update replaces (several processes: trained
+    parameters and device optimizer states on top; ``pipeline.warmup._throwaway_step``)."""
     copy = state["actor_params"] + state["critic_params"] + state["optimizer"]
     worst = lambda field: max((k[field] for k in kernels.values()), default=0)  # noqa: E731
     return {
         "trained_copy": copy,
-        "with_resident": worst("with_resident") + copy,
-        "with_live": worst("with_live") + copy,
+        "with_resident": worst("with_resident"),
+        "with_live": worst("with_live"),
+        "with_resident_multiprocess": worst("with_resident") + copy,
     }
 
 

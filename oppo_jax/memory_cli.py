@@ -122,10 +122,10 @@ def format_table(report: dict) -> str:
     lines += [
         "",
         update + ".",
-        f"the warm-up: the step's kernels with a copy of the trained parameters and optimizer "
-        f"states ({fmt(warm['trained_copy'])} {unit}; never the frozen bases) besides the run's: "
-        f"at most {fmt(warm['with_resident'])} {unit} with resident, "
-        f"{fmt(warm['with_live'])} with live.",
+        f"the warm-up: the step's kernels on the train state, its trained part parked in host "
+        f"memory ({fmt(warm['trained_copy'])} {unit}): at most {fmt(warm['with_resident'])} "
+        f"{unit} with resident, {fmt(warm['with_live'])} with live, a step's peak (several "
+        f"processes copy it on the device instead: {fmt(warm['with_resident_multiprocess'])}).",
         "with resident: a kernel's temporaries and new outputs on top of everything resident "
         "(an upper bound); with live: on top of what the step holds while it runs (the "
         "admission before, the update after the KV caches but the frozen scorers' kept rows).",

@@ -131,7 +131,7 @@ def train(
     if warmup is None:
         warmup = os.environ.get(WARMUP_ENV, "on").strip().lower() != "off"
     if warmup and host.step < cfg.train.steps:
-        report = warm_up(ctx, schedule, host, train_state, progress)
+        report, train_state = warm_up(ctx, schedule, host, train_state, progress)
         (out / "warmup.json").write_text(json.dumps(report, indent=2))
     log = RunLog(out, cfg.train.steps, host.step, progress)
     evaluate = make_evaluator(ctx, out, host.step)  # eval.*: held-out decoding (no-op when off)

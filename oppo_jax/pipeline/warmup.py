@@ -253,25 +253,39 @@ def trained_copy(state):
 
 
 def _throwaway_step(ctx, schedule, state):
-    """One whole step on a copy of the train state, a fresh host state and prompt stream:
-    compiles the update, the experience kernel, sync scoring and the controllers' small ops.
-    Returns the step's PPO batch (the other update shapes' throwaway input)."""
+    """One whole step on the train state, a fresh host state and prompt stream: compiles the
+    update, the experience kernel, sync scoring and the controllers' small ops. Returns the
+    train state as it was. On one process the step takes the state itself (its update donates
+    it) while its trained part waits in host memory, and it is put back, bit for bit, on its
+    shardings: the warm-up's peak is a step's. With several processes (each holds only its
+    shards) the step takes a device copy of the trained part instead (``trained_copy``)."""
     host = HostState.fresh(ctx.cfg, schedule, ctx.prompt_iterator())
-    plan, copy = host.plan(ctx.cfg), trained_copy(state)  # the update donates it
-    copy, _, result = run_step(ctx.engine, schedule, plan, copy, CarryBuffer(), host.prompts,
-                               Timeline())  # fmt: skip
+    one_process = jax.process_count() == 1
+    if one_process:
+        trained = state.replace(frozen=None)
+        parked = jax.device_get(trained), jax.tree.map(lambda x: x.sharding, trained)
+        throwaway, frozen = state, state.frozen
+        del state, trained  # the update donates them
+    else:
+        throwaway = trained_copy(state)
+    plan = host.plan(ctx.cfg)
+    throwaway, _, result = run_step(ctx.engine, schedule, plan, throwaway, CarryBuffer(),
+                                    host.prompts, Timeline())  # fmt: skip
     record = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
     host.observe(plan, {**record, "step_time_s": result.wall_s})
-    jax.block_until_ready(copy)
-    return result.batch
+    jax.block_until_ready(throwaway)
+    if not one_process:
+        return state
+    del throwaway, result  # freed before the trained part comes back
+    return jax.device_put(*parked).replace(frozen=frozen)
 
 
 def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
-    """(label, thunk) of every shape to compile, the whole step first (its batch feeds the
-    update's other shapes)."""
-    k, made = ctx.engine.kernels, {}
+    """(label, thunk) of every shape to compile; the whole step last, since its update takes
+    the train state (``_throwaway_step``), and it returns the state the run goes on with."""
+    k = ctx.engine.kernels
     widths = {c: chunk_widths(k, c) for c in shapes.chunk_sizes}
-    tasks = [("one step", lambda: made.update(batch=_throwaway_step(ctx, schedule, state)))]
+    tasks = []
     tasks += [
         (f"chunk {c} width {w}", lambda c=c, w=w: compile_chunk(ctx, schedule, host, state, c, w))
         for c, ws in widths.items()
@@ -291,6 +305,7 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
 
     if shapes.compaction_moves:
         tasks += [(f"compaction chunk {c}", lambda c=c: compaction(c)) for c in shapes.chunk_sizes]
+    tasks.append(("one step", lambda: _throwaway_step(ctx, schedule, state)))
     return tasks
 
 
@@ -303,19 +318,21 @@ def _attention(ctx) -> dict[str, str]:
     return implementations(k.spec.actor, full, width)
 
 
-def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
+def warm_up(ctx, schedule, host, state, progress: bool = True) -> tuple[dict, object]:
     """Compile every shape of ``warmup_shapes`` and one whole step before the run measures
-    anything, with its own progress line. Returns the warm-up's report: seconds, shapes,
-    compilations and their seconds (in all and by task)."""
+    anything, with its own progress line. Returns the warm-up's report (seconds, shapes,
+    compilations and their seconds, in all and by task) and the train state to go on with
+    (``state``'s values; its arrays may be new: the whole step's update donates them)."""
     shapes = warmup_shapes(ctx, host, schedule)
     tasks = _tasks(ctx, schedule, host, state, shapes)
+    del state  # the last task takes it
     counter, start = CompileCounter(), time.perf_counter()
     bar = tqdm(tasks, desc="warm-up (compiling)", disable=not progress, unit="shape")
     per_task = CompileCounter()
     by_task = []  # [label, compilations, their seconds] of each task
     for label, task in bar:
         bar.set_postfix_str(label, refresh=False)
-        task()
+        state = task()  # the whole step's, last: the train state
         by_task.append([label, *per_task.take()])
         check_map_room(f"the warm-up's {label}")  # a clear stop, not LLVM's segfault
     bar.close()
@@ -339,4 +356,4 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> dict:
             f"compilation cache, {report['warmup_s']:.1f} s (not counted in any step's time)",
             flush=True,
         )
-    return report
+    return report, state

@@ -14,7 +14,7 @@ from oppo_jax.pipeline.kernels import family_jit
 from oppo_jax.pipeline.placement import move
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
-from oppo_jax.scoring.packed import PackedBatch, PackPlan, plan_packing, score_packed
+from oppo_jax.scoring.packed import PackedBatch, ScoringCall, plan_packing, score_packed
 from oppo_jax.scoring.packed_chunks import padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.shapes import chunk_budget
@@ -65,7 +65,7 @@ def _replicated(place) -> NamedSharding:
     return NamedSharding(place.scoring_mesh, PartitionSpec())
 
 
-def packed_inputs(sequences, response_len, prompt_len, plan: PackPlan) -> PackedBatch:
+def packed_inputs(sequences, response_len, prompt_len, plan: ScoringCall) -> PackedBatch:
     """A PackedBatch from device sequences and a host plan (the plan's arrays go to the
     sequences' devices)."""
     sharding = getattr(sequences, "sharding", None)

@@ -34,7 +34,7 @@ from oppo_jax.shapes import score_calls, score_rows_per_call, score_width
 
 
 @dataclasses.dataclass(frozen=True)
-class PackPlan:
+class ScoringCall:
     """One packed scoring call: where its sequences' tokens go in its rows (host NumPy, from
     lengths only). Sequences of other calls have ``row`` N (their outputs are dropped)."""
 
@@ -57,7 +57,7 @@ class PackPlan:
         return self.row < self.seq.shape[0]
 
 
-def plan_packing(lengths, max_width: int) -> list[PackPlan]:
+def plan_packing(lengths, max_width: int) -> list[ScoringCall]:
     """The packed scoring calls of sequences of ``lengths`` tokens (each in [1, L]; L =
     ``max_width``): ``shapes.score_calls``' rows, N = ``score_rows_per_call(B)`` per call, of
     T = ``score_width(L)`` columns; every call has that one shape.
@@ -81,7 +81,7 @@ def plan_packing(lengths, max_width: int) -> list[PackPlan]:
                 seq[r, start : start + n], col[r, start : start + n] = b, np.arange(n)
                 row[b], offset[b] = r, start
                 start += n
-        plans.append(PackPlan(seq, col, row, offset))
+        plans.append(ScoringCall(seq, col, row, offset))
     return plans
 
 
@@ -92,10 +92,10 @@ class PackedBatch:
     sequences: Int[Array, "B L"]  # prompt then response then padding, per sequence
     prompt_len: Int[Array, " B"]
     response_len: Int[Array, " B"]
-    seq: Int[Array, "N T"]  # PackPlan.seq
-    col: Int[Array, "N T"]  # PackPlan.col
-    row: Int[Array, " B"]  # PackPlan.row
-    offset: Int[Array, " B"]  # PackPlan.offset
+    seq: Int[Array, "N T"]  # ScoringCall.seq
+    col: Int[Array, "N T"]  # ScoringCall.col
+    row: Int[Array, " B"]  # ScoringCall.row
+    offset: Int[Array, " B"]  # ScoringCall.offset
 
 
 def packed_tokens(batch: PackedBatch, pad_id: int = 0) -> Int[Array, "N T"]:
@@ -110,7 +110,7 @@ def score_packed(
 ) -> Float[Array, "B R"] | Float[Array, " B"]:
     """One scorer over one call's packed sequences: per response token [B, R] ("logprob",
     "value", zero past each response) or the score at each sequence's last token [B]
-    ("score"); a sequence of another call (``PackPlan.in_call`` false) gets an unspecified
+    ("score"); a sequence of another call (``ScoringCall.in_call`` false) gets an unspecified
     value."""
     tokens = packed_tokens(batch, pad_id)
     # Padding forms its own segment (-1): it never mixes into a sequence.

@@ -188,9 +188,17 @@ class CompileSeconds:
 # The CPU demo's models (2 layers), its warm-up's compilations by family (warmup.json).
 DEMO_CPU = CompileSeconds(
     "XLA:CPU, the demo's 2-layer models, warmup.json of configs/demo_cpu.yaml (2026-12-06)",
-    {"admission prefill": 0.41, "decode start": 0.07, "replay": 0.53, "decode": 0.85,
-     "streamed scoring": 0.50, "sync scoring": 0.37, "experience": 0.39, "update": 3.0},
-)  # fmt: skip
+    {
+        "admission prefill": 0.41,
+        "decode start": 0.07,
+        "replay": 0.53,
+        "decode": 0.85,
+        "streamed scoring": 0.50,
+        "sync scoring": 0.37,
+        "experience": 0.39,
+        "update": 3.0,
+    },
+)
 # Qwen2.5-7B widths, 28 scanned layers, bf16: oppo-jax memory's kernels compiled for XLA:CPU
 # on abstract inputs (qwen2.5-7b_gh200x1_lora, 2026-12-06); its admission kernel is the
 # prefill and the decode start in one, and the experience was not measured: both are counted
@@ -198,9 +206,17 @@ DEMO_CPU = CompileSeconds(
 QWEN_7B_CPU = CompileSeconds(
     "XLA:CPU, Qwen2.5-7B widths, 28 scanned layers, abstract inputs, oppo-jax memory's "
     "kernels of qwen2.5-7b_gh200x1_lora (2026-12-06)",
-    {"admission prefill": 1.6, "decode start": 1.6, "replay": 1.5, "decode": 2.1,
-     "streamed scoring": 2.0, "sync scoring": 2.0, "experience": 1.6, "update": 5.9},
-)  # fmt: skip
+    {
+        "admission prefill": 1.6,
+        "decode start": 1.6,
+        "replay": 1.5,
+        "decode": 2.1,
+        "streamed scoring": 2.0,
+        "sync scoring": 2.0,
+        "experience": 1.6,
+        "update": 5.9,
+    },
+)
 
 
 def compile_seconds(cfg) -> CompileSeconds:

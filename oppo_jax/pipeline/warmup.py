@@ -268,9 +268,10 @@ def _throwaway_step(ctx, schedule, state):
         del state, trained  # the update donates them
     else:
         throwaway = trained_copy(state)
-    plan = host.plan(ctx.cfg)
-    throwaway, _, result = run_step(ctx.engine, schedule, plan, throwaway, CarryBuffer(),
-                                    host.prompts, Timeline())  # fmt: skip
+    plan, buffer = host.plan(ctx.cfg), CarryBuffer()
+    throwaway, _, result = run_step(
+        ctx.engine, schedule, plan, throwaway, buffer, host.prompts, Timeline()
+    )
     record = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
     host.observe(plan, {**record, "step_time_s": result.wall_s})
     jax.block_until_ready(throwaway)

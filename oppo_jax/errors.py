@@ -10,7 +10,7 @@ from __future__ import annotations
 EXIT_BAD_INPUT = 2  # a config, prompt file or model directory was rejected; nothing ran
 EXIT_NONFINITE = 3  # too many non-finite updates in a row; the last good checkpoint is kept
 EXIT_HOST_LIMIT = 4  # the host cannot hold the run's compiled programs (oppo_jax.host_maps)
-EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: a checkpoint was saved, rerun with --resume (EX_TEMPFAIL)
+EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: a checkpoint was saved; the message says how to resume
 
 
 class InputError(ValueError):
@@ -39,13 +39,20 @@ class HostLimitError(RuntimeError):
 
 
 class Preempted(Exception):  # noqa: N818 (a stop request, not a failure)
-    """The run stopped on a signal after saving a checkpoint at ``step``."""
+    """The run stopped on a signal after saving a checkpoint at ``step``; ``command``, when
+    given, is the exact command that continues it (``preemption.resume_command``)."""
 
-    def __init__(self, step: int, signal_name: str, checkpoint_dir: str):
+    def __init__(self, step: int, signal_name: str, checkpoint_dir: str, command: str = ""):
         # Steps count from 0: ``step`` steps are done and the run continues at step ``step``.
         done = "no step was done" if step == 0 else f"steps 0-{step - 1} are done"
+        how = f"rerun with --resume to continue at step {step}"
+        if command:
+            how = f"to continue at step {step}, run:\n  {command}"
         super().__init__(
-            f"{signal_name} received: {done} and saved in {checkpoint_dir}/{step}; "
-            f"rerun with --resume to continue at step {step}"
+            f"{signal_name} received: {done} and saved in {checkpoint_dir}/{step}; {how}"
         )
-        self.step, self.signal_name = step, signal_name
+        self.step, self.signal_name, self.checkpoint_dir = step, signal_name, checkpoint_dir
+
+    def with_command(self, command: str) -> Preempted:
+        """The same stop, its message ending with ``command``, the one that continues the run."""
+        return Preempted(self.step, self.signal_name, self.checkpoint_dir, command)

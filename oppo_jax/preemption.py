@@ -5,14 +5,16 @@ checkpoint (carried sequences included) and exits with ``EXIT_PREEMPTED``. The s
 flight is finished, not abandoned: its prompts were already taken from the stream, so
 finishing it is the only way to checkpoint a consistent state. A second signal stops at once
 (``KeyboardInterrupt``); checkpoints already on disk are complete either way, because orbax
-commits a step atomically.
+commits a step atomically. ``resume_command`` spells out the command that continues the run.
 """
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -49,3 +51,18 @@ class StopOnSignal:
             file=sys.stderr,
             flush=True,
         )
+
+
+def resume_command(
+    config: str | None, overrides: Sequence[str], out: str, options: Sequence[str] = ()
+) -> str:
+    """The command that continues a stopped run, shell-quoted, from what it was started with.
+
+    Example: ``resume_command("demo_cpu", ["seed=1"], "runs/demo_cpu-20261206-101500")`` is
+    ``oppo-jax train demo_cpu --set seed=1 --out runs/demo_cpu-20261206-101500 --resume``.
+    ``options`` are further flags given to the first run (``--quiet``, ``--no-warmup``).
+    """
+    words = ["oppo-jax", "train"] + ([config] if config is not None else [])
+    words += ["--set", *overrides] if overrides else []
+    words += [*options, "--out", out, "--resume"]
+    return shlex.join(words)

@@ -204,8 +204,9 @@ def _nonfinite_where(record: dict) -> str:
 
 
 def summarize(metrics_path: Path, window: int = 5) -> dict:
-    """Means over the first and last ``window`` steps of the key metrics (fewer in a short run,
-    so the two never share a step), and timing."""
+    """Means over the first and last ``window`` steps of the key metrics (``<key>_start``,
+    ``<key>_end``; fewer steps in a short run, so the two never share a step: ``window_steps``
+    says how many), and timing."""
     records = read_metrics(metrics_path)
     if not records:
         return {}
@@ -213,6 +214,7 @@ def summarize(metrics_path: Path, window: int = 5) -> dict:
     summary = {
         "steps": len(records),
         "mean_step_time_s": np.mean([r["step_time_s"] for r in records]),
+        "window_steps": window,
     }
     for key in ("reward", "gold", "kl", "response_len_mean"):
         if key in records[0]:
@@ -222,3 +224,25 @@ def summarize(metrics_path: Path, window: int = 5) -> dict:
             summary[f"{key}_start"] = float(np.mean(first)) if first else float("nan")
             summary[f"{key}_end"] = float(np.mean(last)) if last else float("nan")
     return summary
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The printed run summary: ``steps`` and the mean step time, then each metric's start and
+    end means on one line under a header saying how many steps each mean covers (the plots
+    draw every step, so a plot's step 0 is not the start mean), then the rest."""
+    metrics = [k.removesuffix("_start") for k in summary if k.endswith("_start")]
+    grouped = {f"{k}_{end}" for k in metrics for end in ("start", "end")}
+    rest = [k for k in summary if k not in grouped | {"window_steps"}]
+    lines = [_line(k, summary[k]) for k in rest[:2]]  # steps, mean_step_time_s
+    if metrics:
+        n = summary["window_steps"]
+        head = f"means of the first {n} and the last {n} steps (the plots show each step)"
+        lines.append(f"  start -> end: {head}")
+        lines += [_line(k, summary[f"{k}_start"], summary[f"{k}_end"]) for k in metrics]
+    return lines + [_line(k, summary[k]) for k in rest[2:]]
+
+
+def _line(key: str, *values) -> str:
+    """``key: value`` (or ``start -> end``), floats to 4 significant digits."""
+    text = " -> ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values)
+    return f"  {key:>22}: {text}"

@@ -18,7 +18,7 @@ from oppo_jax.data import (
     sample_sft_corpus,
 )
 from oppo_jax.demo import assets
-from oppo_jax.demo.common import demo_model_config, join_batch, split_by_length
+from oppo_jax.demo.common import demo_model_config, join_batch, split_by_length, summary_lines
 from oppo_jax.demo.sft import response_target_mask, sft_loss
 
 SPEC = DemoTaskSpec()
@@ -164,3 +164,19 @@ def test_ensure_demo_assets_caches_and_rebuilds(tmp_path, monkeypatch):
     assert assets._recipe(SPEC, 5, 5, 0, configs) != assets._recipe(other_spec, 5, 5, 0, configs)
     marker = json.loads((tmp_path / assets.MARKER).read_text())
     assert marker["recipe"]["sft_steps"] == 5 and "pair_accuracy" in marker["reward"]
+
+
+def test_sft_and_rm_commands_print_a_summary_not_a_dict():
+    stats = {"initial_loss": 5.5123, "final_loss": 3.7312, "seconds": 95.24}
+    assert summary_lines("SFT actor", "/c/actor", 3000, stats) == [
+        "SFT actor: 3000 steps in 95.2 s (compilation and saving included)",
+        "  saved to /c/actor (Hugging Face format)",
+        "  loss 5.512 -> 3.731 (means of the first and last 20 steps)",
+    ]
+    stats |= {"pair_accuracy": 0.9125, "gold_corr": 0.8512}
+    lines = summary_lines("reward model", "/c/reward", 5, stats)
+    assert lines[2] == "  loss 5.512 -> 3.731 (first and last step)"
+    assert lines[3] == (
+        "  held out: picks the preferred response of 91.2% of pairs; "
+        "correlation with the gold score 0.851"
+    )

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from oppo_jax.errors import EXIT_PREEMPTED
+from oppo_jax.preemption import resume_command
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_args
 
 pytestmark = pytest.mark.slow  # fresh `oppo-jax train` processes, 10 steps each
@@ -71,7 +72,9 @@ def test_sigterm_checkpoints_exits_75_and_resume_equals_uninterrupted(demo_cache
         if child.poll() is None:
             child.kill()
     assert child.returncode == EXIT_PREEMPTED, stderr[-4000:]
-    assert "SIGTERM received" in stderr and "--resume" in stderr
+    assert "SIGTERM received" in stderr
+    args = small_demo_args(f"train.steps={STEPS}", "train.checkpoint_every=0", *OPPO_WITH_CARRYING)
+    assert resume_command(None, args, str(out), ["--quiet"]) in stderr  # the exact command
     assert "Traceback" not in stderr
     stopped_at = len(metric_values(metrics))
     assert 2 <= stopped_at < STEPS

@@ -4,15 +4,19 @@ same one, --overwrite replaces it, and a refusal changes no file."""
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import oppo_jax.train as train_module
 from oppo_jax.cli import main
-from oppo_jax.errors import EXIT_BAD_INPUT, Preempted
+from oppo_jax.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, Preempted
+from oppo_jax.preemption import resume_command
 from oppo_jax.run_log import read_metrics
 from tests.run_fixtures import TIMING_KEYS
 
@@ -114,6 +118,40 @@ def test_preempted_says_which_steps_are_done():
     assert "steps 0-0 are done and saved in ck/1; rerun with --resume to continue at step 1" in str(
         Preempted(1, "SIGTERM", "ck")
     )
+
+
+def test_resume_command_repeats_config_overrides_and_out_shell_quoted():
+    command = resume_command("demo_cpu", ["seed=1", "data.prompts=my prompts.jsonl"], "runs/x y")
+    assert command == (
+        "oppo-jax train demo_cpu --set seed=1 'data.prompts=my prompts.jsonl' "
+        "--out 'runs/x y' --resume"
+    )
+    assert resume_command(None, [], "r", ["--quiet"]) == "oppo-jax train --quiet --out r --resume"
+    stop = Preempted(3, "SIGINT", "r/checkpoints").with_command("oppo-jax train --out r --resume")
+    assert str(stop).endswith("to continue at step 3, run:\n  oppo-jax train --out r --resume")
+
+
+def test_a_stopped_run_prints_the_command_that_resumes_it(tmp_path, monkeypatch, capsys):
+    real = train_module.run_step
+
+    def run_step(*args):  # a SIGTERM during the first step
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(train_module, "run_step", run_step)
+    out = tmp_path / "a run"  # a space, which the command must quote
+    assert _train(out, sets=("train.steps=2",)) == EXIT_PREEMPTED
+    command = resume_command(None, [*TINY, "train.steps=2"], str(out), ["--quiet"])
+    err = capsys.readouterr().err
+    assert "SIGTERM received: steps 0-0 are done and saved in " in err
+    assert err.endswith(f"to continue at step 1, run:\n  {command}\n")
+    monkeypatch.undo()
+    words = shlex.split(command)
+    assert words[:2] == ["oppo-jax", "train"] and main(words[1:]) == 0  # the command as printed
+    assert (
+        f"Resuming at step 1 from {out.resolve() / 'checkpoints' / '1'}" in capsys.readouterr().out
+    )
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
 
 
 _REFERENCE: dict[int, list[dict]] = {}

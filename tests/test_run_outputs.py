@@ -13,7 +13,7 @@ from oppo_jax import cli
 from oppo_jax.errors import InputError, Preempted
 from oppo_jax.plots import RUN_PLOTS, plot_run
 from oppo_jax.run_log import RunLog
-from oppo_jax.train import summarize, train
+from oppo_jax.train import summarize, summary_lines, train
 from tests.run_fixtures import small_demo_config
 
 
@@ -50,6 +50,21 @@ def test_summary_start_and_end_never_share_a_step(tmp_path):
     rows = [_record(i, reward=float(i)) for i in range(20)]
     summary = summarize(_write_metrics(tmp_path / "metrics.jsonl", rows))
     assert summary["reward_start"] == 2.0 and summary["reward_end"] == 17.0  # 5 steps each
+    assert summary["window_steps"] == 5
+
+
+def test_printed_summary_says_which_steps_its_start_and_end_average(tmp_path):
+    rows = [_record(i, reward=float(i)) for i in range(20)]
+    summary = summarize(_write_metrics(tmp_path / "metrics.jsonl", rows)) | {"warmup_compiles": 0}
+    assert summary_lines(summary) == [
+        "                   steps: 20",
+        "        mean_step_time_s: 0.3",
+        "  start -> end: means of the first 5 and the last 5 steps (the plots show each step)",
+        "                  reward: 2 -> 17",
+        "                      kl: 0.01 -> 0.01",
+        "       response_len_mean: 7 -> 22",
+        "         warmup_compiles: 0",
+    ]
 
 
 def test_progress_eta_leaves_compile_time_out(tmp_path):

@@ -31,14 +31,27 @@ def leaves(cls: type, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
 
 @functools.cache
 def _field_comments() -> dict[str, dict[str, str]]:
-    """Comment of each dataclass field in the schema: trailing, else on the line just above."""
-    lines = inspect.getsource(schema).splitlines()
+    """``field_comments`` of the schema module."""
+    return field_comments(inspect.getsource(schema))
+
+
+def field_comments(source: str) -> dict[str, dict[str, str]]:
+    """{class: {field: comment}} of the dataclass fields in ``source``: a field's trailing
+    comment, else the comment lines just above it joined into one text.
+
+    Example: ``# two\\n# lines\\nx: int = 1`` gives x "two lines"; ``y: int = 2  # one`` gives
+    y "one".
+    """
+    lines = source.splitlines()
     out: dict[str, dict[str, str]] = {}
-    for cls in [n for n in ast.parse("\n".join(lines)).body if isinstance(n, ast.ClassDef)]:
+    for cls in [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)]:
         for stmt in [s for s in cls.body if isinstance(s, ast.AnnAssign)]:
-            code, above = lines[stmt.end_lineno - 1], lines[stmt.lineno - 2].strip()
-            own_line = above.partition("#")[2] if above.startswith("#") else ""
-            text = code.split("  # ", 1)[1] if "  # " in code else own_line
+            code, above = lines[stmt.end_lineno - 1], []
+            row = stmt.lineno - 2  # 0-based index of the line above the field
+            while row >= 0 and lines[row].strip().startswith("#"):
+                above.insert(0, lines[row].strip().removeprefix("#").strip())
+                row -= 1
+            text = code.split("  # ", 1)[1] if "  # " in code else " ".join(above)
             out.setdefault(cls.name, {})[ast.unparse(stmt.target)] = text.strip()
     return out
 

@@ -145,6 +145,34 @@ def train_step_for(loss_fn: Callable, cfg: ModelConfig):
     return jax.jit(step, donate_argnums=(0,))
 
 
+def loss_window(steps: int) -> int:
+    """Steps averaged in ``initial_loss`` and ``final_loss``: 10% of them, 1 to 20."""
+    return max(1, min(20, int(steps * _LOSS_WINDOW)))
+
+
+def summary_lines(what: str, out: str | os.PathLike, steps: int, stats: dict) -> list[str]:
+    """What ``oppo-jax sft`` / ``oppo-jax rm`` print at the end: what was trained, for how long,
+    where it went, its loss and (the reward model) its held-out accuracy.
+
+    Example: ["SFT actor: 3000 steps in 95.2 s (compilation and saving included)",
+    "  saved to /c/actor (Hugging Face format)", "  loss 5.51 -> 3.73 (means of the
+    first and last 20 steps)"].
+    """
+    window = loss_window(steps)
+    over = "first and last step" if window == 1 else f"means of the first and last {window} steps"
+    lines = [
+        f"{what}: {steps} steps in {stats['seconds']:.1f} s (compilation and saving included)",
+        f"  saved to {out} (Hugging Face format)",
+        f"  loss {stats['initial_loss']:.4g} -> {stats['final_loss']:.4g} ({over})",
+    ]
+    if "pair_accuracy" in stats:
+        lines.append(
+            f"  held out: picks the preferred response of {stats['pair_accuracy']:.1%} of pairs; "
+            f"correlation with the gold score {stats['gold_corr']:.3f}"
+        )
+    return lines
+
+
 def run_training(
     cfg: ModelConfig,
     loss_fn: Callable,
@@ -157,7 +185,7 @@ def run_training(
 ) -> tuple[Any, dict]:
     """Train fresh parameters for ``steps`` steps over ``batches``; return (params, losses).
 
-    ``losses`` is {"initial_loss", "final_loss"}: means over the first / last 10% of the steps.
+    ``losses`` is {"initial_loss", "final_loss"}: means over the first / last ``loss_window``.
     """
     params = _init_params(cfg, jax.random.key(seed))
     state = TrainState(params, OPTIMIZER.init(params))
@@ -176,7 +204,7 @@ def run_training(
             bar.set_postfix(loss=f"{float(loss):.4f}")  # syncing only every 100 steps
     bar.close()
     losses = np.asarray(jax.device_get(losses), np.float64)
-    window = max(1, min(20, int(steps * _LOSS_WINDOW)))
+    window = loss_window(steps)
     stats = {
         "initial_loss": float(losses[:window].mean()),
         "final_loss": float(losses[-window:].mean()),

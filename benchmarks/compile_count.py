@@ -66,7 +66,7 @@ def demo_run(counter: CompileCounter, steps: int, overrides: list[str]) -> dict:
 
 def update_compile(counter: CompileCounter, layers: int) -> dict:
     from oppo_jax.config import load_config
-    from oppo_jax.specs import abstract_update_check, preset_models
+    from oppo_tools.abstract_checks import abstract_update_check, preset_models
 
     cfg = load_config("qwen2.5-7b_gh200x4")
     actor, critic = (m.replace(num_layers=layers) for m in preset_models(cfg))

@@ -1,7 +1,7 @@
 """Memory per device of the real-size configs, from the compiled kernels' own memory analysis.
 
 For each config with a ``model.preset`` (or the ones named on the command line) this runs
-``oppo_jax.memory_cli.config_memory_report``: the resident state (trained and frozen parameters,
+``oppo_tools.memory.cli.config_memory_report``: the resident state (trained and frozen parameters,
 AdamW moments, the four KV caches, the PPO batch) from shapes and the run's shardings, and the
 update, the actor's admission prefill, a decode chunk and a reference-scorer chunk lowered
 with abstract sharded inputs and compiled for the CPU backend on fake devices (all layers
@@ -21,8 +21,8 @@ import json
 import jax
 
 from oppo_jax.config import CONFIG_DIR, devices_needed, load_config
-from oppo_jax.memory import KERNELS
-from oppo_jax.memory_cli import config_memory_report, format_table
+from oppo_tools.memory.cli import config_memory_report, format_table
+from oppo_tools.memory.report import KERNELS
 
 GIB = 2**30
 

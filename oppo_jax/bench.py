@@ -4,7 +4,7 @@ The four schedules differ in two switches: whether the scorers stream the actor'
 (intra-step overlap) and whether B + Δ sequences start each step with stragglers carried
 (inter-step overlap). Steps of all schedules and seeds are interleaved, so slow periods of
 the machine hit all of them alike. Results go to ``DIR/bench.json`` and plots beside it,
-with each schedule's ideal bound and ``sync``'s stage shares (``oppo_jax.bench_bounds``).
+with each schedule's ideal bound and ``sync``'s stage shares (``oppo_tools.bench_bounds``).
 Without a gold score (random models) time to target is None and ``no_gold`` says why.
 """
 
@@ -21,14 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from oppo_jax.bench_bounds import ideal_bound, pooled_efficiency, stage_shares
 from oppo_jax.config import Config, to_dict
 from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.run_setup import RunContext, prepare_run
-from oppo_jax.sim.trace import step_trace
 from oppo_jax.train import train_step
 
 MOVING_AVERAGE = 5  # steps in the gold score's moving average (time to target)
@@ -79,6 +77,9 @@ def _time_to(target: float | None, lane: _Lane) -> float | None:
 
 
 def _summary(name: str, lanes: list[_Lane], target: float | None, tail: int) -> dict:
+    # The tools import the engine, never the reverse: bench, an entry point, imports them here.
+    from oppo_tools.bench_bounds import ideal_bound, pooled_efficiency
+
     times = [r["step_time_s"] for lane in lanes for r in lane.records]
     keys = ("reward", "gold") if target is not None else ("reward",)
     finals = {k: [np.mean([r[k] for r in lane.records[-tail:]]) for lane in lanes] for k in keys}
@@ -130,6 +131,8 @@ def run_bench(
     (``pipeline.warmup.warm_up``, as ``train`` does); off, shapes compile when first met,
     inside measured steps (each record's ``compiles`` says which), which saves start-up time
     where compiling is slow."""
+    from oppo_tools.sim.trace import step_trace
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx, state = prepare_run(cfg, progress)
@@ -144,7 +147,7 @@ def run_bench(
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             # the smallest bucket its decode compacts into, for the trace (0: no compaction)
-            compacted = lane.ctx.kernels.compaction_floor(lane.ctx.placement.num_slots(1)) or 0
+            compacted = lane.ctx.kernels.compaction_floor or 0
             compiles.take()  # from here: this step's compilations
             lane.state, record, result = train_step(
                 lane.ctx, lane.schedule, lane.host, lane.state, timeline
@@ -167,6 +170,8 @@ def _paired_ratio(base: list[list[float]], other: list[list[float]]) -> float:
 
 
 def _write(cfg, out, lanes, steps, seeds, target_gold) -> dict:
+    from oppo_tools.bench_bounds import stage_shares
+
     tail = max(1, min(5, steps // 3))
     by_name = {name: [lane for lane in lanes if lane.schedule.name == name] for name in SCHEDULES}
     has_gold = all("gold" in r for lane in lanes for r in lane.records)

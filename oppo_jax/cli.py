@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 def _demo_build(args, which: str) -> int:
     from oppo_jax.config import load_config
     from oppo_jax.data.demo_task import DemoTaskSpec
+    from oppo_jax.demo.common import summary_lines
     from oppo_jax.demo.reward_model import train_reward_model
     from oppo_jax.demo.sft import train_sft
     from oppo_jax.run_setup import cache_dir
@@ -128,10 +129,12 @@ def _demo_build(args, which: str) -> int:
     spec = DemoTaskSpec(max_response_len=cfg.rollout.max_response_len)
     out = args.out or str(cache_dir() / "demo-manual" / ("actor" if which == "sft" else "reward"))
     if which == "sft":
-        stats = train_sft(spec, out, cfg.train.sft_steps, seed=cfg.seed)
+        steps, what = cfg.train.sft_steps, "SFT actor"
+        stats = train_sft(spec, out, steps, seed=cfg.seed)
     else:
-        stats = train_reward_model(spec, out, cfg.train.rm_steps, seed=cfg.seed)
-    print(f"wrote {out}: {stats}")
+        steps, what = cfg.train.rm_steps, "Reward model"
+        stats = train_reward_model(spec, out, steps, seed=cfg.seed)
+    print("\n".join(summary_lines(what, out, steps, stats)))
     return 0
 
 
@@ -181,9 +184,8 @@ def compilation_cache() -> str | None:
     """Turn on JAX's persistent compilation cache as ``$OPPO_JAX_COMPILATION_CACHE`` says:
     ``auto`` or ``on`` (default), ``off``; in ``$JAX_COMPILATION_CACHE_DIR``, else
     ``<cache>/xla`` (``OPPO_JAX_CACHE``, by default ~/.cache/oppo_jax). Every program is kept
-    (JAX keeps only those that took a second to compile unless told otherwise, and most of a
-    CPU run's take less), so a resumed run, a second run of the config or a notebook restart
-    reads its programs back instead of compiling them (BENCHMARKS.md: the CPU demo's warm-up).
+    (JAX's default keeps only those that took a second, and most of a CPU run's take less), so
+    a resume, a rerun or a notebook restart reads its programs back instead of compiling them.
     Returns the directory, or None when off."""
     import jax
 
@@ -225,7 +227,9 @@ def _train(args) -> int:
     _start_runtime(cfg)
     import jax
 
-    from oppo_jax.train import train
+    from oppo_jax.errors import Preempted
+    from oppo_jax.preemption import resume_command
+    from oppo_jax.train import summary_lines, train
 
     if args.overwrite and jax.process_index() == 0:  # one process clears the shared directory
         clear_run_dir(args.out)
@@ -233,10 +237,15 @@ def _train(args) -> int:
     if cache and not args.quiet:
         print(f"Compilation cache: {cache} ({COMPILATION_CACHE_ENV}=off turns it off)")
     warmup = None if args.warmup else False  # None: on unless OPPO_JAX_WARMUP=off
-    summary = train(cfg, args.out, args.resume, not args.quiet, warmup=warmup)
+    try:
+        summary = train(cfg, args.out, args.resume, not args.quiet, warmup=warmup)
+    except Preempted as stop:  # say how to continue: the same config, overrides and --out
+        flags = (("--quiet", args.quiet), ("--no-warmup", not args.warmup))
+        options = [flag for flag, given in flags if given]
+        command = resume_command(args.config, args.overrides, args.out, options)
+        raise stop.with_command(command) from None
     print(f"\nRun directory: {args.out}")
-    for key, value in summary.items():
-        print(f"  {key:>22}: {value:.4g}" if isinstance(value, float) else f"  {key:>22}: {value}")
+    print("\n".join(summary_lines(summary)))
     return 0
 
 
@@ -291,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_torch_notice()
     if argv[:1] == ["sim"]:  # its own parser; numpy only, never imports JAX
-        from oppo_jax.sim.cli import main as sim_main
+        from oppo_tools.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
     if argv[:1] == ["memory"]:  # its own parser; sets the CPU device count before JAX starts
-        from oppo_jax.memory_cli import main as memory_main
+        from oppo_tools.memory.cli import main as memory_main
 
         return _reporting_errors(lambda: memory_main(argv[1:]))
     args = _parser().parse_args(argv)
@@ -319,22 +328,9 @@ def _command(args) -> int:
 
 
 def _compile_plan(args) -> int:
-    import json
+    from oppo_tools.compile_report import main as report_main
 
-    from oppo_jax.config import load_config
-    from oppo_jax.pipeline.compile_plan import plan_report
-
-    report = plan_report(load_config(args.config, args.overrides), args.mode, args.backend)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"{report['programs']} programs ({report['mode']}, backend {report['backend']}):")
-    for f in report["families"]:
-        print(f"  {f['name']:<18} {f['programs']:>4}  shapes {f['shapes']}")
-    projected, measured = report["projected_compile_s"], report["seconds_measured_on"]
-    print(f"projected compile time: {projected:.0f} s, from seconds per program measured on")
-    print(f"  {measured}")
-    return 0
+    return report_main(args)
 
 
 def _reporting_errors(command) -> int:

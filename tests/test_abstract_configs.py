@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from oppo_jax.config import CONFIG_DIR, load_config
-from oppo_jax.specs import abstract_update_check, preset_models
+from oppo_tools.abstract_checks import abstract_update_check, preset_models
 
 REAL_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if load_config(p).model.preset)
 

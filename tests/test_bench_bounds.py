@@ -2,7 +2,7 @@
 
 import pytest
 
-from oppo_jax.bench_bounds import ideal_bound, stage_shares, step_costs
+from oppo_tools.bench_bounds import ideal_bound, stage_shares, step_costs
 
 G, S = "generation", "scoring"
 

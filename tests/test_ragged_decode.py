@@ -37,7 +37,7 @@ from oppo_jax.sharding import (
     param_shardings,
     tracing_rules,
 )
-from oppo_jax.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU
+from oppo_tools.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU
 from tests.ppo_fixtures import ACTOR, CRITIC, fresh_slots, make_spec
 from tests.test_live_prefix import P, R, _admission, _params, _run, assert_same_steps
 

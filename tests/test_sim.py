@@ -1,4 +1,4 @@
-"""The pipeline simulator (oppo_jax.sim) on hand-made cases with numbers worked out by hand,
+"""The pipeline simulator (oppo_tools.sim) on hand-made cases with numbers worked out by hand,
 and against the recorded CPU benchmarks (docs/benchmarks/*.json, each simulated as the engine
 that recorded it)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oppo_jax.sim import (
+from oppo_tools.sim import (
     ACTIVE,
     BUILT,
     FEATURES,
@@ -26,14 +26,14 @@ from oppo_jax.sim import (
     simulate,
     validate,
 )
-from oppo_jax.sim.cli import main
-from oppo_jax.sim.engine import Plan
-from oppo_jax.sim.engines import FIXED as FIXED_ENGINE
-from oppo_jax.sim.engines import recorded_engine
-from oppo_jax.sim.fitting import _km_median, bench_records
-from oppo_jax.sim.lengths import demo_lengths, longtail_lengths
-from oppo_jax.sim.roofline import HARDWARE
-from oppo_jax.sim.trace import forward_steps, observe
+from oppo_tools.sim.cli import main
+from oppo_tools.sim.engine import Plan
+from oppo_tools.sim.engines import FIXED as FIXED_ENGINE
+from oppo_tools.sim.engines import recorded_engine
+from oppo_tools.sim.fitting import _km_median, bench_records
+from oppo_tools.sim.lengths import demo_lengths, longtail_lengths
+from oppo_tools.sim.roofline import HARDWARE
+from oppo_tools.sim.trace import forward_steps, observe
 
 BENCHMARKS = Path(__file__).parent.parent / "docs" / "benchmarks"
 BENCH = BENCHMARKS / "bench.json"  # recorded by the padded engine (no engine stamp)

@@ -1,4 +1,4 @@
-"""The simulator's engines (oppo_jax.sim.engines, .work): a step's work counted by hand for the
+"""The simulator's engines (oppo_tools.sim.engines, .work): a step's work counted by hand for the
 built engine, each of issue #13's switches, and the active reference; the engine a trace was
 recorded by; and the validation of a built-engine bench.json, end to end."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from oppo_jax.rollout.compaction import compact_bucket
-from oppo_jax.sim import (
+from oppo_tools.sim import (
     ACTIVE,
     BUILT,
     FEATURES,
@@ -20,10 +20,10 @@ from oppo_jax.sim import (
     simulate,
     validate,
 )
-from oppo_jax.sim.engines import Engine, built_for, packed, pow2, recorded_engine
-from oppo_jax.sim.lengths import LogNormal
-from oppo_jax.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU, REPLAY_CHUNK
-from oppo_jax.sim.work import StepFacts, _row_pairs, decode_chunks, step_work
+from oppo_tools.sim.engines import Engine, built_for, packed, pow2, recorded_engine
+from oppo_tools.sim.lengths import LogNormal
+from oppo_tools.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU, REPLAY_CHUNK
+from oppo_tools.sim.work import StepFacts, _row_pairs, decode_chunks, step_work
 
 # 8 slots, P = 4, R = 64, C = 8; slot 0 carried 30 tokens in (its row bucket: 4 rows at
 # W = 4 + 32); B = 6 finish by position 12 (the cut), slots 3 and 5 run past it.

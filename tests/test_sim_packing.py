@@ -1,4 +1,4 @@
-"""The simulator's token counts (oppo_jax.sim.packing, built on the engine's shape rules in
+"""The simulator's token counts (oppo_tools.sim.packing, built on the engine's shape rules in
 oppo_jax.shapes) against the engine's own planners on random ragged batches: the packed
 update's plan (oppo_jax.ppo.packing), the packed sync scoring's plan (oppo_jax.scoring.packed),
 a streamed chunk's packing (oppo_jax.scoring.packed_chunks) and the replay of carried prefixes
@@ -13,7 +13,7 @@ from oppo_jax.scoring.packed import plan_packing as score_plan
 from oppo_jax.scoring.packed_chunks import plan_chunk
 from oppo_jax.scoring.replay import REPLAY_CHUNK, plan_replay
 from oppo_jax.shapes import row_bucket
-from oppo_jax.sim import packing
+from oppo_tools.sim import packing
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -26,7 +26,7 @@ def test_mirrors_count_what_the_engine_plans(seed):
         response = np.minimum(rng.lognormal(np.log(median), 0.94, b).astype(int) + 1, r)
         prompt = rng.integers(1, p + 1, b)
         one_group = np.arange(b)[None, None, None, :]  # one epoch, minibatch, microbatch
-        want = update_plan(prompt, response, one_group, p + r, r).tokens_computed
+        want = update_plan(prompt, response, one_group, (p + r, r)).tokens_computed
         assert packing.update_tokens(prompt + response, p + r) == want
         want = sum(plan.computed_tokens for plan in score_plan(prompt + response, p + r))
         assert packing.score_tokens(prompt + response, p + r) == want
@@ -73,13 +73,13 @@ def test_update_mirror_counts_the_engines_chunks(seed):
         lengths = prompt + response
         perms = np.stack([rng.permutation(b) for _ in range(epochs)])
         micro = microbatch_rows(perms, minibatches, accum)
-        engine = update_plan(prompt, response, micro, p + r, r, row_multiple=mult, width_factor=k)
+        engine = update_plan(prompt, response, micro, (p + r, r), row_multiple=mult, width_factor=k)
         minis = micro.reshape(epochs * minibatches, accum * m)
         groups = packing.UpdateGroups(epochs, minibatches * accum, mult, minibatches, k)
         assert packing.minibatch_slots(lengths, p + r, minis, groups) == engine.tokens_computed
         # One minibatch per pass: every pass packs the whole batch alike, as update_tokens says.
         groups = packing.UpdateGroups(epochs, accum, mult, width_factor=k)
-        one = update_plan(prompt, response, microbatch_rows(perms, 1, accum), p + r, r,
+        one = update_plan(prompt, response, microbatch_rows(perms, 1, accum), (p + r, r),
                           row_multiple=mult, width_factor=k)  # fmt: skip
         assert packing.update_tokens(lengths, p + r, groups) * epochs == one.tokens_computed
 

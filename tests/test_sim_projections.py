@@ -1,4 +1,4 @@
-"""Projections with stated settings (oppo_jax.sim.project): settings from a run config, --set
+"""Projections with stated settings (oppo_tools.sim.project): settings from a run config, --set
 and flags, each printed with its source; the regime map's shape and sanity; oppo-jax sim stays
 JAX-free; and the simulator's functions take bundles, never more than 8 parameters."""
 
@@ -12,13 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-import oppo_jax.sim
+import oppo_tools.sim
 from oppo_jax.errors import ConfigError
-from oppo_jax.sim import ACTIVE, BUILT, Projection, TrainSettings, Workload, regime_map
-from oppo_jax.sim.cli import main
-from oppo_jax.sim.lengths import LONGTAIL, LogNormal
-from oppo_jax.sim.packing import UpdateGroups
-from oppo_jax.sim.project import build_projection, format_regime_map, sync_vs_oppo
+from oppo_tools.sim import ACTIVE, BUILT, Projection, TrainSettings, Workload, regime_map
+from oppo_tools.sim.cli import main
+from oppo_tools.sim.lengths import LONGTAIL, LogNormal
+from oppo_tools.sim.packing import UpdateGroups
+from oppo_tools.sim.project import build_projection, format_regime_map, sync_vs_oppo
 
 CONFIG = "qwen2.5-7b_gh200x1"
 
@@ -131,7 +131,7 @@ def test_regime_cell_uses_its_median_and_capacity():
 
 def test_sim_with_a_config_stays_jax_free():
     code = (
-        "import sys; from oppo_jax.sim.cli import main; "
+        "import sys; from oppo_tools.sim.cli import main; "
         f"rc = main(['--project', 'qwen2.5-7b:gh200', '--config', '{CONFIG}', '--steps', '2', "
         "'--no-regime-map', '--candidates-c', '256', '--candidates-delta', '8']); "
         "assert rc == 0 and 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
@@ -140,10 +140,10 @@ def test_sim_with_a_config_stays_jax_free():
 
 
 def test_no_simulator_function_takes_more_than_8_parameters():
-    names = [m.name for m in pkgutil.iter_modules(oppo_jax.sim.__path__)]
+    names = [m.name for m in pkgutil.iter_modules(oppo_tools.sim.__path__)]
     assert {"events", "roofline", "project", "work"} <= set(names)
     for name in names:
-        module = importlib.import_module(f"oppo_jax.sim.{name}")
+        module = importlib.import_module(f"oppo_tools.sim.{name}")
         for _, obj in inspect.getmembers(module):
             funcs = [obj] if inspect.isfunction(obj) else []
             if inspect.isclass(obj) and obj.__module__ == module.__name__:
@@ -153,8 +153,8 @@ def test_no_simulator_function_takes_more_than_8_parameters():
                     continue  # not defined here, or a dataclass's generated __init__
                 params = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
                 assert len(params) <= 8, (module.__name__, f.__qualname__, params)
-    assert len(inspect.signature(oppo_jax.sim.simulate).parameters) == 5
-    assert len(inspect.signature(oppo_jax.sim.roofline_cost_model).parameters) == 6
+    assert len(inspect.signature(oppo_tools.sim.simulate).parameters) == 5
+    assert len(inspect.signature(oppo_tools.sim.roofline_cost_model).parameters) == 6
     assert BUILT.name == "built" and ACTIVE.token_proportional
 
 

@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import pytest
 
 from oppo_jax.config import OptimConfig, PPOConfig
-from oppo_jax.memory import abstract_ppo_batch
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import (
     UpdateSpec,
     init_train_state,
-    make_sharded_update,
 )
 from oppo_jax.sharding import abstract_params, make_mesh, per_device_bytes
+from oppo_tools.memory.report import abstract_ppo_batch
+from tests.padded_update import make_sharded_update
 from tests.xla_flags import compile_as_in_production
 
 # Activations dominate: logits [16, 128, 4096] and MLP [16, 128, 1024] against 2 x 2.6M params.

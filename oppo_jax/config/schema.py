@@ -1,8 +1,9 @@
 """The run configuration's schema: frozen typed dataclasses, one per section.
 
-Every field has a one-line comment saying what it means and its unit; ``config.docs`` turns
-them into the key reference. Defaults follow TRL's PPO trainer where TRL has the knob. YAML
-files hold values only (``config.load``); ``config.validate`` checks them. No jax here.
+Every field has a comment saying what it means and its unit, trailing or in the lines just
+above it (read as one text); ``config.docs`` turns them into the key reference. Defaults
+follow TRL's PPO trainer where TRL has the knob. YAML files hold values only
+(``config.load``); ``config.validate`` checks them. No jax here.
 """
 
 from dataclasses import dataclass, field
@@ -88,8 +89,6 @@ class PPOConfig:
     # weight carried (stale) tokens by a truncated ratio π_old / π_behaviour (decoupled PPO)
     importance_correction: bool = False
     importance_clip: float = 2.0  # upper truncation of that importance weight
-    # update on the sequences' real tokens packed into rows (False: the padded [B, P + R] update)
-    packed_update: bool = True
     pack_granule: int = 16  # the packed update's row width is P + R rounded up to this, tokens
     # the packed update's rows are this many times P + R wide: 2 lets any two sequences share a
     # row (long fixed prompts pack badly in one P + R) at twice a row's attention; the chunks
@@ -149,10 +148,9 @@ class PipelineConfig:
     # gather the still-running decode slots into a smaller slot bucket once they fit in half of
     # it (one more compiled bucket each); null: on for the CPU, off for GPU/TPU
     compact_slots: bool | None = None
-    # smallest bucket compaction moves into, slots (a power of two; at least the generation
-    # mesh's batch shards). Buckets of 1 and 2 save a little decode in a long tail (CPU
-    # long-tail step: 0.051 s vs 0.055 s, benchmarks/live_prefix.py) but each compiles its own
-    # decode and scorer programs (test demo warm-up: 156 vs 65 compaction compiles, 37 vs 21 s)
+    # smallest bucket compaction moves into, slots (a power of two, at least the generation
+    # mesh's batch shards); a smaller one saves a little decode in a long tail but compiles its
+    # own decode and scorer programs (BENCHMARKS.md, "Slot compaction's smallest bucket")
     compact_min_slots: int = 4
 
 

@@ -1,7 +1,7 @@
 """A step's timeline as data: stages on device groups, and the sums read from them.
 
 Plain Python (no JAX), shared by the measured timeline (``pipeline.timeline``) and the
-simulator (``oppo_jax.sim``), so both describe and sum a step the same way.
+simulator (``oppo_tools.sim``), so both describe and sum a step the same way.
 """
 
 from __future__ import annotations

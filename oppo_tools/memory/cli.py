@@ -1,7 +1,7 @@
 """``oppo-jax memory CONFIG``: the per-device memory report of a run config, as tables or JSON.
 
 The report itself (state bytes from shapes and shardings, kernel bytes from XLA's memory
-analysis) is ``oppo_jax.memory``; this module maps a config onto it and prints it.
+analysis) is ``oppo_tools.memory.report``; this module maps a config onto it and prints it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import jax
 
 from oppo_jax.config import ConfigError
 from oppo_jax.help_text import plain
-from oppo_jax.memory import (
+from oppo_jax.rollout.sampling import SamplingConfig
+from oppo_tools.memory.report import (
     KERNELS,
     Lowering,
     ReportModels,
@@ -22,8 +23,7 @@ from oppo_jax.memory import (
     RunShapes,
     memory_report,
 )
-from oppo_jax.memory_target import TARGETS
-from oppo_jax.rollout.sampling import SamplingConfig
+from oppo_tools.memory.target import TARGETS
 
 
 def config_memory_report(
@@ -39,7 +39,7 @@ def config_memory_report(
     # Higher layers, imported here only: the report itself needs no pipeline.
     from oppo_jax.pipeline.schedule import Schedule
     from oppo_jax.scoring.replay import row_bucket
-    from oppo_jax.specs import preset_models
+    from oppo_tools.abstract_checks import preset_models
 
     if cfg.model.preset is None:
         raise ConfigError(
@@ -115,8 +115,6 @@ def format_table(report: dict) -> str:
     update = (
         f"the update: packed, at its one shape {packed[0]} rows x {packed[1]} columns, "
         f"{packed[2]} response slots, {chunks} chunks per minibatch"
-        if packed
-        else "the update: padded over [B, P + R]"
     )
     warm = report.get("warmup")
     lines += [

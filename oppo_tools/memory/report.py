@@ -9,7 +9,7 @@ devices (or, ``Lowering.target``, for a deviceless TPU v5p topology), one per me
 temporary bytes.
 
 XLA:CPU computes bfloat16 arithmetic in float32, so kernel temporaries of a bf16 model are
-upper bounds there (arguments and state keep their dtypes; ``memory_target``). A kernel's
+upper bounds there (arguments and state keep their dtypes; ``memory.target``). A kernel's
 "with resident" adds its temporaries and new outputs (output − aliased) to everything a step
 keeps resident: trained and frozen parameters, optimizer state, the four KV caches and the PPO
 batch; "with live" adds them to what the step holds while that kernel runs (``live_during``).
@@ -26,31 +26,14 @@ import jax.numpy as jnp
 
 from oppo_jax import offload
 from oppo_jax.config import OptimConfig, PPOConfig
-from oppo_jax.memory_abstract import (
-    KernelMemory,
-    abstract_model_params,
-    abstract_ppo_batch,
-    abstract_tree,
-    live_during,
-    on_slots,
-    sds,
-    shape_checks_off,
-    shaped,
-    update_shape,
-    warmup_peak,
-)
-from oppo_jax.memory_target import target_meshes, target_note
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
-from oppo_jax.ppo.update import (
-    UpdateSpec,
-    make_sharded_update,
-)
-from oppo_jax.rollout.admission import Admission
-from oppo_jax.rollout.decode import ChunkTokens, CutRule, admit_decode, decode_chunk_emit
+from oppo_jax.ppo.update import UpdateSpec, train_state_shardings
+from oppo_jax.rollout.admission import Admission, prompt_prefill
+from oppo_jax.rollout.decode import ChunkTokens, CutRule, admit_decode, decode_chunk
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.replay import REPLAY_CHUNK, replay_chunk
@@ -64,6 +47,20 @@ from oppo_jax.sharding import (
     slot_shardings,
 )
 from oppo_jax.trained_params import abstract_train_state
+from oppo_tools.memory.abstract import (
+    KernelMemory,
+    abstract_model_params,
+    abstract_ppo_batch,
+    abstract_tree,
+    live_during,
+    on_slots,
+    sds,
+    shape_checks_off,
+    shaped,
+    update_shape,
+    warmup_peak,
+)
+from oppo_tools.memory.target import target_meshes, target_note
 
 KERNELS = ("update", "admission", "replay", "decode_chunk", "score_chunk")
 
@@ -141,24 +138,19 @@ class _Run:
 
     @functools.cached_property
     def packed_update_shape(self):
-        """((Rp, W, N), K) of the packed update (``PackedUpdate.shape``); None if padded."""
-        if not self.spec.ppo.packed_update:
-            return None
+        """((Rp, W, N), K) of the packed update (``PackedUpdate.shape``)."""
         s = self.shapes
         full = s.prompt_len + s.response_len
         return make_update(self.spec, self.mesh).shape(s.batch_size, full, s.response_len)
 
     def update(self):
-        """(the update as the run jits it: packed at ``packed_update_shape`` or padded over
-        [B, P + R]; its abstract arguments)."""
-        padded, state_sh = make_sharded_update(self.spec, self.mesh)
+        """(the update as the run jits it, at ``packed_update_shape``; its abstract
+        arguments)."""
+        state_sh = train_state_shardings(self.spec, self.mesh)
         s, repl = self.shapes, replicated(self.mesh)
-        key = sds((), jax.random.key(0).dtype, repl)
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, self.mesh)
         state = abstract_tree(_abstract_state(self.spec, self.master), state_sh)
         kl_coef = sds((), jnp.float32, repl)
-        if self.packed_update_shape is None:
-            return padded, (state, batch, key, kl_coef)
         packed, (shape, count) = make_update(self.spec, self.mesh), self.packed_update_shape
         ppo = self.spec.ppo
         outer = (ppo.ppo_epochs, ppo.num_minibatches, count)
@@ -175,7 +167,10 @@ class _Run:
         )
 
         def admit(params, admission, key):
-            return admit_decode(actor, params, admission, key, rollout)
+            shape, r = (s.prompt_len, s.response_len), s.response_len
+            cache, hidden = prompt_prefill(actor, params, admission, shape, self.mesh)
+            logprobs = jnp.zeros((admission.num_slots, r), jnp.float32)
+            return admit_decode(actor, params, admission, key, rollout, (cache, hidden, logprobs))
 
         key = sds((), jax.random.key(0).dtype, replicated(self.mesh))
         params = abstract_model_params(actor, self.mesh)
@@ -202,7 +197,7 @@ class _Run:
         flag = ((self.slots,), jnp.bool_)
         rule = on_slots(shaped(CutRule, flag, flag, ((), jnp.int32)), self.mesh)
         fn = functools.partial(
-            decode_chunk_emit, self.policy, self.sampling, self.shapes.chunk_size, mesh=self.mesh
+            decode_chunk, self.policy, self.sampling, self.shapes.chunk_size, mesh=self.mesh
         )
         return jax.jit(fn, donate_argnums=(1,)), (args[0], state, rule)
 
@@ -229,7 +224,7 @@ class _Run:
         """Bytes per device of everything a step keeps resident."""
         spec, mesh, scoring, s = self.spec, self.mesh, self.scoring_mesh, self.shapes
         state = _abstract_state(spec, self.master)
-        state_sh = make_sharded_update(spec, mesh)[1]
+        state_sh = train_state_shardings(spec, mesh)
 
         def params(cfg, on):
             return per_device_bytes(abstract_params(cfg), param_shardings(cfg, on))
@@ -300,7 +295,7 @@ class Lowering:
     # None: full depth. State bytes are exact either way.
     layers: int | None = None
     remat: str | None = None  # the update's per-layer remat (none | full | dots); None: as is
-    target: str = "cpu"  # the compiler: "cpu" (fake devices) or "tpu-v5p" (memory_target)
+    target: str = "cpu"  # the compiler: "cpu" (fake devices) or "tpu-v5p" (memory.target)
 
 
 def memory_report(

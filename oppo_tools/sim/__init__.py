@@ -13,11 +13,11 @@ Model
   for decode k; while both work, each keeps ``overlap_rate`` of its speed (1 on separate
   chips; below 1 for two fake devices sharing a CPU's cores) (``engine``).
 - Engines (``engines``): what each stage computes. ``built`` is this project's engine as it
-  runs now (fixed shapes; the decode loop stops at the cut), with a named switch for each of
-  issue #13's changes not built yet; ``padded`` the engine before the decode stopped at the
-  cut; ``active`` the token-proportional reference. ``work`` counts a step's work under an
-  engine: tokens per prefill, per decode chunk the steps, slots and context read, the update's
-  tokens.
+  runs now (fixed shapes; the decode loop stops at the cut), with a named switch for each
+  token-proportional engine change not built yet (``FEATURES``); ``padded`` the engine before
+  the decode stopped at the cut; ``active`` the token-proportional reference. ``work`` counts
+  a step's work under an engine: tokens per prefill, per decode chunk the steps, slots and
+  context read, the update's tokens.
 - Costs (``CostModel``, seconds per unit of that work; ``model``), fitted to measurements
   (``fitting``) or from a roofline (``roofline``: GH200, TPU v5p; Qwen2.5-3B/7B; PPO epochs,
   minibatches and trained models from a config; outputs say PROJECTION).
@@ -38,7 +38,7 @@ limits, compilations (a bench step that compiles is an outlier the medians ignor
 """
 
 from oppo_jax.pipeline.events import Event
-from oppo_jax.sim.engines import (
+from oppo_tools.sim.engines import (
     ACTIVE,
     BUILT,
     ENGINES,
@@ -48,7 +48,7 @@ from oppo_jax.sim.engines import (
     Engine,
     built_for,
 )
-from oppo_jax.sim.events import (
+from oppo_tools.sim.events import (
     PLACEMENTS,
     SCHEDULES,
     LengthSource,
@@ -58,10 +58,10 @@ from oppo_jax.sim.events import (
     recommend,
     simulate,
 )
-from oppo_jax.sim.fitting import calibrate, calibrate_from_bench, calibrate_traces
-from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.project import Projection, regime_map
-from oppo_jax.sim.roofline import (
+from oppo_tools.sim.fitting import calibrate, calibrate_from_bench, calibrate_traces
+from oppo_tools.sim.model import CostModel
+from oppo_tools.sim.project import Projection, regime_map
+from oppo_tools.sim.roofline import (
     HARDWARE,
     MODELS,
     Hardware,
@@ -70,7 +70,7 @@ from oppo_jax.sim.roofline import (
     project_cost_model,
     roofline_cost_model,
 )
-from oppo_jax.sim.validation import validate
+from oppo_tools.sim.validation import validate
 
 __all__ = [
     "ACTIVE", "BUILT", "ENGINES", "FEATURES", "FIXED", "HARDWARE", "MODELS", "PADDED", "PLACEMENTS",

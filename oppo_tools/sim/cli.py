@@ -7,9 +7,10 @@ The cost model comes from measurements (``--bench`` bench.json with timelines, o
 chips) from ``--config`` (with ``--set``), else from flags whose defaults it states, prints
 them with every table, and ends with the regime map: OPPO's speedup over PPO epochs × median
 response length. ``--engine`` picks what the kernels compute (``built``: this engine as it
-runs now, with the issue #13 features that landed; ``active``: token-proportional; ``fixed``:
-the fixed-shape engine before #13; ``padded``: the one before the decode stopped at the cut);
-``--with`` switches the remaining #13 features on (a what-if).
+runs now, with the token-proportional engine changes that have landed; ``active``:
+token-proportional; ``fixed``: the fixed-shape engine before those changes; ``padded``: the
+one before the decode stopped at the cut); ``--with`` switches the remaining changes on (a
+what-if).
 Lengths come from a file (JSON list, or numbers separated by spaces, commas or newlines),
 ``bench`` (the measured batches of the bench's sync schedule, in order), ``demo`` (the demo
 task's long-tailed mixture) or ``longtail`` (log-normal, median 103, σ 0.94, capped at R).
@@ -29,13 +30,13 @@ import numpy as np
 
 from oppo_jax.errors import ConfigError
 from oppo_jax.help_text import plain
-from oppo_jax.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, Engine, recorded_engine
-from oppo_jax.sim.events import PLACEMENTS, SCHEDULES, Workload, compare, recommend
-from oppo_jax.sim.fitting import bench_records, calibrate, calibrate_from_bench
-from oppo_jax.sim.lengths import LogNormal, demo_lengths, describe, longtail_lengths, read_lengths
-from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.project import build_projection, format_regime_map, regime_map
-from oppo_jax.sim.validation import SPLITS, format_table, validate
+from oppo_tools.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, Engine, recorded_engine
+from oppo_tools.sim.events import PLACEMENTS, SCHEDULES, Workload, compare, recommend
+from oppo_tools.sim.fitting import bench_records, calibrate, calibrate_from_bench
+from oppo_tools.sim.lengths import LogNormal, demo_lengths, describe, longtail_lengths, read_lengths
+from oppo_tools.sim.model import CostModel
+from oppo_tools.sim.project import build_projection, format_regime_map, regime_map
+from oppo_tools.sim.validation import SPLITS, format_table, validate
 
 __all__ = ["demo_lengths", "longtail_lengths", "main", "read_lengths"]
 

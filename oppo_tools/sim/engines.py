@@ -2,15 +2,15 @@
 
 Four engines, one dataclass:
 
-- ``fixed``: the fixed-shape engine before issue #13's features. The decode chunk is a
-  ``lax.while_loop`` that stops exactly at the cut, so no decode step runs past it and the
-  chunk dispatched before the host reads ``ready`` runs zero steps; everything else has fixed
-  shapes: every admitted slot costs every decode step, attention reads the whole P + R cache,
-  ``sync`` scores one [S, R] call, the update runs over [B, P + R], and carried rows are
-  re-prefilled in all four models at admission (split: K carried rows at the wide context W,
-  the rest at the prompt width P).
+- ``fixed``: the fixed-shape engine before the token-proportional changes (``FEATURES``).
+  The decode chunk is a ``lax.while_loop`` that stops exactly at the cut, so no decode step
+  runs past it and the chunk dispatched before the host reads ``ready`` runs zero steps;
+  everything else has fixed shapes: every admitted slot costs every decode step, attention
+  reads the whole P + R cache, ``sync`` scores one [S, R] call, the update runs over
+  [B, P + R], and carried rows are re-prefilled in all four models at admission (split: K
+  carried rows at the wide context W, the rest at the prompt width P).
 - ``built``: this project's engine as it runs now (``oppo_jax.pipeline.step.run_step``): the
-  fixed engine with the #13 features that have landed switched on (``BUILT`` below), at the
+  fixed engine with the ``FEATURES`` that have landed switched on (``BUILT`` below), at the
   shapes the engine's own planners pick (``sim.packing`` mirrors them).
 - ``padded``: the engine before the while_loop: whole decode chunks plus one more (the host
   reads the cut one chunk late; that chunk ran C steps whenever a slot was still running).
@@ -19,11 +19,12 @@ Four engines, one dataclass:
   slots stop costing, attention reads each slot's own context, every prefill and the update
   cost their real tokens, and the frozen scorers keep the caches of carried rows.
 
-Issue #13's five engine changes are switches (``FEATURES``), with a sixth the projections
-showed OPPO needs beside them (``packed_chunk_scoring``: streamed chunks scored over their real
-tokens). ``BUILT`` switches on those that landed; the others stay what-ifs (``--with``). The
-simulator, the projections and the traces ``oppo-jax bench`` records (``trace.step_trace``
-stamps ``BUILT``) follow ``BUILT``.
+The engine changes toward token-proportional cost are switches (``FEATURES``): the first five
+(packed update, sync scoring at real widths, live-prefix decode, slot compaction, kept scorer
+caches), then those the projections showed OPPO needs beside them (``packed_chunk_scoring``:
+streamed chunks scored over their real tokens, and the rest). ``BUILT`` switches on those
+that landed; the others stay what-ifs (``--with``). The simulator, the projections and the
+traces ``oppo-jax bench`` records (``trace.step_trace`` stamps ``BUILT``) follow ``BUILT``.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ import dataclasses
 import json
 import math
 
-from oppo_jax.sim import packing
+from oppo_tools.sim import packing
 
-# Issue #13's engine changes, in the order the issue lists them.
+# The token-proportional engine changes, in the order they were planned.
 FEATURES = (
     "packed_update",  # the update over the batch's real tokens, packed into rows
     "real_width_scoring",  # sync scoring at the real widths, not [S, R]
     "live_prefix_decode",  # decode attention over a power-of-two bucket of the live prefix
     "compact_slots",  # finished slots gathered away when the live ones fit in half the bucket
     "kept_scorer_caches",  # the frozen scorers keep carried rows' caches (no re-prefill)
-    # Not in #13's list; what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
+    # Beyond the first five: what the simulator shows OPPO also needs (docs/PROJECTIONS.md):
     "packed_chunk_scoring",  # each streamed chunk's real tokens packed (pow2), not [S, C]
     "ragged_decode",  # each running row's decode attention reads its own context only
     # the packed update's attention visits each query block's own segment's key blocks only
@@ -106,7 +107,7 @@ class Engine:
         decode = "decode stops at the cut" if self.decode_to_cut else "whole decode chunks + 1"
         if not self.split_admission and not self.replayed_admission:
             decode += ", every slot admitted at the carried width"
-        on = ", ".join(self.features) or "none of #13's features"
+        on = ", ".join(self.features) or "none"
         return f"{self.name} (fixed shapes, {decode}; on: {on})"
 
     def to_dict(self) -> dict:
@@ -116,7 +117,7 @@ class Engine:
 
 PADDED = Engine("padded", decode_to_cut=False)
 FIXED = Engine("fixed")
-# This engine as built: the #13 features that landed (see the docstring): the packed update
+# This engine as built: the FEATURES that landed (see the docstring): the packed update
 # (624cce5), sync scoring at real widths and the frozen scorers' kept caches (d8a8bca), decode
 # over the live prefix (a952db9), streamed chunks scored packed (scoring.packed_chunks: the
 # token-wise layers over the chunk's real tokens in a pow2 bucket, attention over min(S, M)
@@ -180,8 +181,8 @@ def recorded_engine(traces: list[dict]) -> Engine:
 
     New traces carry an ``engine`` stamp. Older ones do not: one where a slot finished past
     the cut came from the padded engine (its whole chunks decoded past the cut); if slots were
-    carried and none did, the decode stopped at the cut (fixed: unstamped traces predate #13's
-    features); otherwise (no carrying seen)
+    carried and none did, the decode stopped at the cut (fixed: unstamped traces predate the
+    ``FEATURES``); otherwise (no carrying seen)
     the two decode alike and the padded engine is assumed. Traces without ``carried_rows``
     predate the split admission.
     """

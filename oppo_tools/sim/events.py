@@ -1,6 +1,6 @@
 """Discrete-event simulation of PPO-RLHF steps under the sync, intra, inter and oppo schedules.
 
-Each step is a plan of stages on device groups (``oppo_jax.sim.engine``) in the dispatch
+Each step is a plan of stages on device groups (``oppo_tools.sim.engine``) in the dispatch
 order of ``oppo_jax.pipeline.schedule``:
 
     streamed (intra, oppo):  prefill actor | prefill scorers | decode 0, score 0, decode 1, ...
@@ -31,11 +31,11 @@ import numpy as np
 from oppo_jax.pipeline.carry import select_batch
 from oppo_jax.pipeline.events import Event, busy_fraction, stage_times
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
-from oppo_jax.sim.engine import Plan
-from oppo_jax.sim.engines import BUILT, Engine
-from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.packing import UpdateGroups, prefix_bucket, split_rows
-from oppo_jax.sim.work import StepFacts, Work, decode_chunks, step_work
+from oppo_tools.sim.engine import Plan
+from oppo_tools.sim.engines import BUILT, Engine
+from oppo_tools.sim.model import CostModel
+from oppo_tools.sim.packing import UpdateGroups, prefix_bucket, split_rows
+from oppo_tools.sim.work import StepFacts, Work, decode_chunks, step_work
 
 PLACEMENTS = ("colocated", "disaggregated")
 

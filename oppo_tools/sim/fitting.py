@@ -26,10 +26,10 @@ import math
 
 import numpy as np
 
-from oppo_jax.sim.engines import Engine, recorded_engine
-from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.trace import observe, scorer_names
-from oppo_jax.sim.work import StepFacts, step_work
+from oppo_tools.sim.engines import Engine, recorded_engine
+from oppo_tools.sim.model import CostModel
+from oppo_tools.sim.trace import observe, scorer_names
+from oppo_tools.sim.work import StepFacts, step_work
 
 _NEEDED = ("stage_time_s", "step_time_s", "response_len_mean", "response_len_max", "chunk_size")
 _EPS = 1e-4  # s: a gap shorter than this is no gap (the stage waited for its group instead)

@@ -1,6 +1,6 @@
 """The cost model: seconds per unit of work of each PPO-RLHF stage, on one device group.
 
-``oppo_jax.sim.work`` counts what a step computes under an engine; a CostModel prices it:
+``oppo_tools.sim.work`` counts what a step computes under an engine; a CostModel prices it:
 
     decode chunk   = decode_chunk_s + a·steps + b·Σ slots + c·Σ slots × context
     scorers' call  = p0 per scorer call + p1 per token (tokens summed over the scorers)
@@ -11,8 +11,8 @@
 
 ``a`` is the weight read of a memory-bound decode step, ``b`` per-slot compute, ``c`` the
 KV-cache read per context position. The host_* delays and the overlap rate describe the
-machine the steps ran on (``oppo_jax.sim.fitting`` fits them); roofline projections
-(``oppo_jax.sim.roofline``) leave them at 0 and 1 and say PROJECTION.
+machine the steps ran on (``oppo_tools.sim.fitting`` fits them); roofline projections
+(``oppo_tools.sim.roofline``) leave them at 0 and 1 and say PROJECTION.
 """
 
 from __future__ import annotations

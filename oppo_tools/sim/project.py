@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from oppo_jax.sim.engines import ACTIVE, Engine, built_for
-from oppo_jax.sim.events import Workload, simulate
-from oppo_jax.sim.lengths import LONGTAIL, LogNormal
-from oppo_jax.sim.model import CostModel
-from oppo_jax.sim.packing import UpdateGroups
-from oppo_jax.sim.roofline import TrainSettings, parse_spec, roofline_cost_model
+from oppo_tools.sim.engines import ACTIVE, Engine, built_for
+from oppo_tools.sim.events import Workload, simulate
+from oppo_tools.sim.lengths import LONGTAIL, LogNormal
+from oppo_tools.sim.model import CostModel
+from oppo_tools.sim.packing import UpdateGroups
+from oppo_tools.sim.roofline import TrainSettings, parse_spec, roofline_cost_model
 
 EPOCHS = (1, 2, 4)
 MEDIANS = (128, 512, 2048)

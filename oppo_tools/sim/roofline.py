@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from oppo_jax.sim.model import CostModel
+from oppo_tools.sim.model import CostModel
 
 
 @dataclasses.dataclass(frozen=True)

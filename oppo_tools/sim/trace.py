@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax.sim.engines import BUILT
+from oppo_tools.sim.engines import BUILT
 
 GENERATION = "generation"
 

@@ -20,9 +20,9 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax.sim.engines import Engine, recorded_engine
-from oppo_jax.sim.events import SCHEDULES, Workload, simulate
-from oppo_jax.sim.fitting import bench_records, calibrate_traces
+from oppo_tools.sim.engines import Engine, recorded_engine
+from oppo_tools.sim.events import SCHEDULES, Workload, simulate
+from oppo_tools.sim.fitting import bench_records, calibrate_traces
 
 SPLITS = ("alternate", "halves")
 

@@ -22,9 +22,9 @@ import math
 
 import numpy as np
 
-from oppo_jax.sim import packing
-from oppo_jax.sim.engines import CAUSAL_BLOCK, Engine, pow2
-from oppo_jax.sim.trace import forward_steps
+from oppo_tools.sim import packing
+from oppo_tools.sim.engines import CAUSAL_BLOCK, Engine, pow2
+from oppo_tools.sim.trace import forward_steps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Bytes per device of a run's state and of its compiled kernels (``oppo-jax memory``)."""

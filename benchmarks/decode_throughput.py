@@ -54,8 +54,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import oppo_jax  # noqa: E402
-from oppo_jax.pipeline.kernels import make_decode_chunk, make_start_decode  # noqa: E402
 from oppo_jax.rollout import RolloutSpec, SamplingConfig  # noqa: E402
+from tests.oracles import scan_decode, start_decode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import PAD_ID, save_tiny_qwen2  # noqa: E402
@@ -99,8 +99,8 @@ class JaxRunner:
         # EOS = vocab_size: an id the model can never produce, so no row stops early.
         greedy = SamplingConfig(greedy=True)
         rollout = RolloutSpec(greedy, width, new_tokens, (cfg.vocab_size,), PAD_ID)
-        self.start = make_start_decode(cfg, rollout)
-        self.step = make_decode_chunk(cfg, greedy, chunk)
+        self.start = start_decode(cfg, rollout)
+        self.step = scan_decode(cfg, greedy, chunk)
         self.n_calls = math.ceil(new_tokens / chunk)
         self.params = model.params
         self.start_args = (

@@ -36,7 +36,8 @@ from oppo_jax.models import init_params  # noqa: E402
 from oppo_jax.ppo.experience import ScoredRollout, build_batch  # noqa: E402
 from oppo_jax.ppo.packed_update import make_update  # noqa: E402
 from oppo_jax.ppo.update import init_train_state  # noqa: E402
-from oppo_jax.specs import update_spec  # noqa: E402
+from oppo_jax.run_setup import update_spec  # noqa: E402
+from tests.padded_update import make_padded_update  # noqa: E402
 
 # (median, p99) of the response lengths per config, tokens (see the module docstring).
 LENGTHS = {"bench_cpu": (4.0, 30.0), "bench_longtail_cpu": (56.0, 448.0)}
@@ -95,7 +96,7 @@ def bench(name: str, steps: int, seed: int) -> dict:
     state = init_train_state(
         spec, init_params(actor, jax.random.key(0)), init_params(critic, jax.random.key(1))
     )
-    updates = {"padded": make_update(spec, packed=False), "packed": make_update(spec, packed=True)}
+    updates = {"padded": make_padded_update(spec), "packed": make_update(spec)}
     rng = np.random.default_rng(seed)
     times = {k: [] for k in updates}
     compile_s = {k: 0.0 for k in updates}

@@ -21,6 +21,7 @@ import numpy as np
 
 from oppo_jax.data.prompt_set import load_prompt_set
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
+from oppo_jax.pipeline.kernels import make_scorer_chunk
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.sharding import to_host
@@ -141,7 +142,8 @@ def _score(ctx, k, admission, decoding) -> tuple[np.ndarray, np.ndarray | None]:
         if params is None:
             continue
         state, _ = k.scorer_admit(role)(params, on_scoring)
-        state, _ = k.scorer_chunk(role)(params, state, chunk)
+        # Every slot's whole response in one call over every slot: an evaluation is not timed.
+        state, _ = make_scorer_chunk(getattr(k.scorer_specs, role))(params, state, chunk)
         out[role] = state
     ref = np.asarray(to_host(out["reference"].per_token))
     rm = np.asarray(to_host(out["reward"].score)) if "reward" in out else None

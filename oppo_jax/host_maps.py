@@ -1,12 +1,11 @@
 """The memory maps a process may hold, and a clear error before compiling past them.
 
 XLA:CPU loads every compiled program through LLVM's JIT, which maps each kernel's code, read-
-only data and data separately: about 60 maps per program of the tiny demo models, hundreds for
-a transformer step (measured, BENCHMARKS.md). Linux caps a process's maps at
-``vm.max_map_count`` (65,530 by default), and a run that compiles more than that, such as the
-long-tail bench's four schedules with every decode width, replay shape and packed shape,
+only data and data separately: tens of maps for a tiny program, hundreds for a transformer
+step (BENCHMARKS.md, "Headline: four schedules on a long-tail workload"). Linux caps a
+process's maps at ``vm.max_map_count`` (65,530 by default), and a run that compiles past it
 does not fail cleanly: LLVM prints ``Cannot allocate memory`` and the process segfaults, with
-23 GiB free. The warm-up checks the count after each shape it compiles and stops with
+memory to spare. The warm-up checks the count after each shape it compiles and stops with
 ``HostLimitError`` (naming the limit and the fix) while there is still room to exit cleanly.
 
 Nothing here applies where ``/proc`` is absent (macOS) or on backends whose programs live on

@@ -34,17 +34,14 @@ FAMILIES = (
 MIN_LIVE_WIDTH = 16  # the narrowest live cache width: shorter contexts share one program
 MIN_ROW_WIDTH = 16  # packed rows' widths are multiples of this many tokens
 # A streamed chunk's packed scoring calls hold pow2(S·C / CHUNK_SPLIT) tokens, at least one
-# slot's C: a chunk whose slots all decode
-# runs about CHUNK_SPLIT calls, the long tail's few live slots one, and at most one call's budget
-# of a chunk is padding. 32 keeps the tail's calls near its real tokens: at the 7B configs'
-# S 120, C 256 a call is 1024 tokens, four slots' chunks (with 8, 4096: the simulator's labelled
-# one-epoch regime map, pricing a chunk by its tokens alone, drifted up to 0.071 from the
-# token-proportional engine's; with 32, 0.020; docs/PROJECTIONS.md §4g).
+# slot's C: a chunk whose slots all decode runs about CHUNK_SPLIT calls, the long tail's few
+# live slots one, and at most one call's budget of a chunk is padding. 32 keeps the tail's
+# calls near its real tokens (S 120, C 256: 1024 tokens a call, four slots' chunks); a coarser
+# split pads the tail's calls (docs/PROJECTIONS.md, "Few programs").
 CHUNK_SPLIT = 32
 # Sync's packed scoring calls hold pow2(B / SCORE_SPLIT) rows of L tokens: a batch runs about
-# SCORE_SPLIT / (sequences per row) calls, the last one partly padding (at 7B, B 112: 4 rows
-# of 1536 a call; with 8, 16 rows a call left up to 15 empty, and the simulator's built sync
-# step at the 7B GH200 config came to 1.32x the token-proportional engine's).
+# SCORE_SPLIT / (sequences per row) calls, only the last partly padding (B 112: 4 rows a call;
+# B / 8 would make it 16, up to 15 of them empty; docs/PROJECTIONS.md, "Few programs").
 SCORE_SPLIT = 32
 
 
@@ -100,10 +97,10 @@ def chunk_widths(capacity: int, chunk_size: int) -> tuple[int, ...]:
 
 
 # The smallest cache whose live widths pay for their programs on a backend without a ragged
-# decode kernel. Measured on the CPU (2026-12-06, 30 + 30 steps each): the demo's P + R = 80
-# ran no faster with them (sync 0.087 vs 0.085 s a step without, oppo 0.083 vs 0.085: noise)
-# for 3x the decode and streamed-scoring programs; the long-tail bench's 528 ran sync 1.3x
-# faster with them (0.369 vs 0.478 s). 256 lies between; no capacity between was measured.
+# decode kernel: a short cache costs little to read whole, so extra decode and streamed-scoring
+# programs buy nothing; a long one read whole costs every slot the longest context. 256 lies
+# between the demo's 80 (no gain) and the long-tail bench's 528 (a clear gain; BENCHMARKS.md,
+# "Few programs": which shape families earn their programs on the CPU).
 LIVE_WIDTH_MIN_CAPACITY = 256
 
 
@@ -114,6 +111,14 @@ def live_widths_pay(capacity: int, reads_lengths: bool) -> bool:
     a cache under ``LIVE_WIDTH_MIN_CAPACITY``. Example: (528, False) -> True; (80, False) ->
     False; (1536, True) -> False."""
     return not reads_lengths and capacity >= LIVE_WIDTH_MIN_CAPACITY
+
+
+def compaction_floor(compact: bool, batch_shards: int, scoring_shards: int, minimum: int):
+    """The smallest slot bucket a run's decode compacts into (``pipeline.slot_map``), or None
+    when it does not: only when ``compact`` is on and neither the generation mesh nor the
+    scoring mesh splits the slots over batch shards. The chunks' consumers then pack each
+    chunk over the admission's slots, and the moved rows never cross devices."""
+    return max(minimum, 1) if compact and batch_shards == 1 and scoring_shards == 1 else None
 
 
 def row_bucket(rows: int, num_slots: int) -> int:
@@ -184,10 +189,9 @@ def score_calls(lengths, full_width: int) -> list[list[list[int]]]:
 def chunk_budget(num_slots: int, chunk_width: int) -> tuple[int, int]:
     """(N rows, M tokens) of every packed call of a streamed chunk of S slots x C columns:
     M = pow2(S·C / ``CHUNK_SPLIT``), at least C; N = min(S, 4·M / C), rows for slots with
-    fewer than C new tokens (the long tail's ends, a carried slot's first chunk). With 2·M / C
-    the simulator's labelled regime map drifted up to 0.106 from the token-proportional
-    engine's, with 4·M / C 0.031; the rows beyond M / C are attention over padding only, at most
-    ~12% of a 7B scorer chunk's FLOPs by estimate (attention ~4% of a row's), not priced.
+    fewer than C new tokens (the long tail's ends, a carried slot's first chunk), so short
+    slots share a call; rows beyond M / C attend over padding only, a small share of a scorer
+    chunk's FLOPs (docs/PROJECTIONS.md, "Few programs").
 
     Example: S 24, C 16 -> (4, 16); S 120, C 256 -> (16, 1024); S 64, C 32 -> (8, 64).
     """
@@ -222,9 +226,9 @@ def packed_width(full_width: int, granule: int, factor: int = 1) -> int:
 
 
 # An update chunk holds pow2(m / UPDATE_SPLIT) rows (m sequences a microbatch), at least one:
-# the last chunk of a minibatch is the only one partly padding, under Rp rows. 64: one row at
-# the 7B configs' m of 2 and 4 and the demo's 16, two at the labelled setting's 112 (4 and 16
-# left the simulator's one-epoch regime map 0.06-0.09 from the token-proportional engine's).
+# the last chunk of a minibatch is the only one partly padding, under Rp rows. 64: one row for
+# m up to 64 (the 7B configs' 2 and 4, the demo's 16), two at 112; taller chunks pad the last
+# one more (docs/PROJECTIONS.md, "Few programs").
 UPDATE_SPLIT = 64
 
 

@@ -31,9 +31,9 @@ from oppo_jax.config import PPOConfig  # noqa: E402
 from oppo_jax.ppo.update import (  # noqa: E402
     batch_shardings,
     make_sharded_init,
-    make_sharded_update,
     train_state_shardings,
 )
+from tests.padded_update import make_sharded_update  # noqa: E402
 from tests.ppo_fixtures import make_spec, random_batch, tiny_params  # noqa: E402
 
 # Same numerics as the test process (tests/conftest.py).

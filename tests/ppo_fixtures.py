@@ -10,10 +10,10 @@ import numpy as np
 
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models import ModelConfig, init_params
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.experience import ScoredRollout, build_batch
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import UpdateSpec
+from tests.oracles import critic_values, policy_logprobs
 
 ACTOR = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -30,7 +30,7 @@ from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.scoring.replay import ReplayChunk
 from oppo_jax.sharding import make_device_groups
-from oppo_jax.sim import packing as sim_packing
+from oppo_tools.sim import packing as sim_packing
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
 
 R, P, EPOCHS = 24, 4, 2
@@ -195,7 +195,7 @@ def test_ledger_helpers_on_hand_counted_cases():
 
 
 def test_bench_pools_the_ledgers_of_a_schedule():
-    from oppo_jax.bench_bounds import pooled_efficiency
+    from oppo_tools.bench_bounds import pooled_efficiency
 
     def record(update, decode):
         (cu, ru), (cd, rd) = update, decode

@@ -11,10 +11,9 @@ import torch
 
 import oppo_jax
 from oppo_jax.models import ModelConfig, Transformer, init_cache, init_params
-from oppo_jax.pipeline.kernels import make_decode_chunk, make_start_decode
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig, prefill
-from oppo_jax.rollout.decode import admit_decode
 from tests.hf_fixtures import save_tiny_hf_model
+from tests.oracles import prefill_and_start, scan_decode, start_decode
 
 TINY = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -73,9 +72,9 @@ def _decode(cfg, params, prompts, sampling, chunk, max_len, eos=(1,), prompt_ids
     ids = jnp.arange(n) if prompt_ids is None else jnp.asarray(prompt_ids)
     rollout = RolloutSpec(sampling, width, max_len, eos)
     admission = Admission.fresh(padded, lens, max_len, prompt_id=ids)
-    admit = jax.jit(functools.partial(admit_decode, cfg, rollout=rollout))
+    admit = jax.jit(functools.partial(prefill_and_start, cfg, rollout=rollout))
     state = admit(params, admission, jax.random.key(key))
-    step = make_decode_chunk(cfg, sampling, chunk)
+    step = scan_decode(cfg, sampling, chunk)
     for _ in range(-(-max_len // chunk)):
         state = step(params, state)
     return state
@@ -162,11 +161,11 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 
 def test_max_length_and_empty_slots_freeze():
     params = init_params(TINY, jax.random.key(10))
-    start = make_start_decode(TINY, RolloutSpec(SamplingConfig(), 3, 5, (63,)))
+    start = start_decode(TINY, RolloutSpec(SamplingConfig(), 3, 5, (63,)))
     prompts = jnp.array([[4, 5, 6], [7, 8, 0]])
     active = jnp.array([True, False])
     state = start(params, prompts, jnp.array([3, 2]), jax.random.key(0), active=active)
-    state = make_decode_chunk(TINY, SamplingConfig(), 8)(params, state)
+    state = scan_decode(TINY, SamplingConfig(), 8)(params, state)
     assert state.num_generated.tolist() == [5, 0]
     assert state.finished.tolist() == [True, True]
     assert state.finish_step.tolist() == [5, 0]

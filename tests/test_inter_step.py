@@ -16,10 +16,10 @@ from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.sharding import make_device_groups
+from tests.oracles import critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,
     CRITIC,

@@ -14,16 +14,16 @@ import pytest
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
 from oppo_jax.pipeline.carry import CarryBuffer
-from oppo_jax.pipeline.kernels import build_kernels, make_decode_chunk, make_start_decode
+from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.batch import policy_logprobs
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec, target_lengths
 from oppo_jax.sharding import make_device_groups
+from tests.oracles import policy_logprobs, scan_decode, start_decode
 from tests.ppo_fixtures import (
     ACTOR,
     CRITIC,
@@ -83,9 +83,9 @@ def test_drawn_lengths_depend_only_on_seed_prompt_and_sample():
 def _decode(rollout, params, key=3, chunk=8):
     prompts = jax.random.randint(jax.random.key(4), (16, P), 28, 64)
     lens = jnp.full((16,), P)
-    state = make_start_decode(ACTOR, rollout)(params, prompts, lens, jax.random.key(key))
+    state = start_decode(ACTOR, rollout)(params, prompts, lens, jax.random.key(key))
     for _ in range(-(-R // chunk)):
-        state = make_decode_chunk(ACTOR, rollout.sampling, chunk)(params, state)
+        state = scan_decode(ACTOR, rollout.sampling, chunk)(params, state)
     return prompts, state
 
 

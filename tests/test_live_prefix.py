@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
     Kernels,
     build_kernels,
+    make_scorer_chunk,
 )
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
@@ -99,7 +99,8 @@ def _rollout(kernels: Kernels, admission: Admission, targets, chunk: int):
         widths.append(width)
         state, tokens = kernels.decode(chunk, width)(actor, state, rule)
         for r in ROLES:
-            scorers[r] = kernels.scorer_chunk(r, width)(params[r], scorers[r], tokens)[0]
+            kernel = make_scorer_chunk(getattr(kernels.scorer_specs, r), width)  # every slot
+            scorers[r] = kernel(params[r], scorers[r], tokens)[0]
         if bool(tokens.ready):
             return state, scorers, widths
     raise AssertionError("the rollout never finished")
@@ -303,9 +304,7 @@ def _rollout_compacting(kernels: Kernels, admission: Admission, targets, chunk: 
     s = len(targets)
     state, _ = kernels.admit(actor, admission, jax.random.key(0))
     state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
-    scorers = types.SimpleNamespace(
-        states={r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
-    )
+    states = {r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(s))
     longest = int(np.max(np.asarray(admission.context_len)))
     slot_map, sizes = SlotMap(s), []
@@ -313,17 +312,16 @@ def _rollout_compacting(kernels: Kernels, admission: Admission, targets, chunk: 
         width = kernels.chunk_width(longest, chunk, i)
         sizes.append(state.tokens.shape[0])
         state, tokens = kernels.decode(chunk, width)(actor, state, rule)
+        full = slot_map.full_chunk(tokens)  # the scorers stay in the admission's layout
         for r in ROLES:
-            kernel = kernels.scorer_chunk(r, width)
-            scorers.states[r] = kernel(params[r], scorers.states[r], tokens)[0]
+            kernel = make_scorer_chunk(getattr(kernels.scorer_specs, r), width)  # every slot
+            states[r] = kernel(params[r], states[r], full)[0]
         if int(tokens.running) < 0:  # ready
             break
         running = int(tokens.running)
-        state, _, rule = slot_map.maybe_compact(
-            running, tokens.finished, state, tokens, rule, scorers
-        )
-    state = slot_map.restore(state, scorers)
-    return state, scorers.states, sizes
+        state, _, rule = slot_map.maybe_compact(running, tokens.finished, state, tokens, rule)
+    state = slot_map.restore(state)
+    return state, states, sizes
 
 
 @FEW

@@ -15,9 +15,9 @@ from oppo_jax.checkpoint import abstract_like
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import preset
 from oppo_jax.models.transformer import Transformer, init_params
-from oppo_jax.ppo.batch import policy_logprobs
 from oppo_jax.run_setup import cache_dir, prepare_run
 from oppo_jax.train import train
+from tests.oracles import policy_logprobs
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
 
 LORA = ("model.lora_rank=4", "model.lora_alpha=8", "optim.actor_lr=1e-3")

@@ -17,7 +17,7 @@ import pytest
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer, init_params
-from oppo_jax.ppo.batch import policy_logprobs
+from tests.oracles import policy_logprobs
 from tests.xla_flags import compile_as_in_production
 
 CFG = ModelConfig(

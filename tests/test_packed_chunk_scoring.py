@@ -20,26 +20,28 @@ from oppo_jax.models import init_params
 from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
+    Kernels,
     build_kernels,
-    make_decode_chunk_emit,
+    make_decode_chunk,
     make_scorer_chunk,
 )
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
+from oppo_jax.pipeline.step_scorers import StepScorers
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.scoring.packed_chunks import padding_plan, plan_chunk
-from oppo_jax.scoring.replay import admit_actor, admit_scorer, plan_replay
+from oppo_jax.scoring.replay import plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.shapes import chunk_budget, chunk_groups
 from oppo_jax.sharding import make_device_groups
+from tests.oracles import admit_actor, admit_scorer, critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,
     CRITIC,
@@ -153,7 +155,7 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     admit = {n: admit_scorer(s, p, admission, P, plan) for n, (s, p) in specs.items()}
     every = dict(admit)
     live = jax.tree.map(jnp.copy, admit)
-    decode = make_decode_chunk_emit(ACTOR, rollout.sampling, chunk, None)
+    decode = make_decode_chunk(ACTOR, rollout.sampling, chunk, None)
     rule = CutRule(admission.active, jnp.zeros(6, bool), jnp.int32(5))  # run to the end
     plans = []
     for _ in range(-(-R // chunk) + 1):
@@ -227,15 +229,22 @@ def _run(engine, overcommit: int, chunk: int, steps: int = 3):
 def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(
     overcommit, chunk, compact, monkeypatch
 ):
-    streamed = []  # (compacted, rows of the chunk the scorers got, S) of each compacted step
-    scorers_chunk = SlotMap.scorers_chunk
+    """Steps whose scorers pack each chunk (and, with ``compact``, whose decode compacts) equal
+    steps scoring every chunk over every slot, the path of a scoring mesh that splits the
+    slots (it never compacts); the scorers always get a chunk in the admission's S slots."""
+    fed, compacted = [], []  # rows of each chunk the scorers got; whether each step compacted
+    feed, restore = StepScorers.feed, SlotMap.restore
 
-    def spy(self, chunk_tokens):
-        out = scorers_chunk(self, chunk_tokens)
-        streamed.append((self.parked is not None, out.tokens.shape[0], self.slots))
-        return out
+    def spy_feed(self, chunk_tokens, width, counts):
+        fed.append(chunk_tokens.tokens.shape[0])
+        return feed(self, chunk_tokens, width, counts)
 
-    monkeypatch.setattr(SlotMap, "scorers_chunk", spy)
+    def spy_restore(self, state):
+        compacted.append(self.parked is not None)
+        return restore(self, state)
+
+    monkeypatch.setattr(StepScorers, "feed", spy_feed)
+    monkeypatch.setattr(SlotMap, "restore", spy_restore)
     spec = make_spec(PPOConfig(ppo_epochs=1, num_minibatches=2), temperature=1.0)
     rollout = RolloutSpec(
         SamplingConfig(temperature=1.0), P, R, eos_ids=(1,), lengths=LengthSpec(6.0, 18.0)
@@ -247,12 +256,11 @@ def test_oppo_steps_with_packed_chunks_equal_every_slot_steps(
     actor, ref, _, reward = _params()
     engine = step_engine(kernels, place, ref, reward)
     live = _run(engine, overcommit, chunk)
-    live_streamed, streamed[:] = list(streamed), []
-    every = _run(dataclasses.replace(engine, packed_chunk_scoring=False), overcommit, chunk)
-    if compact:  # packing scorers keep the admission's S slots; the others move with the rows
-        assert any(c for c, _, _ in live_streamed), "no step compacted"
-        assert all(n == s for c, n, s in live_streamed)
-        assert any(c and n < s for c, n, s in streamed)
+    assert any(compacted) == compact, "compaction did not run as configured"
+    assert set(fed) == {live[0].slots.num_slots}
+    monkeypatch.setattr(Kernels, "packs_chunks", property(lambda self: False))
+    assert engine.kernels.compaction_floor is None  # unpacked scorers: no compaction
+    every = _run(engine, overcommit, chunk)
     assert any(r.slots.prefix_len.max() > 0 for r in live)  # carried rows were streamed
     for a, b in zip(live, every, strict=True):
         assert a.selection.batch.tolist() == b.selection.batch.tolist()

@@ -20,7 +20,6 @@ from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.experience import ScoredRollout, build_batch
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update, packed_actor_loss, packed_critic_loss
@@ -30,16 +29,13 @@ from oppo_jax.ppo.packing import (
     packed_shapes,
     plan_packing,
 )
-from oppo_jax.ppo.update import (
-    UpdateSpec,
-    actor_loss,
-    critic_loss,
-    init_train_state,
-)
+from oppo_jax.ppo.update import UpdateSpec, init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.shapes import first_fit_decreasing, update_chunk_rows, update_chunks
 from oppo_jax.sharding import make_device_groups, make_mesh
 from tests.hf_fixtures import save_tiny_hf_model
+from tests.oracles import critic_values, policy_logprobs
+from tests.padded_update import actor_loss, critic_loss, make_padded_update
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
 
 B, P, R = 16, 4, 20  # 4 sequences per microbatch with 2 minibatches x 2 accumulation steps
@@ -132,7 +128,7 @@ def test_packed_update_equals_padded(root, model_type, loss_agg, width_factor):
     actor, critic = _models(model_type, root)
     spec = _spec(actor, critic, loss_agg, width_factor)
     batch, key = _batch(spec, actor.params, critic.params), jax.random.key(7)
-    padded, packed = make_update(spec, packed=False), make_update(spec, packed=True)
+    padded, packed = make_padded_update(spec), make_update(spec)
     want_state, want = _run(padded, spec, actor, critic, batch, key)
     got_state, got = _run(packed, spec, actor, critic, batch, key)
     assert got["update_tokens_computed"] < want["update_tokens_computed"]  # it did pack
@@ -174,7 +170,7 @@ def test_packed_microbatch_gradients_equal_padded(root, model_type, loss_agg):
     rows = np.array([0, 1, 5, 9])  # the empty and the full response among them
     plan = plan_packing(
         np.asarray(batch.prompt_len), np.asarray(batch.mask).sum(1),
-        rows.reshape(1, 1, 1, -1), P + R, R, granule=4, seq_mean=loss_agg == "seq_mean",
+        rows.reshape(1, 1, 1, -1), (P + R, R), granule=4, seq_mean=loss_agg == "seq_mean",
     )  # fmt: skip
     # The microbatch is dealt to K chunks of one height; its loss is their weighted sum.
     chunks = [jax.tree.map(lambda x, a=a: jnp.asarray(x[0, 0, a]), plan.indices)
@@ -200,7 +196,7 @@ def sharded_against_single_device(root: str) -> dict:
     actor, critic = _models("qwen2", root)
     spec = _spec(actor, critic, "token_mean")
     batch, key = _batch(spec, actor.params, critic.params, seed=2), jax.random.key(1)
-    want_state, want = _run(make_update(spec, packed=False), spec, actor, critic, batch, key)
+    want_state, want = _run(make_padded_update(spec), spec, actor, critic, batch, key)
     mesh = make_mesh(2, 2, 2)
     update = make_update(spec, mesh)
     got_state, got = _run(update, spec, actor, critic, batch, key)
@@ -271,7 +267,7 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean, fac
         resp_len = np.minimum(resp_len, rng.lognormal(2.0, 1.0, 32).astype(int))  # long tail
         perms = np.stack([rng.permutation(32) for _ in range(2)])
         micro = microbatch_rows(perms, 2, 2)
-        plan = plan_packing(prompt_len, resp_len, micro, full, resp, granule=16, row_multiple=2,
+        plan = plan_packing(prompt_len, resp_len, micro, (full, resp), granule=16, row_multiple=2,
                             seq_mean=seq_mean, width_factor=factor)  # fmt: skip
         shapes.add(plan.shape)
         rows, width, slots = plan.shape
@@ -337,11 +333,12 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean, fac
 def _pipeline_run(packed: bool, steps: int = 2):
     """OPPO steps (B = 4, Δ = 3: carried rows) through ``run_step`` with the packed or the
     padded update; returns the results and the final train state."""
-    ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, packed_update=packed, pack_granule=4)
+    ppo = PPOConfig(ppo_epochs=1, num_minibatches=2, pack_granule=4)
     spec = make_spec(ppo, temperature=1.0)
     rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompt_width=4, max_response_len=16,
                           eos_ids=tuple(range(20, 26)))  # fmt: skip
-    kernels = build_kernels(spec, rollout, reward_model=CRITIC)
+    update = make_update(spec) if packed else make_padded_update(spec)
+    kernels = build_kernels(spec, rollout, reward_model=CRITIC, update=update)
     actor, critic = tiny_params(seed=5)
     place = Placement(make_device_groups("colocated", 1, 1, 1, devices=jax.devices()[:1]))
     state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))

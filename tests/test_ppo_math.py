@@ -223,9 +223,8 @@ def test_policy_loss_matches_reference(seed, agg, is_clip):
     adv = f32(rng, B, T, mask=mask)
     blp = None if is_clip is None else olp + f32(rng, B, T, scale=0.3)
     want, want_aux = ref_policy(lp, olp, adv, lengths, 0.2, agg, blp, is_clip)
-    loss, aux = policy_loss(
-        j(lp), j(olp), j(adv), j(mask), 0.2, agg, None if blp is None else j(blp), is_clip
-    )
+    importance = None if blp is None else (j(blp), is_clip)
+    loss, aux = policy_loss(j(lp), j(olp), j(adv), j(mask), 0.2, agg, importance)
     np.testing.assert_allclose(loss, want, **TOL)
     assert set(aux) == set(want_aux)
     for key, value in want_aux.items():

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from oppo_jax.config import PPOConfig
-from oppo_jax.ppo.batch import policy_logprobs
-from oppo_jax.ppo.update import init_train_state, make_sharded_init, make_sharded_update, ppo_update
+from oppo_jax.ppo.update import init_train_state, make_sharded_init
 from oppo_jax.sharding import make_mesh
+from tests.oracles import policy_logprobs
+from tests.padded_update import make_sharded_update, ppo_update
 from tests.ppo_fixtures import ACTOR, make_spec, random_batch, tiny_params
 
 PPO = PPOConfig(ppo_epochs=2, num_minibatches=2, grad_accum_steps=2, entropy_coef=0.01)

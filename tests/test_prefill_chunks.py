@@ -6,18 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oppo_jax.memory_abstract import shape_checks_off
 from oppo_jax.models import init_params
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.pipeline.kernels import make_decode_chunk
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig, prefill_chunks
 from oppo_jax.rollout.admission import prefill_hidden, prompt_prefill
-from oppo_jax.rollout.decode import admit_decode
 from oppo_jax.rollout.prefill_chunks import chunked_prefill, prefill_chunk
 from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
 from oppo_jax.sharding import make_mesh
+from oppo_tools.memory.abstract import shape_checks_off
+from tests.oracles import prefill_and_start, scan_decode
 from tests.ppo_fixtures import ACTOR, CRITIC
 from tests.test_replay_admission import EOS, P, R, _assert_caches_close, _slots
 from tests.xla_flags import compile_as_in_production
@@ -63,8 +62,8 @@ def test_chunked_actor_admission_equals_one_call(tiny_chunks, monkeypatch, fsdp)
     admission = device_admission(s)
 
     def run():
-        state = admit_decode(ACTOR, params, admission, jax.random.key(7), rollout)
-        decode = make_decode_chunk(ACTOR, SamplingConfig(temperature=0.7), 4)
+        state = prefill_and_start(ACTOR, params, admission, jax.random.key(7), rollout)
+        decode = scan_decode(ACTOR, SamplingConfig(temperature=0.7), 4)
         return state, decode(params, jax.tree.map(jnp.copy, state))
 
     chunked = run()

@@ -12,21 +12,19 @@ from oppo_jax.models import init_params
 from oppo_jax.models.heads import scores_at
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
-from oppo_jax.pipeline.kernels import make_decode_chunk
 from oppo_jax.pipeline.step import device_admission
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.admission import prefill_hidden
 from oppo_jax.rollout.decode import ChunkTokens, admit_decode
 from oppo_jax.scoring.replay import (
     ReplayChunk,
     plan_replay,
-    replay,
     replay_shapes,
     row_bucket,
 )
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
 from oppo_jax.sharding import make_mesh
+from tests.oracles import critic_values, policy_logprobs, replay, scan_decode
 from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts
 
 P, R, EOS, T = 5, 32, (20,), 0.7
@@ -118,7 +116,7 @@ def test_replayed_actor_admission_equals_one_pass(chunk):
         ACTOR, params, jnp.asarray(s.context), jnp.asarray(s.prompt_len), R, T
     )
     whole = admit_decode(ACTOR, params, admission, jax.random.key(7), rollout, (cache, last, logp))
-    decode = make_decode_chunk(ACTOR, SamplingConfig(temperature=T), 4)
+    decode = scan_decode(ACTOR, SamplingConfig(temperature=T), 4)
     a, b = [whole], [replayed]
     for _ in range(3):  # tokens sampled after admission must not change either
         a.append(decode(params, jax.tree.map(jnp.copy, a[-1])))

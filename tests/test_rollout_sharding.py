@@ -14,17 +14,16 @@ from oppo_jax.models import init_params
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import (
     build_kernels,
-    make_decode_chunk_emit,
+    make_decode_chunk,
     make_scorer_chunk,
 )
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.scoring_kernels import packs_chunks
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, SamplingConfig
-from oppo_jax.rollout.decode import CutRule, admit_decode
+from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import plan_chunk
-from oppo_jax.scoring.replay import admit_scorer, plan_replay
+from oppo_jax.scoring.replay import plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.sharding import (
     abstract_params,
@@ -33,13 +32,13 @@ from oppo_jax.sharding import (
     param_shardings,
     per_device_bytes,
 )
+from tests.oracles import admit_scorer, prefill_and_start
 from tests.ppo_fixtures import (
     ACTOR,
     CRITIC,
     ListPrompts,
     fresh_slots,
     make_spec,
-    step_engine,
     tiny_params,
 )
 from tests.xla_flags import compile_as_in_production
@@ -94,7 +93,8 @@ def _rollout(placement: Placement | None, num_sequences: int):
     scorers, fed = {}, chunk if placement is None else placement.to_scoring(chunk)
     for role, params in (("reference", ref), ("reward", reward)):
         scorer, _ = kernels.scorer_admit(role)(params, admission)
-        scorers[role], _ = kernels.scorer_chunk(role)(params, scorer, fed)
+        every_slot = make_scorer_chunk(getattr(kernels.scorer_specs, role))
+        scorers[role], _ = every_slot(params, scorer, fed)
     return state, chunk, scorers, (ref, reward)
 
 
@@ -264,11 +264,11 @@ def test_decode_activations_are_split_along_the_slots():
     params = jax.device_put(init_params(cfg, jax.random.key(0)), param_shardings(cfg, mesh))
     rollout = RolloutSpec(SamplingConfig(temperature=1.0), P, R, (20,), mesh=mesh)
     admission = Admission.fresh(jnp.full((8, P), 5, jnp.int32), jnp.full((8,), P), R)
-    state = jax.jit(functools.partial(admit_decode, cfg, rollout=rollout))(
+    state = jax.jit(functools.partial(prefill_and_start, cfg, rollout=rollout))(
         params, admission, jax.random.key(0)
     )
     rule = CutRule(jnp.ones(8, bool), jnp.zeros(8, bool), jnp.int32(8))
-    decode = make_decode_chunk_emit(cfg, rollout.sampling, CHUNK, mesh)
+    decode = make_decode_chunk(cfg, rollout.sampling, CHUNK, mesh)
     # Lowering rebuilds the typed state with abstract leaves, which the runtime shape checks
     # (on in tests) reject: switch them off for the lowering only.
     jaxtyping.config.update("jaxtyping_disable", True)
@@ -326,10 +326,11 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
     for role in ("reference", "reward"):
         admit_role = kernels.scorer_admit(role)
         fresh = [admit_role(params[role], admission)[0] for _ in range(3)]
-        every, _ = kernels.scorer_chunk(role)(params[role], fresh[0], chunk)
-        packed = fresh[1]
+        spec = getattr(kernels.scorer_specs, role)
+        every, _ = make_scorer_chunk(spec)(params[role], fresh[0], chunk)
+        packed, packed_kernel = fresh[1], make_scorer_chunk(spec, None, True)
         for plan in plans:
-            packed, _ = kernels.scorer_chunk(role, None, True)(params[role], packed, chunk, plan)
+            packed, _ = packed_kernel(params[role], packed, chunk, plan)
         single_spec = dataclasses.replace(getattr(kernels.scorer_specs, role), mesh=None)
         one_device = functools.partial(jax.device_put, device=jax.devices()[0])
         inputs = jax.tree.map(one_device, (params[role], fresh[2], chunk))
@@ -338,5 +339,4 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
             np.testing.assert_array_equal(a.num_fed, b.num_fed)
             np.testing.assert_allclose(a.per_token, b.per_token, atol=1e-5, rtol=0)
             np.testing.assert_allclose(a.score, b.score, atol=1e-5, rtol=0)
-    engine = step_engine(kernels, placement, params["reference"], params["reward"])
-    assert packs_chunks(engine) == (shape == (1, 1, 2))
+    assert kernels.packs_chunks == (shape == (1, 1, 2))

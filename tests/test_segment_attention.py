@@ -26,7 +26,7 @@ from oppo_jax.models.model_config import preset
 from oppo_jax.models.query_blocks import attention as xla_attention
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.sharding import DEFAULT_RULES, make_mesh, tracing_rules
-from oppo_jax.sim import packing as sim_packing
+from oppo_tools.sim import packing as sim_packing
 
 
 def _segments(rows: list[list[int]], width: int) -> np.ndarray:
@@ -274,10 +274,10 @@ def test_sync_packed_scoring_with_it_equals_xla_and_each_sequences_own_forward(m
     and each sequence's own padded forward within 1e-5."""
     from oppo_jax.models import init_params
     from oppo_jax.models.model_config import ModelConfig
-    from oppo_jax.ppo.batch import policy_logprobs
     from oppo_jax.rollout.layout import assemble_sequences
     from oppo_jax.scoring.packed import PackedBatch, plan_packing, score_packed
     from oppo_jax.scoring.stream import ScorerSpec
+    from tests.oracles import policy_logprobs
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=2, num_kv_heads=1, head_dim=16)  # fmt: skip

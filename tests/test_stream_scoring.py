@@ -7,16 +7,15 @@ import pytest
 
 from oppo_jax.models import init_params
 from oppo_jax.pipeline.kernels import (
-    make_decode_chunk_emit,
+    make_decode_chunk,
     make_scorer_admit,
     make_scorer_chunk,
-    make_start_decode,
 )
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.stream import ScorerSpec
+from tests.oracles import critic_values, policy_logprobs, start_decode
 from tests.ppo_fixtures import ACTOR, CRITIC, reward_scores
 
 R = 12
@@ -32,7 +31,7 @@ def test_streamed_scores_equal_full_sequence_pass(chunk):
     lens = jnp.array([3, 2, 4])
     eos = (20,)  # a common-enough token that some rows end early
     rollout = RolloutSpec(SamplingConfig(temperature=1.0), prompts.shape[1], R, eos)
-    state = make_start_decode(ACTOR, rollout)(actor, prompts, lens, jax.random.key(9))
+    state = start_decode(ACTOR, rollout)(actor, prompts, lens, jax.random.key(9))
     specs = {
         "ref": (ScorerSpec(ACTOR, "logprob", R, temperature=0.7), ref),
         "critic": (ScorerSpec(CRITIC, "value", R), critic),
@@ -43,7 +42,7 @@ def test_streamed_scores_equal_full_sequence_pass(chunk):
         name: make_scorer_admit(spec, prompts.shape[1])(params, admission)[0]
         for name, (spec, params) in specs.items()
     }
-    decode = make_decode_chunk_emit(ACTOR, rollout.sampling, chunk, None)
+    decode = make_decode_chunk(ACTOR, rollout.sampling, chunk, None)
     rule = CutRule(jnp.ones(3, bool), jnp.zeros(3, bool), jnp.int32(3))  # run to the end
     for _ in range(-(-R // chunk)):
         state, emitted = decode(actor, state, rule)

@@ -1,7 +1,6 @@
 """Scoring at real widths (non-streaming schedules): the batch's sequences packed with segment
-ids equal each sequence's own forward pass, and a sync step equals the R-wide scoring."""
+ids equal each sequence's own forward pass, in a kernel and in whole steps."""
 
-import dataclasses
 import functools
 
 import jax
@@ -22,7 +21,6 @@ from oppo_jax.pipeline.scoring_kernels import (
 )
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.ppo.batch import critic_values, policy_logprobs
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.layout import assemble_sequences
@@ -30,6 +28,7 @@ from oppo_jax.scoring.packed import PackedBatch, plan_packing, score_packed
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.shapes import score_rows_per_call, score_width
 from oppo_jax.sharding import make_device_groups
+from tests.oracles import critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,
     CRITIC,
@@ -128,7 +127,7 @@ def _kernels():
     return spec, build_kernels(spec, rollout, reward_model=CRITIC)
 
 
-def _run(schedule, packed, steps=1, batch=6, delta=0):
+def _run(schedule, steps=1, batch=6, delta=0):
     spec, kernels = _kernels()
     actor, critic = tiny_params(seed=5)
     reward = init_params(CRITIC, jax.random.key(11))
@@ -137,7 +136,6 @@ def _run(schedule, packed, steps=1, batch=6, delta=0):
     rng = np.random.default_rng(0)
     prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(2, P + 1))) for i in range(64)])
     engine = step_engine(kernels, place, actor, reward)
-    engine = dataclasses.replace(engine, packed_scoring=packed)
     buffer, results = CarryBuffer(), []
     for step in range(steps):
         before = jax.tree.map(jnp.copy, state.critic_params)
@@ -150,36 +148,9 @@ def _run(schedule, packed, steps=1, batch=6, delta=0):
     return state, results, (actor, reward, critic, engine)
 
 
-@pytest.mark.slow
-def test_sync_step_packed_equals_r_wide_scoring():
-    """Same responses; reference log-probs, values, rewards and the step's metrics within
-    1e-5 of scoring every slot R wide; and fewer tokens computed for scoring."""
-    state_a, [(a, _)], _ = _run("sync", packed=False)
-    state_b, [(b, _)], (actor, reward, critic, engine) = _run("sync", packed=True)
-    assert len(set(a.response_len.tolist())) > 1
-    np.testing.assert_array_equal(a.responses, b.responses)
-    for name in ("ref_logp", "old_values", "scores", "advantages", "returns"):
-        np.testing.assert_allclose(getattr(a.batch, name), getattr(b.batch, name), atol=1e-5)
-    for key in ("reward", "kl", "policy_loss", "value_loss"):
-        np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=1e-5, atol=1e-6)
-    for x, y in zip(jax.tree.leaves(state_a.actor_params),
-                    jax.tree.leaves(state_b.actor_params), strict=True):  # fmt: skip
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=0.01 * 1e-3)  # Adam: see test_schedule
-    wide, packed = a.work, b.work
-    assert packed.computed["scoring"] < wide.computed["scoring"]
-    assert packed.efficiency("scoring") > wide.efficiency("scoring")
-    # Both runs' calls, every one of the step's, had the one packed shape: one program each.
-    specs, slots = engine.kernels.scorer_specs, len(b.slots.prompt_len)
-    roles = ("reference", "critic", "reward")
-    kernels = [make_packed_scorer(getattr(specs, role), 0, slots) for role in roles]
-    assert [f._cache_size() for f in kernels] == [1, 1, 1]
-
-
-@pytest.mark.slow
-def test_inter_scores_carried_sequences_whole_when_they_enter_a_batch():
-    """Without streaming, carried rows are scored once, whole, in the step that takes them:
-    equal to a full recompute (reference, reward model, this step's critic)."""
-    _, results, (ref, reward, _, _) = _run("inter", packed=True, steps=3, batch=4, delta=3)
+def _assert_batches_rescored(results, ref, reward) -> int:
+    """Each step's batch scores equal a full recompute of its sequences (reference, reward
+    model, that step's critic); returns how many carried sequences were checked."""
     checked = 0
     for result, critic in results:
         batch, rows = result.batch, result.selection.batch
@@ -193,4 +164,29 @@ def test_inter_scores_carried_sequences_whole_when_they_enter_a_batch():
             np.testing.assert_allclose(batch.old_values[j][m], values[j][m], atol=1e-5)
             np.testing.assert_allclose(batch.scores[j], scores[j], atol=1e-5)
             checked += result.slots.prefix_len[i] > 0
-    assert checked, "no carried sequence reached a batch"
+    return checked
+
+
+@pytest.mark.slow
+def test_sync_step_scores_equal_each_sequences_own_forward():
+    """A sync step's reference log-probs, values and rewards equal full per-sequence passes
+    within 1e-5; the scoring computed fewer tokens than every slot over R; and every call of
+    the step had the one packed shape: one program per scorer."""
+    _, results, (actor, reward, _, engine) = _run("sync")
+    [(b, _)] = results
+    assert len(set(b.response_len.tolist())) > 1
+    _assert_batches_rescored(results, actor, reward)
+    roles = ("reference", "critic", "reward")
+    slots = len(b.slots.prompt_len)
+    assert b.work.computed["scoring"] < len(roles) * slots * R
+    specs = engine.kernels.scorer_specs
+    kernels = [make_packed_scorer(getattr(specs, role), 0, slots) for role in roles]
+    assert [f._cache_size() for f in kernels] == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_inter_scores_carried_sequences_whole_when_they_enter_a_batch():
+    """Without streaming, carried rows are scored once, whole, in the step that takes them:
+    equal to a full recompute (reference, reward model, this step's critic)."""
+    _, results, (ref, reward, _, _) = _run("inter", steps=3, batch=4, delta=3)
+    assert _assert_batches_rescored(results, ref, reward), "no carried sequence reached a batch"

@@ -7,10 +7,10 @@ import jax
 import pytest
 
 from oppo_jax.pipeline.compile_plan import compaction_moves, plan_programs, run_shapes
-from oppo_jax.pipeline.slot_map import compaction_floor, step_compaction
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.run_log import read_metrics
+from oppo_jax.shapes import compaction_floor
 from oppo_jax.train import train
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
 
@@ -59,11 +59,12 @@ def test_compaction_moves_are_every_bucket_a_decode_can_move_into():
     assert compaction_moves(24, 4) == [(24, 4), (24, 8), (24, 16), (16, 4), (16, 8), (8, 4)]
 
 
-def test_a_step_compacts_into_buckets_no_smaller_than_the_floor_or_the_shards():
-    for shards, floor in [(1, 4), (2, 4), (8, 8)]:  # pipeline.compact_min_slots = 4
-        slot_map, _ = step_compaction(compaction_floor(True, shards, 4), 24, None)
-        assert compact_bucket(1, 24, slot_map.minimum) == floor  # one slot left running
-    assert step_compaction(compaction_floor(False, 1, 4), 24, None) is None  # switched off
+def test_a_step_compacts_into_buckets_no_smaller_than_the_floor_on_unsplit_slots_only():
+    floor = compaction_floor(True, 1, 1, 4)  # pipeline.compact_min_slots = 4
+    assert compact_bucket(1, 24, floor) == 4  # one slot left running
+    assert compaction_floor(False, 1, 1, 4) is None  # switched off
+    assert compaction_floor(True, 2, 1, 4) is None  # the generation mesh splits the slots
+    assert compaction_floor(True, 1, 2, 4) is None  # the scoring mesh does
 
 
 def _tuned_cfg(*extra):

@@ -26,14 +26,14 @@ from oppo_jax.demo.common import demo_model_config
 from oppo_jax.demo.reward_model import train_reward_model
 from oppo_jax.demo.sft import train_sft
 from oppo_jax.models.api import load_hf_model
-from oppo_jax.pipeline.kernels import make_decode_chunk, make_start_decode
+from oppo_jax.pipeline.kernels import sample
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 
-# The SFT loss flattens within a few hundred steps, but the actor learns only late (after about
-# 2000 steps) that responses opened by a long-marker word stop later; that is what gives its
-# sampled lengths a mixture-like tail (p99 about 7x the median at seed 0, about 5x without it).
-# Measured on the 2-core CPU under load: SFT 113 s, RM 40 s, about 3 minutes with start-up.
+# The SFT loss flattens within a few hundred steps, but the actor learns only late that
+# responses opened by a long-marker word stop later; that is what gives its sampled lengths a
+# mixture-like tail, so SFT runs well past the flat loss (BENCHMARKS.md, "The demo's cached
+# models").
 DEFAULT_SFT_STEPS = 3000  # SFT optimiser steps of 32 sequences for the cached demo actor
 DEFAULT_RM_STEPS = 500  # Bradley–Terry steps of 32 pairs for the cached demo reward model
 MARKER = "assets.json"  # written last: its presence means both checkpoints are complete
@@ -148,12 +148,8 @@ def sample_responses(
     sampling = SamplingConfig(temperature=temperature)
     rollout = RolloutSpec(sampling, prompts.shape[1], spec.max_response_len, (EOS_ID,), PAD_ID)
     # Slot i holds prompt i: its sampling key depends on (seed, i, position) only.
-    state = make_start_decode(model.config, rollout)(
-        model.params, prompts, prompt_lens, jax.random.key(seed)
-    )
-    chunk = make_decode_chunk(model.config, sampling, _DECODE_CHUNK)
-    for _ in range(-(-spec.max_response_len // _DECODE_CHUNK)):
-        state = chunk(model.params, state)
+    key = jax.random.key(seed)
+    state = sample(model.config, rollout, model.params, prompts, prompt_lens, key, _DECODE_CHUNK)
     return np.asarray(state.tokens), np.asarray(state.num_generated)
 
 

@@ -18,12 +18,10 @@ kernel on a CPU too (Pallas's interpreter: for tests), XLA for every other form.
 and with "ragged" anywhere, to ``models.segment_attention``, which visits only the key
 blocks a query block's segment reaches (an explicit "cudnn" leaves them on XLA: cuDNN takes
 no segments). cuDNN gets padding and causal masks as sequence lengths and mask types, splash
-gets causal masks and segment ids; all compute the same function as XLA's kernel
-(tests/test_attention.py runs the forms cuDNN receives through XLA with the same arguments, and
-splash itself in Pallas interpret mode on the CPU; tests/test_ragged_decode.py and
-tests/test_segment_attention.py the Pallas kernels likewise; the segment kernel yields zeros
-for blocks of padding only, which nothing reads). The ragged kernel is called from
-``models.transformer``, before a layer's keys are read out of the cache.
+gets causal masks and segment ids; all compute the same function as XLA's kernel, except
+that the segment kernel yields zeros for blocks of padding only, which nothing reads. The
+ragged kernel is called from ``models.transformer``, before a layer's keys are read out of
+the cache.
 
 Dimension letters: S rows, T queries, Tc keys, H query heads, K kv-heads, Dh head width.
 """

@@ -149,17 +149,6 @@ def merged(params: dict, cfg) -> dict:
     return walk(params)
 
 
-def base_of(params: dict, cfg) -> dict:
-    """The frozen part of an existing full tree for ``cfg``'s model: its keys only (a critic
-    built on the reward model's base leaves out that model's score head). No copy."""
-    return split(params, cfg)[1]
-
-
-def cast_trained(trained: Any, dtype) -> Any:
-    """Trained (master) parameters in ``dtype`` (float32 by the precision policy)."""
-    return jax.tree.map(lambda x: x.astype(dtype), trained)
-
-
 def over_frozen(losses, frozen: dict | None):
     """``losses`` (a dataclass with ``actor`` and ``critic`` loss functions of the trained
     parameters) with the frozen bases laid under those parameters; unchanged without LoRA. Only

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 # Bytes of float32 scores one block may hold ([S, H, Tb, Tc], global shapes: a sharded call
-# holds a fraction of it per device). Below it a call runs unblocked, as before.
+# holds a fraction of it per device). A call whose scores fit it runs unblocked.
 SCORE_BUDGET_BYTES = 1 << 30
 MIN_QUERY_BLOCK = 16  # fewer queries per block would make the matmuls too thin to pay
 

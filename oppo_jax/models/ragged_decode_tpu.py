@@ -18,18 +18,14 @@ can read them:
   sublane multiple for float32 and bfloat16), runs a 2-D matmul per kv head, and writes its
   normalised output at the last key block.
 
-Why every kv head and blocks of up to 1024 keys (``key_block``) in one step: a grid step
-costs about 0.35 µs of fixed overhead on a TPU (Pallas's TPU guide), so small steps cost more
-than the reads they save. Qwen2.5-7B on a v5p-8 chip (52 slots, 2 kv heads, width 2048):
-reading the whole live cache of a layer, 109 MB, takes ~40 µs at 2.76 TB/s; (slot, kv head,
-128 keys) steps would be 1,664, ~580 µs of overhead; (slot, 1024 keys) steps are 104, each
-copying 1 MiB (~0.38 µs, about its overhead), so the kernel follows the bytes it reads. The
-cost: a running row reads up to 1023 keys past its length, which the simulator prices (half a
-block per running row, ``sim.packing.RAGGED_KEY_BLOCK_TPU``; the regime maps barely move
-between blocks of 512 and 2048); it prices no per-step overhead. VMEM holds two buffers of
-each cache block: 4 MiB at 2 kv heads, 8 MiB at 4 (under the default scoped limit). Off a
-TPU it runs in Pallas's interpreter (tests), and tests/test_ragged_decode.py checks its Mosaic
-lowering at the 7B TPU config's shapes on a CPU (compiling it needs a TPU: not done here).
+Why every kv head and blocks of up to 1024 keys (``key_block``) in one step: a TPU grid step
+costs about 0.35 µs of fixed overhead (Pallas's TPU guide), about what copying such a block
+(1 MiB at the 7B's 2 kv heads) takes, so smaller steps would cost more in overhead than the
+reads they save; with these the kernel follows the bytes it reads (docs/PROJECTIONS.md, "The
+ragged decode on TPU"). The cost: a running row reads up to 1023 keys past its length (the
+simulator prices half a block per running row). VMEM holds two buffers of each cache block:
+4 MiB at 2 kv heads, 8 MiB at 4 (under the default scoped limit). Off a TPU it runs in
+Pallas's interpreter (tests).
 
 Dimension letters: S slots, K kv heads, G query rows per kv head, Tc cache columns, Dh head
 width, L layers.

@@ -142,9 +142,9 @@ def _attention_bwd(block, interpret, residuals, d_out):
     q, k, v, segments, first, end, out, lse = residuals
     # FlashAttention-2's row term: Σ_d dO·O per query (the softmax's Jacobian needs it)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    args = (q, k, v, segments, d_out.astype(q.dtype), lse, delta)
-    dq = _backward_dq(*args, first, block, interpret)
-    dk, dv = _backward_dkv(*args, end, block, interpret)
+    grads = (d_out.astype(q.dtype), lse, delta)  # what both backward kernels read
+    dq = _backward_dq((q, k, v), segments, grads, first, block, interpret)
+    dk, dv = _backward_dkv((q, k, v), segments, grads, end, block, interpret)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
@@ -230,7 +230,9 @@ def _forward_kernel(
     lse_ref[...] = m + jnp.log(total)
 
 
-def _backward_dq(q, k, v, segments, d_out, lse, delta, first, block, interpret):
+def _backward_dq(qkv, segments, grads, first, block, interpret):
+    """dQ [S, H, T, Dh] (``grads`` = (dO, logsumexp, Σ dO·O) of the forward's rows)."""
+    (q, k, v), (d_out, lse, delta) = qkv, grads
     s, h, t, dh = q.shape
     group = h // k.shape[1]
     kernel = functools.partial(_dq_kernel, block=block, group=group, scale=dh**-0.5)
@@ -294,9 +296,10 @@ def _dq_kernel(
     dq_ref[...] = dq * scale
 
 
-def _backward_dkv(q, k, v, segments, d_out, lse, delta, end, block, interpret):
+def _backward_dkv(qkv, segments, grads, end, block, interpret):
     """dK, dV [S, K, T, Dh]: per query head over the query blocks visiting each key block,
-    then summed over each kv head's group."""
+    then summed over each kv head's group (``grads`` as in ``_backward_dq``)."""
+    (q, k, v), (d_out, lse, delta) = qkv, grads
     s, h, t, dh = q.shape
     kv = k.shape[1]
     group = h // kv

@@ -1,9 +1,12 @@
 """A step's work ledger: per stage, the tokens its kernels computed and the real tokens in them.
 
-``run_step`` fills a ``WorkLedger`` as it dispatches: the *computed* tokens come from the
-shapes of the arrays each kernel is handed (so a kernel that changes its shapes — a packed
-update, scoring at real widths, compacted decode slots — changes the count without touching
-this module), the *real* tokens from the valid tokens in them (host-side lengths). A token
+Each dispatch records its own work in the step's ``WorkLedger``: the *computed* tokens come
+from the shapes of the arrays the kernel is handed (so a kernel that changes its shapes — a
+packed update, scoring at real widths, compacted decode slots — changes the count without
+touching this module), the *real* tokens from the valid tokens in them (host-side lengths). A
+decode chunk's work is known once the rollout has stopped (the chunk at the cut runs fewer
+steps): each dispatch logs its slots and width (``decode_chunk``), and ``close_decode`` prices
+them. A token
 counts once per model pass over it, so the ratio ``efficiency = real / computed`` is what a
 stage spends on real work:
 
@@ -41,6 +44,8 @@ class WorkLedger:
     real: dict[str, int] = dataclasses.field(default_factory=dict)
     # The decode's attention, in cache keys read: (computed, real); see ``decode_keys``.
     keys: tuple[int, int] | None = None
+    # (slots, cache columns read, ragged key block or None) of each decode chunk dispatched
+    decode_chunks: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
 
     def add(self, stage: str, computed: int, real: int = 0) -> None:
         """Add a dispatch's tokens to ``stage`` (a stage may be added to many times)."""
@@ -48,6 +53,25 @@ class WorkLedger:
             raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
         self.computed[stage] = self.computed.get(stage, 0) + int(computed)
         self.real[stage] = self.real.get(stage, 0) + int(real)
+
+    def decode_chunk(self, slots: int, width: int, key_block: int | None) -> None:
+        """Log a decode chunk dispatched over ``slots`` slots reading ``width`` cache columns
+        (``key_block``: the ragged kernel's block, where it runs; ``ragged_key_block``)."""
+        self.decode_chunks.append((int(slots), int(width), key_block))
+
+    def close_decode(self, steps: int, chunk_size: int, lengths: tuple) -> None:
+        """Price the logged decode chunks once the rollout ran ``steps`` lockstep steps:
+        ``lengths`` is (prompt_len, prefix_len, num_generated) per slot."""
+        slots, widths, blocks = (list(c) for c in zip(*self.decode_chunks, strict=True))
+        new = generated(lengths[2], lengths[1])
+        self.add("decode", decode_computed(slots, steps, chunk_size), new)
+        self.keys = decode_keys(slots, widths, steps, chunk_size, lengths, blocks)
+
+    def add_update(self, metrics: dict, trained_models: int) -> None:
+        """The update's work from its metrics (``update_tokens_computed`` and ``_real``: every
+        PPO epoch's pass over the batch, per model), for each of the ``trained_models``."""
+        computed, real = metrics["update_tokens_computed"], metrics["update_tokens_real"]
+        self.add("update", trained_models * int(computed), trained_models * int(real))
 
     def efficiency(self, stage: str) -> float | None:
         """real / computed of ``stage``; None when it computed nothing."""
@@ -68,12 +92,6 @@ class WorkLedger:
             ratio = real / computed if computed else None
             record["decode_keys"] = {"computed": computed, "real": real, "efficiency": ratio}
         return record
-
-
-def token_count(tokens) -> int:
-    """Tokens in a [rows, width] token array as dispatched (its shape, padding included)."""
-    rows, width = tokens.shape[:2]
-    return int(rows) * int(width)
 
 
 def admission_computed(num_slots: int, prompt_width: int, replay=()) -> int:
@@ -145,13 +163,11 @@ def decode_keys(
     return computed, real
 
 
-def ragged_key_blocks(actor, widths: list[int]) -> list[int | None]:
-    """Per decode chunk of live width ``widths[j]``, the ragged kernel's key block where the
+def ragged_key_block(actor, width: int) -> int | None:
+    """The ragged kernel's key block for a decode chunk of live width ``width`` where the
     ``actor``'s (a ModelConfig) decode steps run it (``models.attention.ragged_decode``), else
     None (every slot reads the whole width)."""
-    return [
-        block_for(w) if ragged_decode(actor.attention, actor.head_dim, w) else None for w in widths
-    ]
+    return block_for(width) if ragged_decode(actor.attention, actor.head_dim, width) else None
 
 
 def _block_keys(upto, block: int):
@@ -164,27 +180,3 @@ def _block_keys(upto, block: int):
 def generated(num_generated, prefix_len) -> int:
     """Response tokens sampled this step (each slot's length less what it carried in)."""
     return int((np.asarray(num_generated) - np.asarray(prefix_len)).sum())
-
-
-def add_rollout(
-    ledger: WorkLedger,
-    decode_slots: list[int],
-    steps: int,
-    chunk_size: int,
-    lengths: tuple,
-    scorers: int,
-) -> None:
-    """The decode's work and the scorers' real tokens, once the rollout is read:
-    ``decode_slots`` the slots of each decode chunk dispatched, ``steps`` the lockstep steps
-    it ran, ``lengths`` (num_generated, prefix_len) per slot; every scorer is fed each new
-    response token once (the computed side was added as each chunk was dispatched)."""
-    new = generated(*lengths)
-    ledger.add("decode", decode_computed(decode_slots, steps, chunk_size), new)
-    ledger.add("scoring", 0, scorers * new)
-
-
-def add_update(ledger: WorkLedger, tokens_shape, sequence_lengths, passes: int) -> None:
-    """The update's work: ``passes`` (PPO epochs × trained models) over a token array of
-    ``tokens_shape`` as handed to the update; real: the batch's prompt + response tokens."""
-    computed = int(np.prod(tokens_shape))
-    ledger.add("update", passes * computed, passes * int(np.sum(sequence_lengths)))

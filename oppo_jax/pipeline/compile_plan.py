@@ -18,7 +18,7 @@ from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.scoring.kept import kept_bucket
 from oppo_jax.scoring.replay import replay_shapes
-from oppo_jax.shapes import chunk_widths, live_widths_pay
+from oppo_jax.shapes import chunk_widths, compaction_floor, live_widths_pay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,7 @@ class RunShapes:
     scorers: tuple[str, ...]  # roles that score: reference, critic and the reward model if any
     keeps_frozen: bool  # streaming with carrying keeps the frozen scorers' caches of carried rows
     compaction_floor: int | None  # smallest slot bucket of compaction; None: no compaction
-    # ((Rp, W, N), K) of the packed update; None: the padded update (one shape)
-    update: tuple | None
+    update: tuple  # ((Rp, W, N), K) of the packed update
     # decode, streamed scoring and replay read power-of-two live widths (``Kernels.live_prefix``);
     # False: the whole cache, where the decode's attention takes lengths as data
     live_prefix: bool = True
@@ -72,26 +71,24 @@ def run_shapes(
     sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
     scorers = ("reference", "critic", *(("reward",) if cfg.reward.model_weight else ()))
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
-    power_of_two = not shards & (shards - 1)
-    floor = max(shards, p.compact_min_slots) if compact and power_of_two else None
+    scoring_shards = cfg.mesh.scoring_devices if p.placement == "disaggregated" else shards
+    floor = compaction_floor(compact, shards, scoring_shards, p.compact_min_slots)
     if head_dim is None:
         head_dim = PRESETS[cfg.model.preset].head_dim if cfg.model.preset in PRESETS else 128
     capacity = r.max_prompt_len + r.max_response_len
     live = live_widths_pay(
         capacity, reads_lengths(cfg.model.attention, head_dim, capacity, backend)
     )
-    update = None
-    if cfg.ppo.packed_update:
-        m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
-        update = packed_shapes(
-            m,
-            r.max_prompt_len + r.max_response_len,
-            r.max_response_len,
-            cfg.ppo.pack_granule,
-            shards,
-            chunks=cfg.ppo.grad_accum_steps,
-            width_factor=cfg.ppo.pack_width_factor,
-        )
+    m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
+    update = packed_shapes(
+        m,
+        r.max_prompt_len + r.max_response_len,
+        r.max_response_len,
+        cfg.ppo.pack_granule,
+        shards,
+        chunks=cfg.ppo.grad_accum_steps,
+        width_factor=cfg.ppo.pack_width_factor,
+    )
     return RunShapes(
         stream=schedule.stream,
         carry=schedule.carry and extra > 0,
@@ -159,7 +156,7 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
         Family("streamed scoring", chunks if s.stream else (), len(s.scorers)),
         Family("sync scoring", () if s.stream else ("packed",), len(s.scorers)),
         Family("experience", ("batch",), 1),
-        Family("update", (s.update[0] if s.update else "padded",), 1),
+        Family("update", (s.update[0],), 1),
     ]
     return [f for f in families if f.shapes]
 
@@ -175,79 +172,3 @@ def kept_rows(shapes: RunShapes) -> tuple[int, ...]:
 
 def total_programs(families: list[Family]) -> int:
     return sum(f.programs for f in families)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileSeconds:
-    """Seconds to trace and compile one program of each family, as measured somewhere."""
-
-    measured: str  # the backend, models and depth, and where the numbers come from
-    seconds: dict  # family -> seconds per program
-
-
-# The CPU demo's models (2 layers), its warm-up's compilations by family (warmup.json).
-DEMO_CPU = CompileSeconds(
-    "XLA:CPU, the demo's 2-layer models, warmup.json of configs/demo_cpu.yaml (2026-12-06)",
-    {
-        "admission prefill": 0.41,
-        "decode start": 0.07,
-        "replay": 0.53,
-        "decode": 0.85,
-        "streamed scoring": 0.50,
-        "sync scoring": 0.37,
-        "experience": 0.39,
-        "update": 3.0,
-    },
-)
-# Qwen2.5-7B widths, 28 scanned layers, bf16: oppo-jax memory's kernels compiled for XLA:CPU
-# on abstract inputs (qwen2.5-7b_gh200x1_lora, 2026-12-06); its admission kernel is the
-# prefill and the decode start in one, and the experience was not measured: both are counted
-# at the admission's seconds. A GPU's or a TPU's compiler takes other times.
-QWEN_7B_CPU = CompileSeconds(
-    "XLA:CPU, Qwen2.5-7B widths, 28 scanned layers, abstract inputs, oppo-jax memory's "
-    "kernels of qwen2.5-7b_gh200x1_lora (2026-12-06)",
-    {
-        "admission prefill": 1.6,
-        "decode start": 1.6,
-        "replay": 1.5,
-        "decode": 2.1,
-        "streamed scoring": 2.0,
-        "sync scoring": 2.0,
-        "experience": 1.6,
-        "update": 5.9,
-    },
-)
-
-
-def compile_seconds(cfg) -> CompileSeconds:
-    """The measured seconds a projection of ``cfg`` uses: the 7B's for a Qwen2.5 preset (its
-    layers are scanned, so depth hardly matters; the 3B is counted at the 7B's), else the
-    demo's."""
-    return QWEN_7B_CPU if (cfg.model.preset or "").startswith("qwen2.5") else DEMO_CPU
-
-
-def plan_report(cfg, mode: str | None = None, backend: str | None = None) -> dict:
-    """``oppo-jax compile-plan``'s report: the programs by family and their total."""
-    if backend is None:
-        import jax  # only to ask where the kernels would run
-
-        backend = jax.default_backend()
-    schedule = Schedule.named(mode or cfg.pipeline.mode)
-    families = plan_programs(run_shapes(cfg, schedule, backend))
-    measured = compile_seconds(cfg)
-    projected = sum(f.programs * measured.seconds[f.name] for f in families)
-    return {
-        "mode": schedule.name,
-        "backend": backend,
-        "programs": total_programs(families),
-        "projected_compile_s": round(projected, 1),
-        "seconds_measured_on": measured.measured,
-        "families": [
-            {
-                "name": f.name,
-                "programs": f.programs,
-                "shapes": [list(x) if isinstance(x, tuple) else x for x in f.shapes],
-            }
-            for f in families
-        ],
-    }

@@ -17,26 +17,21 @@ import jax.numpy as jnp
 from oppo_jax.models.attention import reads_lengths
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.pipeline.slot_map import compaction_floor
+from oppo_jax.pipeline.slot_map import compaction_default
 from oppo_jax.ppo.experience import RewardFn, batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import UpdateSpec
-from oppo_jax.rollout.decode import (
-    admit_decode,
-    decode_chunk,
-    decode_chunk_emit,
-    start_decode,
-    tokens_since,
-)
+from oppo_jax.rollout.admission import Admission
+from oppo_jax.rollout.decode import CutRule, DecodeState, admit_decode, decode_chunk, tokens_since
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
 from oppo_jax.scoring.replay import ReplayChunk, actor_spec, plan_replay, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
-from oppo_jax.shapes import live_widths_pay, program_name
-from oppo_jax.sharding import to_host, with_rules
+from oppo_jax.shapes import compaction_floor, live_widths_pay, program_name
+from oppo_jax.sharding import batch_shards, to_host, with_rules
 
-__all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "make_decode_chunk"]
+__all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "sample"]
 
 
 def family_jit(family: str, fn, mesh=None, **jit_kwargs):
@@ -54,30 +49,10 @@ def family_jit(family: str, fn, mesh=None, **jit_kwargs):
 def make_decode_chunk(
     cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh=None, kv_width=None
 ):
-    """``decode_chunk`` jitted for one (model, sampling, C, mesh, live width), donating the
-    state."""
+    """``decode_chunk`` jitted, donating the state: (params, state, cut rule) -> (state,
+    ChunkTokens). One program per (model, sampling, C, mesh, live width)."""
     fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width)
     return family_jit("decode", fn, mesh, donate_argnums=(1,))
-
-
-@functools.cache
-def make_decode_chunk_emit(
-    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh, kv_width=None
-):
-    """``decode_chunk_emit`` jitted, donating the state; the chunk's counts are the marker.
-    One compilation per live width (``kv_cache.live_widths``: a handful per chunk size)."""
-    fn = functools.partial(
-        decode_chunk_emit, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width
-    )
-    return family_jit("decode", fn, mesh, donate_argnums=(1,))
-
-
-@functools.cache
-def make_start_decode(cfg: ModelConfig, rollout: RolloutSpec):
-    """``start_decode`` jitted for one model and rollout shape: (params, prompts, prompt_lens,
-    base_key, active=None) -> DecodeState."""
-    fn = functools.partial(start_decode, cfg, rollout=rollout)
-    return family_jit("decode start", fn, rollout.mesh)
 
 
 @functools.cache
@@ -163,10 +138,25 @@ class Kernels:
     compact_slots: bool | None = None
     compact_min_slots: int = 1  # smallest bucket compaction moves into (runs: the config's)
 
-    def compaction_floor(self, shards: int) -> int | None:
-        """The smallest slot bucket of the decode over ``shards`` batch shards; None: it does
-        not compact (``slot_map.compaction_floor``)."""
-        return compaction_floor(self.compact_slots, shards, self.compact_min_slots)
+    @property
+    def packs_chunks(self) -> bool:
+        """Whether the streaming scorers pack each chunk's tokens (``scoring.packed_chunks``):
+        on a scoring mesh that does not split the slots, where packing moves no cache between
+        devices; else they score each chunk over every slot."""
+        mesh = self.scorer_specs.reference.mesh
+        return mesh is None or batch_shards(mesh) == 1
+
+    @property
+    def compaction_floor(self) -> int | None:
+        """The smallest slot bucket the decode compacts into; None: it does not compact
+        (``shapes.compaction_floor``; on one process only, where the kept rows' indices never
+        cross hosts)."""
+        if jax.process_count() > 1:
+            return None
+        compact = compaction_default() if self.compact_slots is None else self.compact_slots
+        gen = 1 if self.rollout.mesh is None else batch_shards(self.rollout.mesh)
+        scoring = 1 if self.packs_chunks else 2
+        return compaction_floor(compact, gen, scoring, self.compact_min_slots)
 
     @functools.cached_property
     def actor_spec(self) -> ScorerSpec:
@@ -175,37 +165,14 @@ class Kernels:
         return actor_spec(self.spec.actor, self.rollout, self.spec.temperature)
 
     def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk] | None = None):
-        """The actor's admission: every slot's prompt prefilled, the carried prefixes of
-        ``replay`` (``scoring.replay.plan_replay`` of the same slots) fed after it, and the
-        decode state started from that cache: (DecodeState, marker). Without ``replay`` the
-        plan is made from the admission read back to the host (a step passes the one it
-        planned from its host arrays, so it reads nothing)."""
-        prompt_width = self.rollout.prompt_width
-        if replay is None:
-            host = to_host((admission.context, admission.prompt_len, admission.prefix_len))
-            replay = plan_replay(*host, (prompt_width, self.rollout.max_response_len))
-        prompts = prompts_only(admission, prompt_width)
-        prefilled, _ = make_scorer_admit(self.actor_spec, prompt_width)(params, prompts)
-        prefilled, _ = self.replay(self.actor_spec, params, prefilled, replay)
-        start = make_actor_start(self.spec.actor, self.rollout)
-        p = prefilled
-        return start(params, admission, base_key, p.cache, p.last_hidden, p.per_token)
-
-    @staticmethod
-    def replay(spec: ScorerSpec, params, state, replay: Sequence[ReplayChunk]):
-        """(``state`` with every chunk of ``replay`` fed, one compiled call each (donated), the
-        last call's marker or None when there is nothing to feed)."""
-        marker = None
-        for chunk in replay:
-            run = make_replay(spec, chunk.kv_width)
-            state, marker = run(params, state, chunk.tokens, chunk.count)
-        return state, marker
+        """The actor's admission (``admit_actor``): (DecodeState, marker)."""
+        return admit_actor(self.actor_spec, self.rollout, params, admission, base_key, replay)
 
     def decode(self, chunk_size: int, kv_width: int | None = None) -> Callable:
         """(params, state, cut rule) -> (state, ChunkTokens) for this chunk size, reading the
         first ``kv_width`` cache columns (None: all)."""
         r = self.rollout
-        return make_decode_chunk_emit(self.spec.actor, r.sampling, chunk_size, r.mesh, kv_width)
+        return make_decode_chunk(self.spec.actor, r.sampling, chunk_size, r.mesh, kv_width)
 
     def chunk_width(self, longest_context: int, chunk_size: int, chunks_before: int) -> int | None:
         """The live width for the chunk after ``chunks_before`` others of ``chunk_size``
@@ -238,11 +205,13 @@ class Kernels:
         jitted = make_scorer_admit(getattr(self.scorer_specs, role), width)
         return lambda params, admission: jitted(params, prompts_only(admission, width))
 
-    def scorer_chunk(self, role: str, kv_width: int | None = None, packed: bool = False):
+    def scorer_chunk(self, role: str, kv_width: int | None = None):
         """(params, state, chunk[, plan]) -> (ScorerState, marker): one role's chunk prefill,
-        reading the first ``kv_width`` cache columns (None: all), over every slot or, when
-        ``packed``, over the tokens a ``packed_chunks.plan_chunk`` plan packs."""
-        return make_scorer_chunk(getattr(self.scorer_specs, role), kv_width, packed)
+        reading the first ``kv_width`` cache columns (None: all): over the tokens a
+        ``packed_chunks.plan_chunk`` plan packs where the scorers pack (``packs_chunks``),
+        else over every slot."""
+        spec = getattr(self.scorer_specs, role)
+        return make_scorer_chunk(spec, kv_width, self.packs_chunks)
 
     @functools.cached_property
     def responses(self) -> Callable:
@@ -264,7 +233,7 @@ def build_kernels(
     update: Callable | None = None,
 ) -> Kernels:
     """Compile-once kernels. Exactly one of ``reward_model`` (a ModelConfig with a score
-    head) and ``reward_fn`` is given. ``update`` defaults to ``packed_update.make_update``."""
+    head) and ``reward_fn`` is given. ``update`` defaults to ``ppo.packed_update.make_update``."""
     if reward_model is not None and reward_fn is not None:
         raise ValueError("give at most one of reward_model and reward_fn")
     if not rollout.sampling.greedy and rollout.sampling.temperature != spec.temperature:
@@ -279,3 +248,47 @@ def build_kernels(
     reads = reads_lengths(spec.actor.attention, spec.actor.head_dim, capacity)
     live = live_widths_pay(capacity, reads)
     return Kernels(spec, rollout, reward_fn, reward_model, update, live_prefix=live)
+
+
+def admit_actor(spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_key, replay=None):
+    """The admission of the actor (``spec``: the actor as the log-prob consumer of its own
+    carried prefixes, ``scoring.replay.actor_spec``): every slot's prompt prefilled, the
+    carried prefixes of ``replay`` (``scoring.replay.plan_replay`` of the same slots) fed
+    after it, and the decode state started from that cache: (DecodeState, marker). Without
+    ``replay`` the plan is made from the admission read back to the host (a step passes the
+    one it planned from its host arrays, so it reads nothing)."""
+    prompt_width = rollout.prompt_width
+    if replay is None:
+        host = to_host((admission.context, admission.prompt_len, admission.prefix_len))
+        replay = plan_replay(*host, (prompt_width, rollout.max_response_len))
+    prompts = prompts_only(admission, prompt_width)
+    prefilled, _ = make_scorer_admit(spec, prompt_width)(params, prompts)
+    p, _ = feed_replay(spec, params, prefilled, replay)
+    start = make_actor_start(spec.model, rollout)
+    return start(params, admission, base_key, p.cache, p.last_hidden, p.per_token)
+
+
+def feed_replay(spec: ScorerSpec, params, state, replay: Sequence[ReplayChunk]):
+    """(``state`` with every chunk of ``replay`` fed, one compiled call each (donated), the
+    last call's marker or None when there is nothing to feed)."""
+    marker = None
+    for chunk in replay:
+        run = make_replay(spec, chunk.kv_width)
+        state, marker = run(params, state, chunk.tokens, chunk.count)
+    return state, marker
+
+
+def sample(cfg: ModelConfig, rollout: RolloutSpec, params, prompts, prompt_len, base_key,
+           chunk_size: int = 32) -> DecodeState:  # fmt: skip
+    """Every prompt's response sampled to its end by the run's kernels (slot s holds prompt
+    id s): the actor's admission, then decode chunks until every slot has finished."""
+    admission = Admission.fresh(prompts, prompt_len, rollout.max_response_len)
+    temperature = 1.0 if rollout.sampling.greedy else rollout.sampling.temperature
+    spec = actor_spec(cfg, rollout, temperature)
+    state, _ = admit_actor(spec, rollout, params, admission, base_key, ())
+    slots = admission.num_slots
+    never = CutRule(admission.active, admission.must_finish, jnp.int32(slots + 1))
+    decode = make_decode_chunk(cfg, rollout.sampling, chunk_size, rollout.mesh)
+    for _ in range(-(-rollout.max_response_len // chunk_size)):
+        state, _ = decode(params, state, never)
+    return state

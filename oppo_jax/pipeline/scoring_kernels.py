@@ -1,5 +1,6 @@
 """Compiled kernels of scoring at real widths and of the frozen scorers' kept caches (one jit
-per static setting, like ``pipeline.kernels``), and the host side that dispatches them."""
+per static setting, like ``pipeline.kernels``), and the host side of the packed scoring of a
+batch, dispatched through ``pipeline.step_scorers.StepScorers``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from oppo_jax.scoring.packed import PackedBatch, ScoringCall, plan_packing, scor
 from oppo_jax.scoring.packed_chunks import padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
 from oppo_jax.shapes import chunk_budget
-from oppo_jax.sharding import batch_shards, to_host
+from oppo_jax.sharding import to_host
 
 
 @functools.cache
@@ -109,21 +110,12 @@ def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, in
     return out, computed, sum(plan.real_tokens for plan in plans)
 
 
-def packs_chunks(engine) -> bool:
-    """Whether ``engine``'s (a StepEngine) streaming scorers pack their chunks: switched on
-    and on a scoring mesh that does not split the slots (``StepScorers.chunk_plan``)."""
-    mesh = engine.kernels.scorer_specs.reference.mesh
-    return engine.packed_chunk_scoring and (mesh is None or batch_shards(mesh) == 1)
-
-
-def compile_packed_chunks(engine, role: str, params, state, chunk, kv_width: int | None):
+def compile_packed_chunks(kernels, role: str, params, state, chunk, kv_width: int | None):
     """Run ``role``'s packed chunk kernel at its one shape for a chunk like ``chunk``
     (``shapes.chunk_budget``), reading ``kv_width`` columns, on a plan that packs no
     token: what a warm-up compiles. Returns the state (donated along, unchanged)."""
-    if not packs_chunks(engine):
-        return state
     slots, width = chunk.tokens.shape
-    kernel = engine.kernels.scorer_chunk(role, kv_width, True)
+    kernel = kernels.scorer_chunk(role, kv_width)
     state, _ = kernel(params, state, chunk, padding_plan(chunk_budget(slots, width), slots))
     return state
 

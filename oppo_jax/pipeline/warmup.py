@@ -34,13 +34,8 @@ from oppo_jax.models.attention import implementations
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.host_state import HostState
-from oppo_jax.pipeline.kernels import prompts_only
-from oppo_jax.pipeline.scoring_kernels import (
-    compile_packed_chunks,
-    keep_rows,
-    packs_chunks,
-    restore_rows,
-)
+from oppo_jax.pipeline.kernels import feed_replay, prompts_only
+from oppo_jax.pipeline.scoring_kernels import compile_packed_chunks, keep_rows, restore_rows
 from oppo_jax.pipeline.step import device_admission, run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
@@ -135,7 +130,7 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     engine, plan = ctx.engine, host.plan(ctx.cfg)
     shapes = run_shapes(ctx.cfg, schedule, head_dim=engine.kernels.spec.actor.head_dim)
     slots = engine.placement.num_slots(plan.reserved)
-    floor = engine.kernels.compaction_floor(engine.placement.num_slots(1))
+    floor = engine.kernels.compaction_floor
     built = (slots, floor, engine.kernels.live_prefix)
     planned = (shapes.slots, shapes.compaction_floor, shapes.live_prefix)
     if built != planned:  # a bug: the plan must describe the kernels the run built
@@ -145,7 +140,7 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
         )
     families = {f.name: f for f in plan_programs(shapes)}
     replay = families["replay"].shapes if "replay" in families else ()
-    kept = kept_rows(shapes) if engine.keep_frozen_caches else ()
+    kept = kept_rows(shapes)
     moves = ()
     if floor is not None:
         moves = compaction_moves(slots, floor)
@@ -197,7 +192,7 @@ def compile_replay(ctx, host, state, rows: int, kv_width: int) -> None:
     for role in k.scorer_specs.present():
         fresh, _ = k.scorer_admit(role)(params[role], prompts)
         spec = getattr(k.scorer_specs, role)
-        outputs.append(k.replay(spec, params[role], fresh, [chunk]))
+        outputs.append(feed_replay(spec, params[role], fresh, [chunk]))
     jax.block_until_ready(outputs)
 
 
@@ -238,8 +233,8 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
         for role in k.scorer_specs.present():
             scored, _ = k.scorer_admit(role)(params[role], on_scoring)
             fed = (params[role], scored, place.to_scoring(chunk), kv_width)
-            if packs_chunks(engine):
-                outputs.append(compile_packed_chunks(engine, role, *fed))
+            if k.packs_chunks:
+                outputs.append(compile_packed_chunks(k, role, *fed))
             else:
                 outputs.append(k.scorer_chunk(role, *width)(*fed[:3]))
     jax.block_until_ready(outputs)

@@ -69,8 +69,7 @@ def policy_loss(
     mask: Shaped[Array, "*tokens"],
     cliprange: Scalar,
     agg: Aggregation = "token_mean",
-    behaviour_logp: Float[Array, "*tokens"] | None = None,
-    is_clip: float | None = None,
+    importance: tuple[Float[Array, "*tokens"], float] | None = None,
     weights: TokenWeights | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped PPO surrogate, optionally with a truncated importance weight (decoupled PPO).
@@ -78,7 +77,7 @@ def policy_loss(
     With r = exp(logp − old_logp) and ε = cliprange:
         ℓ_t = max(−A_t · r_t, −A_t · clip(r_t, 1 − ε, 1 + ε))
         loss = agg(w_t · ℓ_t)
-    where w_t = 1, or, when both `behaviour_logp` and `is_clip` are given,
+    where w_t = 1, or, with ``importance`` = (behaviour_logp, is_clip),
         w_t = stop_gradient(min(exp(old_logp − behaviour_logp), is_clip))
     corrects for tokens sampled by an older (behaviour) policy than the proximal `old_logp`.
 
@@ -95,7 +94,8 @@ def policy_loss(
     per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - eps, 1.0 + eps))
 
     aux = {}
-    if behaviour_logp is not None and is_clip is not None:
+    if importance is not None:
+        behaviour_logp, is_clip = importance
         stale = _valid_f32(old_logp, valid) - _valid_f32(behaviour_logp, valid)
         weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(stale), is_clip))
         per_token = weight * per_token

@@ -1,20 +1,18 @@
-"""The packed PPO update (``ppo.packed_update``): the padded update's optimizer steps, each
-minibatch computed on its sequences' real tokens packed into rows and dealt to the gradient
-accumulation steps' chunks (``oppo_jax.ppo.packing``).
+"""The PPO update a run dispatches: each minibatch computed on its sequences' real tokens
+packed into rows and dealt to the gradient accumulation steps' chunks (``ppo.packing``).
 
-Same minibatches and microbatches (the host replays the update key's permutations), the same
-losses as weighted sums, the same accumulation and non-finite guard
-(``update.optimizer_step``; a chunk holding no sequence adds zeros without running the
-models): only the layout differs, so the results equal the padded update's up to float
-summation order. The LM head runs at the chunk's response slots only, in vocabulary blocks,
-as in the padded update.
+The minibatches and microbatches are those of the padded reference update (the host replays
+the update key's permutations; ``tests/padded_update.py``), with the same losses as weighted
+sums and the same accumulation and non-finite guard (``update.optimizer_step``; a chunk
+holding no sequence adds zeros without running the models): only the layout differs, so the
+results equal the padded update's up to float summation order. The LM head runs at the
+chunk's response slots only, in vocabulary blocks.
 
-``make_update`` builds the update a run dispatches: ``update(state, batch, key, kl_coef,
-lengths=None)``, where ``lengths`` = (prompt_len, response_len) host arrays of the batch's rows
-(read from the batch when not given). Either layout adds ``update_tokens_real`` and
-``update_tokens_computed`` (token slots of the forward passes, both models alike) to the
-metrics; the packed one also its packed shape (``update_rows``, ``update_width``,
-``update_slots``) and keeps the set of shapes it ran (``PackedUpdate.shapes``).
+``make_update`` builds it: ``update(state, batch, key, kl_coef, lengths=None)``, where
+``lengths`` = (prompt_len, response_len) host arrays of the batch's rows (read from the batch
+when not given). It adds ``update_tokens_real`` and ``update_tokens_computed`` (token slots of
+the forward passes, per model) to the metrics, and its packed shape (``update_rows``,
+``update_width``, ``update_slots``); ``PackedUpdate.shapes`` keeps the shapes it ran.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ from oppo_jax.ppo.update import (
     batch_shardings,
     finish_update,
     optimizer_step,
-    ppo_update,
     train_state_shardings,
 )
 from oppo_jax.shapes import program_name
@@ -104,9 +101,12 @@ def ppo_update_packed(
     kl_coef,
     layout: UpdateLayout | None = None,
 ):
-    """``update.ppo_update`` with every accumulation chunk gathered from ``batch`` onto the
-    packed layout by ``plan`` (leading axes [epochs, minibatches, chunks]); the same checks
-    (the whole padded batch must be finite) and the same metrics."""
+    """All epochs and minibatches of one PPO step, every accumulation chunk gathered from
+    ``batch`` onto the packed layout by ``plan`` (leading axes [epochs, minibatches, chunks]);
+    returns the new state and mean metrics. Non-finite values skip work, never apply it: a
+    NaN/Inf anywhere in the batch skips every optimizer step (``nonfinite_batch``), a
+    non-finite loss, metric or gradient skips that step (``nonfinite_update``), and
+    ``skipped_steps`` counts them (``update.optimizer_step``, ``update.finish_update``)."""
     minibatch = batch.tokens.shape[0] // spec.ppo.num_minibatches  # sequences per minibatch
 
     def prepare(idx: PackIndices) -> PackedMicrobatch:
@@ -131,7 +131,9 @@ def ppo_update_packed(
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _permutations(key, num_rows: int, epochs: int):
-    """The epochs' row permutations exactly as ``update._epochs`` draws them from ``key``."""
+    """The epochs' row permutations: epoch e permutes the rows by the e-th of ``key``'s
+    ``epochs`` splits (the padded reference update, ``tests/padded_update.py``, draws the
+    same)."""
     keys = jax.random.split(key, epochs)
     return jnp.stack([jax.random.permutation(keys[e], num_rows) for e in range(epochs)])
 
@@ -159,8 +161,7 @@ class PackedUpdate:
             prompt_len,
             response_len,
             micro,
-            batch.tokens.shape[1],
-            batch.response_len,
+            (batch.tokens.shape[1], batch.response_len),
             ppo.pack_granule,
             self.row_multiple,
             seq_mean=ppo.loss_agg == "seq_mean",
@@ -198,47 +199,22 @@ class PackedUpdate:
         }
 
 
-class PaddedUpdate:
-    """The padded reference update with the step's call signature and token accounting."""
-
-    def __init__(self, spec: UpdateSpec, jitted):
-        self.spec, self.jitted = spec, jitted
-
-    def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
-        prompt_len, response_len = host_lengths(batch) if lengths is None else lengths
-        state, metrics = self.jitted(state, batch, key, kl_coef)
-        epochs = self.spec.ppo.ppo_epochs
-        real = epochs * int(np.sum(prompt_len) + np.sum(response_len))
-        return state, {
-            **metrics,
-            "update_tokens_real": float(real),
-            "update_tokens_computed": float(epochs * batch.tokens.size),
-        }
-
-
 @functools.cache
-def make_update(
-    spec: UpdateSpec, mesh=None, rules: ShardingRules = DEFAULT_RULES, packed: bool | None = None
-):
-    """The run's update, packed or padded (``packed``, default ``spec.ppo.packed_update``),
-    jitted donating the state (not LoRA's frozen bases, which also serve the scorers); on
-    ``mesh`` with explicit shardings and the logical rules active while tracing, as
-    ``update.make_sharded_update``. One per (spec, mesh, rules, packed), as the decode and
-    scorer kernels: a later run of the same spec in the process compiles nothing new."""
-    packed = spec.ppo.packed_update if packed is None else packed
-    fn = ppo_update_packed if packed else ppo_update
+def make_update(spec: UpdateSpec, mesh=None, rules: ShardingRules = DEFAULT_RULES):
+    """The run's update, jitted donating the state (not LoRA's frozen bases, which also serve
+    the scorers); on ``mesh`` with explicit shardings and the logical rules active while
+    tracing (``update.UpdateLayout``). One per (spec, mesh, rules), as the decode and scorer
+    kernels: a later run of the same spec in the process compiles nothing new."""
     if mesh is None:
-        jitted = lora.jit_keeping_frozen(functools.partial(fn, spec), name=UPDATE)
-        return PackedUpdate(spec, jitted) if packed else PaddedUpdate(spec, jitted)
+        jitted = lora.jit_keeping_frozen(functools.partial(ppo_update_packed, spec), name=UPDATE)
+        return PackedUpdate(spec, jitted)
     state_sh, repl = train_state_shardings(spec, mesh, rules), replicated(mesh)
     jitted = lora.jit_keeping_frozen(
-        functools.partial(fn, spec, layout=UpdateLayout(mesh, rules, state_sh)),
+        functools.partial(ppo_update_packed, spec, layout=UpdateLayout(mesh, rules, state_sh)),
         # The plan's indices are small and replicated; the gathered rows are then laid out
         # over the batch axes inside (``UpdateLayout.rows``).
         in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
         out_shardings=(state_sh, repl),
         name=UPDATE,
     )
-    if not packed:
-        return PaddedUpdate(spec, jitted)
     return PackedUpdate(spec, jitted, row_multiple=batch_shards(mesh, rules))

@@ -145,22 +145,22 @@ def plan_packing(
     prompt_len: np.ndarray,
     response_len: np.ndarray,
     micro: np.ndarray,
-    full_width: int,
-    response_width: int,
+    widths: tuple[int, int],
     granule: int = 16,
     row_multiple: int = 1,
     seq_mean: bool = False,
     width_factor: int = 1,
 ) -> PackPlan:
     """Pack every minibatch of ``micro`` [E, M, A, m] (see ``microbatch_rows``) of a batch
-    whose sequences have these lengths [B] (host ints), padded width L = ``full_width`` and
-    response width R = ``response_width``, into A chunks each. ``row_multiple``: Rp and N are
+    whose sequences have these lengths [B] (host ints), padded width L and response width R
+    (``widths`` = (L, R)), into A chunks each. ``row_multiple``: Rp and N are
     multiples of it (the devices the rows shard over); ``seq_mean``: the loss aggregation;
     ``width_factor``: rows of that many times L (``packed_width``)."""
     prompt_len, response_len = np.asarray(prompt_len, np.int64), np.asarray(response_len)
     if (prompt_len < 1).any():
         raise ValueError("packing needs every prompt to hold at least one token")
     lengths = prompt_len + response_len
+    full_width, response_width = widths
     epochs, minibatches, chunks, m = micro.shape
     minis = micro.reshape(epochs * minibatches, chunks, m)
     (rows, width, slots), count = packed_shapes(

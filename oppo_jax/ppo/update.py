@@ -1,22 +1,23 @@
-"""The jitted PPO update: ``ppo_epochs × num_minibatches`` optimizer steps as nested lax.scans.
+"""The PPO update's parts: ``ppo_epochs × num_minibatches`` optimizer steps (the packed update,
+``ppo.packed_update``, scans them over its packed chunks).
 
 The actor and the critic are separate models with separate optimizers. The actor minimises
     pg_loss − entropy_coef · entropy (+ β · KL to the reference, when the KL is not in the reward)
 and the critic minimises vf_coef · vf_loss, which is TRL's ``pg + vf_coef · vf`` split by model.
 Each optimizer update averages the gradients of ``grad_accum_steps`` microbatches.
 
-On a mesh (``make_sharded_update``) the update is traced with the logical-axis rules active, so
-the model's activation constraints hold (rows over data × fsdp, FSDP weights gathered per layer),
-every minibatch and microbatch keeps its rows sharded, and the gradient accumulators are laid out
-like the parameters. Non-finite values skip work without a second copy of the train state: each
-optimizer step is applied under a ``lax.cond`` (as ``optax.apply_if_finite`` does) only when the
-batch and its loss, metrics and gradients are finite, and a bad batch also skips every forward
-and backward pass; so XLA updates the donated state in place.
+On a mesh (``packed_update.make_update``) the update is traced with the logical-axis rules
+active, so the model's activation constraints hold (rows over data × fsdp, FSDP weights
+gathered per layer), every minibatch and microbatch keeps its rows sharded, and the gradient
+accumulators are laid out like the parameters. Non-finite values skip work without a second
+copy of the train state: each optimizer step is applied under a ``lax.cond`` (as
+``optax.apply_if_finite`` does) only when the batch and its loss, metrics and gradients are
+finite, and a bad batch also skips every forward and backward pass; so XLA updates the
+donated state in place.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -32,9 +33,9 @@ from oppo_jax.config import PPOConfig
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.ppo.advantages import kl_estimate
-from oppo_jax.ppo.batch import PPOBatch, critic_values, policy_logprobs
+from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
-from oppo_jax.ppo.losses import aggregate, policy_loss, value_loss
+from oppo_jax.ppo.losses import aggregate, policy_loss
 from oppo_jax.sharding import (
     DEFAULT_RULES,
     ShardingRules,
@@ -130,14 +131,6 @@ def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainStat
     )
 
 
-def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
-    """Clipped surrogate (+ entropy bonus, + KL-in-loss) on one microbatch; returns (loss, aux)."""
-    logp, entropy = policy_logprobs(
-        spec.actor, params, mb.tokens, mb.prompt_len, mb.response_len, spec.temperature
-    )
-    return actor_objective(spec.ppo, logp, entropy, mb, kl_coef)
-
-
 def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
     """The actor's loss from per-token log-probs, padded or packed (``weights``)."""
     is_clip = ppo.importance_clip if ppo.importance_correction else None
@@ -148,8 +141,7 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
         mb.mask,
         ppo.cliprange,
         ppo.loss_agg,
-        behaviour_logp=mb.behaviour_logp if is_clip else None,
-        is_clip=is_clip,
+        importance=(mb.behaviour_logp, is_clip) if is_clip else None,
         weights=weights,
     )
     mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, weights)
@@ -158,30 +150,6 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
         kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)
         loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, weights)
     return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
-
-
-def critic_loss(spec: UpdateSpec, params, mb: PPOBatch):
-    """vf_coef × clipped value loss on one microbatch; returns (loss, aux)."""
-    values = critic_values(spec.critic, params, mb.tokens, mb.prompt_len, mb.response_len)
-    vf, aux = value_loss(
-        values, mb.old_values, mb.returns, mb.mask, spec.ppo.cliprange_value, spec.ppo.loss_agg
-    )
-    return spec.ppo.vf_coef * vf, {"value_loss": vf, **aux}
-
-
-def _split(tree, parts: int, layout: UpdateLayout | None):
-    """[N, ...] leaves -> [parts, N / parts, ...], part j holding rows j, j + parts, j + 2·parts...
-
-    Strided, not contiguous: the batch axes hold rows in contiguous blocks, so every part keeps
-    an equal share of rows on every device and the scan over parts (axis 0, unsharded) moves no
-    data. Example: N = 8, parts = 2 -> part 0 = rows [0, 2, 4, 6], part 1 = rows [1, 3, 5, 7].
-    """
-
-    def one(x):
-        return jnp.swapaxes(x.reshape((x.shape[0] // parts, parts) + x.shape[1:]), 0, 1)
-
-    split = jax.tree.map(one, tree)
-    return split if layout is None else layout.rows(split, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,15 +164,6 @@ class Losses:
     # (microbatch inputs) -> bool: whether it holds any token; one that holds none adds zero
     # gradients and metrics without running the models (None: every microbatch runs)
     runs: Callable | None = None
-
-
-def padded_losses(spec: UpdateSpec, layout: UpdateLayout | None) -> Losses:
-    """Microbatches are row slices of the padded PPOBatch."""
-    return Losses(
-        prepare=(lambda mb: mb) if layout is None else layout.rows,
-        actor=functools.partial(actor_loss, spec),
-        critic=functools.partial(critic_loss, spec),
-    )
 
 
 def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, params, parts):
@@ -278,25 +237,6 @@ def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, 
     return state, metrics
 
 
-def _epochs(spec: UpdateSpec, layout, batch: PPOBatch, key, kl_coef, batch_ok, state):
-    """Every optimizer step of one PPO step; metrics are stacked [epochs, minibatches]."""
-    num_rows = batch.tokens.shape[0]
-    losses, accum = padded_losses(spec, layout), spec.ppo.grad_accum_steps
-
-    def step(state, minibatch):
-        parts = _split(minibatch, accum, layout)
-        return optimizer_step(spec, losses, layout, kl_coef, batch_ok, state, parts)
-
-    def epoch(state, epoch_key):
-        perm = jax.random.permutation(epoch_key, num_rows)
-        shuffled = jax.tree.map(lambda x: x[perm], batch)
-        shuffled = shuffled if layout is None else layout.rows(shuffled)
-        return jax.lax.scan(step, state, _split(shuffled, spec.ppo.num_minibatches, layout))
-
-    keys = jax.random.split(key, spec.ppo.ppo_epochs)
-    return jax.lax.scan(epoch, state, keys)
-
-
 def _mean_metrics(stacked: dict) -> dict:
     """Means over the applied optimizer steps (NaN when none was), and how many were skipped."""
     applied = stacked.pop("applied")
@@ -307,33 +247,6 @@ def _mean_metrics(stacked: dict) -> dict:
     }
     metrics["skipped_steps"] = applied.size - count  # float32, like every metric
     return metrics
-
-
-def ppo_update(
-    spec: UpdateSpec,
-    state: TrainState,
-    batch: PPOBatch,
-    key,
-    kl_coef,
-    layout: UpdateLayout | None = None,
-):
-    """All epochs and minibatches of one PPO step; returns the new state and mean metrics.
-
-    Each epoch draws a fresh permutation of the B rows from ``key`` and splits it into
-    ``num_minibatches`` minibatches. Non-finite values skip work, never apply it:
-    - NaN/Inf anywhere in the batch skips every optimizer step without running the model
-      (``nonfinite_batch`` = 1): the state comes back bitwise unchanged, the loss metrics NaN;
-    - a NaN/Inf loss, metric or gradient skips that optimizer step, actor and critic together
-      (``nonfinite_update`` = 1): the other steps still apply, the optimizers' own step
-      counts skip it too, and the loss metrics average the applied steps only.
-    ``skipped_steps`` counts the skipped optimizer steps, and ``state.step`` grows by one when
-    at least one was applied. ``layout`` (see ``make_sharded_update``) lays arrays out on a mesh.
-    """
-    context = contextlib.nullcontext() if layout is None else layout.tracing()
-    with context:
-        batch_ok = all_finite(batch)
-        new_state, stacked = _epochs(spec, layout, batch, key, kl_coef, batch_ok, state)
-    return finish_update(spec, new_state, stacked, batch_ok)
 
 
 def finish_update(spec: UpdateSpec, new_state: TrainState, stacked: dict, batch_ok):
@@ -371,23 +284,6 @@ def batch_shardings(mesh, rules: ShardingRules = DEFAULT_RULES) -> PPOBatch:
     table = batch_sharding(mesh, 2, rules)
     fields = {f.name: table for f in dataclasses.fields(PPOBatch)}
     return PPOBatch(**{**fields, "prompt_len": rows, "scores": rows})
-
-
-def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):
-    """``ppo_update`` jitted once over ``mesh`` with explicit shardings, donating the state,
-    traced with ``rules`` active (see ``UpdateLayout``).
-
-    Returns ``(update, state_shardings)`` where ``update(state, batch, key, kl_coef)``.
-    """
-    state_sh = train_state_shardings(spec, mesh, rules)
-    repl = replicated(mesh)
-    layout = UpdateLayout(mesh, rules, state_sh)
-    update = lora.jit_keeping_frozen(  # the frozen LoRA bases are not donated
-        functools.partial(ppo_update, spec, layout=layout),
-        in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
-        out_shardings=(state_sh, repl),
-    )
-    return update, state_sh
 
 
 def make_sharded_init(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):

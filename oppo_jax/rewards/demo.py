@@ -33,8 +33,3 @@ def sentiment(prompt: str, response: str, record: dict) -> float:
             raise ValueError(f"{w!r} is not a demo word")
         values.append(table[int(w[1:])])
     return float(np.mean(values))
-
-
-def brevity(prompt: str, response: str, record: dict) -> float:
-    """1 / (1 + number of words): a second rule, for mixing weights in examples."""
-    return 1.0 / (1.0 + len(response.split()))

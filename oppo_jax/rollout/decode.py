@@ -1,4 +1,5 @@
-"""Chunked decoding: ``decode_chunk`` advances every slot by C tokens in a lax.scan.
+"""Chunked decoding: ``decode_chunk`` advances every running slot by up to C tokens in one
+compiled loop, stopping at the cut.
 
 Dimension letters: S slots, P prompt width, R response capacity (max response length), V vocab.
 All slots decode in lockstep; a slot that has finished (EOS, max length, or empty) is frozen:
@@ -21,7 +22,7 @@ from oppo_jax.models.heads import apply_head
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
-from oppo_jax.rollout.admission import Admission, prompt_prefill
+from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.layout import response_tokens
 from oppo_jax.rollout.lengths import NO_TARGET, sample_to_length, target_lengths
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
@@ -71,25 +72,20 @@ def admit_decode(
     admission: Admission,
     base_key: jax.Array,
     rollout: RolloutSpec,
-    prefilled: Prefilled | None = None,
+    prefilled: Prefilled,
 ) -> DecodeState:
     """The decode state of admitted slots, which may carry a partial response.
 
     ``prefilled`` is the slots' context (prompt + carried prefix) prefilled under the current
     parameters, with the current policy's log-probs (logits / temperature) of the prefix
-    tokens: the "old" log-probs of this step, stored in ``logprobs``
-    (``scoring.replay.admit_actor`` replays carried prefixes into it). None prefills the
-    prompts here, for an admission that carries no prefix. Decoding then continues at each
-    slot's response position ``prefix_len[s]``, with the same sampling keys it would have used
+    tokens: the "old" log-probs of this step, stored in ``logprobs`` (``pipeline.kernels.
+    admit_actor`` replays carried prefixes into it). Decoding then continues at each slot's
+    response position ``prefix_len[s]``, with the same sampling keys it would have used
     had it never been interrupted. ``prefix_finished`` slots are complete already. With
     ``rollout.mesh`` the state comes out sharded along the slots.
     """
     a, r = admission, rollout.max_response_len
-    if prefilled is None:
-        cache, last_hidden = prompt_prefill(cfg, params, a, (rollout.prompt_width, r), rollout.mesh)
-        logprobs = jnp.zeros((a.num_slots, r), jnp.float32)
-    else:
-        cache, last_hidden, logprobs = prefilled
+    cache, last_hidden, logprobs = prefilled
     # The LM head at one position per slot: the logits the first decode step samples from.
     next_logits = apply_head(cfg, params, last_hidden).astype(jnp.float32)
     prefix = response_tokens(a.context, a.prompt_len, r)
@@ -122,24 +118,6 @@ def _target_lengths(rollout: RolloutSpec, base_key: jax.Array, a: Admission) -> 
         return jnp.full(a.prompt_id.shape, NO_TARGET, jnp.int32)
     r = rollout.max_response_len
     return target_lengths(rollout.lengths, base_key, a.prompt_id, a.sample_index, r)
-
-
-def start_decode(
-    cfg: ModelConfig,
-    params,
-    prompts: Int[Array, "S P"],
-    prompt_lens: Int[Array, " S"],
-    base_key: jax.Array,
-    rollout: RolloutSpec,
-    active: Bool[Array, " S"] | None = None,
-) -> DecodeState:
-    """Prefill new prompts (slot s is prompt id s) and set up the state for ``decode_chunk``.
-
-    ``active[s]`` False marks an empty slot: it starts finished and never samples. This is
-    ``admit_decode`` with no carried prefixes.
-    """
-    admission = Admission.fresh(prompts, prompt_lens, rollout.max_response_len, active=active)
-    return admit_decode(cfg, params, admission, base_key, rollout)
 
 
 def decode_step(
@@ -219,7 +197,7 @@ class CutRule:
         return enough & ~jnp.any(self.must_finish & ~finished)
 
 
-def decode_chunk_emit(
+def decode_chunk(
     cfg: ModelConfig,
     sampling: SamplingConfig,
     chunk_size: int,
@@ -271,23 +249,3 @@ def tokens_since(
     tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
     tokens = jnp.where(offsets < count[:, None], tokens, state.pad_id)
     return ChunkTokens(tokens, start, count, ready)
-
-
-def decode_chunk(
-    cfg: ModelConfig,
-    sampling: SamplingConfig,
-    chunk_size: int,
-    params,
-    state: DecodeState,
-    mesh: Mesh | None = None,
-    kv_width: int | None = None,
-) -> DecodeState:
-    """Advance every slot by ``chunk_size`` lockstep decode steps (a ``lax.scan``); with a
-    ``mesh``, the state stays sharded along the slots at every step. ``kv_width`` as in
-    ``decode_chunk_emit``."""
-
-    def body(carry, _):
-        return constrain_slots(decode_step(cfg, sampling, params, carry, kv_width), mesh), None
-
-    state, _ = jax.lax.scan(body, constrain_slots(state, mesh), None, length=chunk_size)
-    return state

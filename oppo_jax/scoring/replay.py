@@ -35,11 +35,10 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.rollout.admission import Admission
-from oppo_jax.rollout.decode import ChunkTokens, DecodeState, admit_decode
+from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.kept import slot_axis
-from oppo_jax.scoring.stream import ScorerSpec, ScorerState, score_chunk, scorer_admit
+from oppo_jax.scoring.stream import ScorerSpec, ScorerState, score_chunk
 from oppo_jax.shapes import row_bucket
 from oppo_jax.sharding import constrain_slots
 
@@ -135,44 +134,7 @@ def replay_chunk(
     return constrain_slots(jax.tree.map(write, state, fed), spec.mesh)
 
 
-def replay(spec: ScorerSpec, params, state: ScorerState, plan: list[ReplayChunk]) -> ScorerState:
-    """Every chunk of ``plan`` fed in order, in one trace (a step dispatches each chunk as its
-    own compiled call: ``pipeline.kernels.Kernels.replay``)."""
-    for c in plan:
-        tokens, count = jnp.asarray(c.tokens), jnp.asarray(c.count)
-        state = replay_chunk(spec, params, state, tokens, count, c.kv_width)
-    return state
-
-
 def actor_spec(cfg: ModelConfig, rollout: RolloutSpec, temperature: float) -> ScorerSpec:
     """The actor as the consumer of its own carried prefixes: log-probs at the sampling
     temperature (the old log-probs of the step), on the generation mesh."""
     return ScorerSpec(cfg, "logprob", rollout.max_response_len, temperature, rollout.mesh)
-
-
-def admit_scorer(
-    spec: ScorerSpec, params, admission: Admission, prompt_width: int, plan: list[ReplayChunk]
-) -> ScorerState:
-    """A scorer's whole admission in one trace: the prompts, then the carried prefixes of
-    ``plan`` (``plan_replay`` of the same slots)."""
-    prompts = admission.replace(context=admission.context[:, :prompt_width])
-    return replay(spec, params, scorer_admit(spec, params, prompts, prompt_width), plan)
-
-
-def admit_actor(
-    cfg: ModelConfig,
-    params,
-    admission: Admission,
-    base_key: jax.Array,
-    rollout: RolloutSpec,
-    temperature: float,
-    plan: list[ReplayChunk],
-) -> DecodeState:
-    """The actor's whole admission in one trace: its prompts prefilled and its carried prefixes
-    replayed as a log-prob consumer of its own tokens (their old log-probs at ``temperature``),
-    then the decode state started from that cache (``rollout.decode.admit_decode``)."""
-    spec = actor_spec(cfg, rollout, temperature)
-    s = admit_scorer(spec, params, admission, rollout.prompt_width, plan)
-    return admit_decode(
-        cfg, params, admission, base_key, rollout, (s.cache, s.last_hidden, s.per_token)
-    )

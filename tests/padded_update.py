@@ -1,0 +1,162 @@
+"""The padded PPO update: every minibatch a row slice of the [B, P + R] batch, each
+microbatch run over its whole padded rows. The packed update (``oppo_jax.ppo.packed_update``,
+what runs) must equal it up to float summation order; it shares the optimizer step, the
+non-finite guards and the metrics (``oppo_jax.ppo.update``), so only the layout differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oppo_jax.models import lora
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.finite import all_finite
+from oppo_jax.ppo.losses import value_loss
+from oppo_jax.ppo.packing import host_lengths
+from oppo_jax.ppo.update import (
+    Losses,
+    TrainState,
+    UpdateLayout,
+    UpdateSpec,
+    actor_objective,
+    batch_shardings,
+    finish_update,
+    optimizer_step,
+    train_state_shardings,
+)
+from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, replicated
+from tests.oracles import critic_values, policy_logprobs
+
+
+def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
+    """Clipped surrogate (+ entropy bonus, + KL-in-loss) on one microbatch; returns (loss, aux)."""
+    logp, entropy = policy_logprobs(
+        spec.actor, params, mb.tokens, mb.prompt_len, mb.response_len, spec.temperature
+    )
+    return actor_objective(spec.ppo, logp, entropy, mb, kl_coef)
+
+
+def critic_loss(spec: UpdateSpec, params, mb: PPOBatch):
+    """vf_coef × clipped value loss on one microbatch; returns (loss, aux)."""
+    values = critic_values(spec.critic, params, mb.tokens, mb.prompt_len, mb.response_len)
+    vf, aux = value_loss(
+        values, mb.old_values, mb.returns, mb.mask, spec.ppo.cliprange_value, spec.ppo.loss_agg
+    )
+    return spec.ppo.vf_coef * vf, {"value_loss": vf, **aux}
+
+
+def _split(tree, parts: int, layout: UpdateLayout | None):
+    """[N, ...] leaves -> [parts, N / parts, ...], part j holding rows j, j + parts, j + 2·parts...
+
+    Strided, not contiguous: the batch axes hold rows in contiguous blocks, so every part keeps
+    an equal share of rows on every device and the scan over parts (axis 0, unsharded) moves no
+    data. Example: N = 8, parts = 2 -> part 0 = rows [0, 2, 4, 6], part 1 = rows [1, 3, 5, 7].
+    """
+
+    def one(x):
+        return jnp.swapaxes(x.reshape((x.shape[0] // parts, parts) + x.shape[1:]), 0, 1)
+
+    split = jax.tree.map(one, tree)
+    return split if layout is None else layout.rows(split, axis=1)
+
+
+def padded_losses(spec: UpdateSpec, layout: UpdateLayout | None) -> Losses:
+    """Microbatches are row slices of the padded PPOBatch."""
+    return Losses(
+        prepare=(lambda mb: mb) if layout is None else layout.rows,
+        actor=functools.partial(actor_loss, spec),
+        critic=functools.partial(critic_loss, spec),
+    )
+
+
+def _epochs(spec: UpdateSpec, layout, batch: PPOBatch, key, kl_coef, batch_ok, state):
+    """Every optimizer step of one PPO step; metrics are stacked [epochs, minibatches]."""
+    num_rows = batch.tokens.shape[0]
+    losses, accum = padded_losses(spec, layout), spec.ppo.grad_accum_steps
+
+    def step(state, minibatch):
+        parts = _split(minibatch, accum, layout)
+        return optimizer_step(spec, losses, layout, kl_coef, batch_ok, state, parts)
+
+    def epoch(state, epoch_key):
+        perm = jax.random.permutation(epoch_key, num_rows)
+        shuffled = jax.tree.map(lambda x: x[perm], batch)
+        shuffled = shuffled if layout is None else layout.rows(shuffled)
+        return jax.lax.scan(step, state, _split(shuffled, spec.ppo.num_minibatches, layout))
+
+    keys = jax.random.split(key, spec.ppo.ppo_epochs)
+    return jax.lax.scan(epoch, state, keys)
+
+
+def ppo_update(
+    spec: UpdateSpec,
+    state: TrainState,
+    batch: PPOBatch,
+    key,
+    kl_coef,
+    layout: UpdateLayout | None = None,
+):
+    """All epochs and minibatches of one PPO step; returns the new state and mean metrics.
+
+    Each epoch draws a fresh permutation of the B rows from ``key`` and splits it into
+    ``num_minibatches`` minibatches. Non-finite values skip work, never apply it:
+    - NaN/Inf anywhere in the batch skips every optimizer step without running the model
+      (``nonfinite_batch`` = 1): the state comes back bitwise unchanged, the loss metrics NaN;
+    - a NaN/Inf loss, metric or gradient skips that optimizer step, actor and critic together
+      (``nonfinite_update`` = 1): the other steps still apply, the optimizers' own step
+      counts skip it too, and the loss metrics average the applied steps only.
+    ``skipped_steps`` counts the skipped optimizer steps, and ``state.step`` grows by one when
+    at least one was applied. ``layout`` (see ``make_sharded_update``) lays arrays out on a mesh.
+    """
+    context = contextlib.nullcontext() if layout is None else layout.tracing()
+    with context:
+        batch_ok = all_finite(batch)
+        new_state, stacked = _epochs(spec, layout, batch, key, kl_coef, batch_ok, state)
+    return finish_update(spec, new_state, stacked, batch_ok)
+
+
+def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):
+    """``ppo_update`` jitted once over ``mesh`` with explicit shardings, donating the state,
+    traced with ``rules`` active (see ``UpdateLayout``).
+
+    Returns ``(update, state_shardings)`` where ``update(state, batch, key, kl_coef)``.
+    """
+    state_sh = train_state_shardings(spec, mesh, rules)
+    repl = replicated(mesh)
+    layout = UpdateLayout(mesh, rules, state_sh)
+    update = lora.jit_keeping_frozen(  # the frozen LoRA bases are not donated
+        functools.partial(ppo_update, spec, layout=layout),
+        in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
+        out_shardings=(state_sh, repl),
+    )
+    return update, state_sh
+
+
+class PaddedUpdate:
+    """The padded update with the step's call signature and token accounting."""
+
+    def __init__(self, spec: UpdateSpec, jitted):
+        self.spec, self.jitted = spec, jitted
+
+    def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
+        prompt_len, response_len = host_lengths(batch) if lengths is None else lengths
+        state, metrics = self.jitted(state, batch, key, kl_coef)
+        epochs = self.spec.ppo.ppo_epochs
+        real = epochs * int(np.sum(prompt_len) + np.sum(response_len))
+        return state, {
+            **metrics,
+            "update_tokens_real": float(real),
+            "update_tokens_computed": float(epochs * batch.tokens.size),
+        }
+
+
+def make_padded_update(spec: UpdateSpec, mesh=None) -> PaddedUpdate:
+    """The padded update jitted as a run jits the packed one (``make_update``)."""
+    if mesh is None:
+        return PaddedUpdate(spec, lora.jit_keeping_frozen(functools.partial(ppo_update, spec)))
+    return PaddedUpdate(spec, make_sharded_update(spec, mesh)[0])

@@ -113,12 +113,18 @@ def live_widths_pay(capacity: int, reads_lengths: bool) -> bool:
     return not reads_lengths and capacity >= LIVE_WIDTH_MIN_CAPACITY
 
 
-def compaction_floor(compact: bool, batch_shards: int, scoring_shards: int, minimum: int):
+def compaction_floor(
+    compact: bool, reads_lengths: bool, batch_shards: int, scoring_shards: int, minimum: int
+):
     """The smallest slot bucket a run's decode compacts into (``pipeline.slot_map``), or None
-    when it does not: only when ``compact`` is on and neither the generation mesh nor the
-    scoring mesh splits the slots over batch shards. The chunks' consumers then pack each
-    chunk over the admission's slots, and the moved rows never cross devices."""
-    return max(minimum, 1) if compact and batch_shards == 1 and scoring_shards == 1 else None
+    when it does not. One mechanism makes finished slots cost nothing: where the decode's
+    attention takes each row's length as data (``reads_lengths``: the ragged kernel, on GPU
+    and TPU) it reads no key of a finished slot, so nothing compacts; elsewhere (the CPU)
+    ``compact`` decides. It compacts only where neither the generation mesh nor the scoring
+    mesh splits the slots over batch shards: the chunks' consumers then pack each chunk over
+    the admission's slots, and the moved rows never cross devices."""
+    single = batch_shards == 1 and scoring_shards == 1
+    return max(minimum, 1) if compact and not reads_lengths and single else None
 
 
 def row_bucket(rows: int, num_slots: int) -> int:

@@ -60,11 +60,12 @@ def test_compaction_moves_are_every_bucket_a_decode_can_move_into():
 
 
 def test_a_step_compacts_into_buckets_no_smaller_than_the_floor_on_unsplit_slots_only():
-    floor = compaction_floor(True, 1, 1, 4)  # pipeline.compact_min_slots = 4
+    floor = compaction_floor(True, False, 1, 1, 4)  # pipeline.compact_min_slots = 4
     assert compact_bucket(1, 24, floor) == 4  # one slot left running
-    assert compaction_floor(False, 1, 1, 4) is None  # switched off
-    assert compaction_floor(True, 2, 1, 4) is None  # the generation mesh splits the slots
-    assert compaction_floor(True, 1, 2, 4) is None  # the scoring mesh does
+    assert compaction_floor(False, False, 1, 1, 4) is None  # switched off
+    assert compaction_floor(True, True, 1, 1, 4) is None  # the ragged decode skips finished slots
+    assert compaction_floor(True, False, 2, 1, 4) is None  # the generation mesh splits the slots
+    assert compaction_floor(True, False, 1, 2, 4) is None  # the scoring mesh does
 
 
 def _tuned_cfg(*extra):

@@ -146,11 +146,13 @@ class PipelineConfig:
     # device roles: colocated (all share the mesh) | disaggregated (scorers on own devices)
     placement: str = "colocated"
     # gather the still-running decode slots into a smaller slot bucket once they fit in half of
-    # it (one more compiled bucket each); null: on for the CPU, off for GPU/TPU
+    # it (one more compiled bucket each), where the decode's attention reads every slot's keys
+    # and no mesh splits the slots; null: on for the CPU (the ragged decode of GPU/TPU already
+    # skips finished slots, so nothing compacts there)
     compact_slots: bool | None = None
-    # smallest bucket compaction moves into, slots (a power of two, at least the generation
-    # mesh's batch shards); a smaller one saves a little decode in a long tail but compiles its
-    # own decode and scorer programs (BENCHMARKS.md, "Slot compaction's smallest bucket")
+    # smallest bucket compaction moves into, slots (a power of two); a smaller one saves a
+    # little decode in a long tail but compiles its own decode programs (BENCHMARKS.md, "Slot
+    # compaction's smallest bucket")
     compact_min_slots: int = 4
 
 

@@ -72,13 +72,12 @@ def run_shapes(
     scorers = ("reference", "critic", *(("reward",) if cfg.reward.model_weight else ()))
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
     scoring_shards = cfg.mesh.scoring_devices if p.placement == "disaggregated" else shards
-    floor = compaction_floor(compact, shards, scoring_shards, p.compact_min_slots)
     if head_dim is None:
         head_dim = PRESETS[cfg.model.preset].head_dim if cfg.model.preset in PRESETS else 128
     capacity = r.max_prompt_len + r.max_response_len
-    live = live_widths_pay(
-        capacity, reads_lengths(cfg.model.attention, head_dim, capacity, backend)
-    )
+    reads = reads_lengths(cfg.model.attention, head_dim, capacity, backend)
+    live = live_widths_pay(capacity, reads)
+    floor = compaction_floor(compact, reads, shards, scoring_shards, p.compact_min_slots)
     m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
     update = packed_shapes(
         m,

@@ -156,7 +156,9 @@ class Kernels:
         compact = compaction_default() if self.compact_slots is None else self.compact_slots
         gen = 1 if self.rollout.mesh is None else batch_shards(self.rollout.mesh)
         scoring = 1 if self.packs_chunks else 2
-        return compaction_floor(compact, gen, scoring, self.compact_min_slots)
+        actor, r = self.spec.actor, self.rollout
+        reads = reads_lengths(actor.attention, actor.head_dim, r.prompt_width + r.max_response_len)
+        return compaction_floor(compact, reads, gen, scoring, self.compact_min_slots)
 
     @functools.cached_property
     def actor_spec(self) -> ScorerSpec:

@@ -13,7 +13,7 @@ Reported per run: the step times (wall between TRL's ``on_step_end`` callbacks; 
 ``step_time_s``), the gold score of each step's batch (TRL's generated responses are captured by
 wrapping ``ppo_trainer.batch_generation`` and scored by the demo's own ``gold_scores``), and
 the time to a target gold: the first step whose 5-step moving average of gold reaches
-``start + 0.7 (worst final - start)``, the rule of ``oppo_jax/bench.py``. The first
+``start + 0.7 (worst final - start)``, the rule of ``oppo_tools/bench.py``. The first
 ``--warmup`` steps of every run train but are not timed (oppo-jax compiles there). A step over
 5x its run's median (oppo-jax compiling a shape first met mid-run) is counted as an outlier,
 and "steady" time to target bills such steps at the median.
@@ -62,7 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
-MOVING_AVERAGE = 5  # steps in the gold score's moving average (as oppo_jax/bench.py)
+MOVING_AVERAGE = 5  # steps in the gold score's moving average (as oppo_tools/bench.py)
 TARGET_FRACTION = 0.7  # target gold: this fraction of the way from start to the worst final
 WORKERS = Path(__file__).with_name("_vs_trl_workers.py")  # the subprocess side
 OUTLIER = 5.0  # a step slower than this many lane medians is reported as an outlier

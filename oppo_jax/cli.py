@@ -254,7 +254,7 @@ def _bench(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     _ensure_cpu_devices(cfg)
-    from oppo_jax.bench import run_bench
+    from oppo_tools.bench import run_bench
 
     steps = args.steps or cfg.train.steps
     result = run_bench(

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -35,7 +35,7 @@ def plot_run(metrics_path: Path, out: Path) -> list[Path]:
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     if not records:
         return []
-    plt, written = _pyplot(), []
+    plt, written = pyplot(), []
     out.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in records]
     for name, (title, ylabel, keys) in RUN_PLOTS.items():
@@ -56,42 +56,9 @@ def plot_run(metrics_path: Path, out: Path) -> list[Path]:
     return written
 
 
-def plot_bench(result: dict, events: dict, out: Path) -> None:
-    """Write reward_vs_time.png, step_time.png and gantt_<schedule>.png into ``out``."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    target = result["workload"]["target_gold"]  # None without a gold score (random models)
-    for name, s in result["schedules"].items():
-        wall = np.cumsum(s["step_time_s"][0])
-        axes[0].plot(wall, s["reward"][0], label=name)
-        if target is not None:
-            axes[1].plot(wall, s["gold"][0], label=name)
-    for ax, what in zip(axes, ("reward-model score", "gold score"), strict=True):
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel(f"mean {what}")
-        ax.legend() if ax.lines else ax.set_title("no gold score")
-    if target is not None:
-        axes[1].axhline(target, color="grey", ls=":", lw=1)
-    fig.tight_layout()
-    fig.savefig(out / "reward_vs_time.png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(result["schedules"])
-    ax.boxplot([np.ravel(result["schedules"][n]["step_time_s"]) for n in names])
-    ax.set_xticks(range(1, len(names) + 1), names)
-    ax.set_ylabel("step time (s)")
-    fig.tight_layout()
-    fig.savefig(out / "step_time.png", dpi=110)
-    plt.close(fig)
-
-    for name, evs in events.items():
-        plot_gantt(evs, out / f"gantt_{name}.png", title=f"{name}: one step")
-
-
 def plot_gantt(events, path: Path, title: str = "") -> None:
     """One row per device group; one bar per stage run, coloured by stage kind."""
-    plt = _pyplot()
+    plt = pyplot()
     groups = sorted({e.group for e in events})
     kinds = sorted({e.stage.split()[0] for e in events})
     colours = dict(zip(kinds, plt.cm.tab10.colors, strict=False))

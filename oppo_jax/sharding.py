@@ -187,22 +187,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def per_device_bytes(abstract_tree: Any, sharding_tree: Any) -> int:
-    """Bytes one device holds of ``abstract_tree`` laid out as ``sharding_tree``; no allocation."""
-    leaves = jax.tree.leaves(abstract_tree)
-    shardings = jax.tree.leaves(
-        sharding_tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-    )
-    if len(leaves) != len(shardings):
-        raise ValueError(f"{len(leaves)} arrays but {len(shardings)} shardings")
-    # NamedSharding gives every device an equal shard shape (padding the last when uneven), so
-    # the per-device sum is the same on all devices and is also the largest.
-    return sum(
-        math.prod(s.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
-        for x, s in zip(leaves, shardings, strict=True)
-    )
-
-
 # Logical axes of a KV cache [L, S, K, Tc, Dh] (see oppo_jax/models/kv_cache.py): slots over
 # the batch axes, kv-heads over tensor. Every other slot-major rollout array shards its axis 0.
 KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", None)

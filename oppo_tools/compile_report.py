@@ -9,8 +9,12 @@ import dataclasses
 import json
 
 from oppo_jax.config import load_config
-from oppo_jax.pipeline.compile_plan import plan_programs, run_shapes, total_programs
+from oppo_jax.pipeline.compile_plan import Family, plan_programs, run_shapes
 from oppo_jax.pipeline.schedule import Schedule
+
+
+def total_programs(families: list[Family]) -> int:
+    return sum(f.programs for f in families)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
 from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.decode import admit_decode, decode_step
-from oppo_jax.rollout.layout import gather_response, response_tokens
+from oppo_jax.rollout.layout import response_positions, response_tokens
 from oppo_jax.scoring.replay import actor_spec, replay_chunk
 from oppo_jax.scoring.stream import scorer_admit
 from oppo_jax.sharding import constrain_slots
@@ -126,3 +126,12 @@ def critic_values(
     head applied at the response positions only."""
     hidden = _hidden(cfg, params, tokens, prompt_len, response_len)
     return apply_head(cfg, params, hidden)[..., 0].astype(jnp.float32)
+
+
+def gather_response(
+    out: Float[Array, "B L ..."], prompt_len: Int[Array, " B"], response_len: int
+) -> Float[Array, "B R ..."]:
+    """Pick the outputs that belong to each response token (positions clipped into range)."""
+    pos = jnp.clip(response_positions(prompt_len, response_len), 0, out.shape[1] - 1)
+    index = pos.reshape(pos.shape + (1,) * (out.ndim - 2))
+    return jnp.take_along_axis(out, index, axis=1)

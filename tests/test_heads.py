@@ -8,8 +8,8 @@ import pytest
 from oppo_jax.models.heads import apply_head, gather_rows, token_logprobs_and_entropy
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer, init_params
-from oppo_jax.rollout.layout import gather_response, response_tokens
-from tests.oracles import critic_values, policy_logprobs
+from oppo_jax.rollout.layout import response_tokens
+from tests.oracles import critic_values, gather_response, policy_logprobs
 
 CFG = ModelConfig(
     vocab_size=1000,

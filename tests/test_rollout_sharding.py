@@ -30,8 +30,8 @@ from oppo_jax.sharding import (
     batch_sharding,
     make_device_groups,
     param_shardings,
-    per_device_bytes,
 )
+from oppo_tools.memory.abstract import per_device_bytes
 from tests.oracles import admit_scorer, prefill_and_start
 from tests.ppo_fixtures import (
     ACTOR,

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from oppo_jax import sharding as sh
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.models.transformer import init_params
+from oppo_tools.memory.abstract import per_device_bytes
 
 TINY = ModelConfig(
     vocab_size=64,
@@ -105,10 +106,10 @@ def test_per_device_bytes_qwen7b_abstract():
     abstract = sh.abstract_params(cfg)
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract)) == n
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(abstract))
-    sharded = sh.per_device_bytes(abstract, sh.param_shardings(cfg, sh.make_mesh(1, 4, 2)))
+    sharded = per_device_bytes(abstract, sh.param_shardings(cfg, sh.make_mesh(1, 4, 2)))
     assert abs(sharded - n * 2 / 8) / (n * 2 / 8) < 0.01
     assert sharded > n * 2 / 8  # norms and biases are (partly) replicated
-    full = sh.per_device_bytes(abstract, sh.param_shardings(cfg, sh.make_mesh(8, 1, 1)))
+    full = per_device_bytes(abstract, sh.param_shardings(cfg, sh.make_mesh(8, 1, 1)))
     assert full == n * 2
 
 

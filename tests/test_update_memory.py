@@ -20,7 +20,8 @@ from oppo_jax.ppo.update import (
     UpdateSpec,
     init_train_state,
 )
-from oppo_jax.sharding import abstract_params, make_mesh, per_device_bytes
+from oppo_jax.sharding import abstract_params, make_mesh
+from oppo_tools.memory.abstract import per_device_bytes
 from oppo_tools.memory.report import abstract_ppo_batch
 from tests.padded_update import make_sharded_update
 from tests.xla_flags import compile_as_in_production

@@ -167,7 +167,3 @@ def kept_rows(shapes: RunShapes) -> tuple[int, ...]:
         return ()
     carried = range(1, shapes.max_carried + 1)
     return tuple(sorted({kept_bucket(n, shapes.max_carried) for n in carried}))
-
-
-def total_programs(families: list[Family]) -> int:
-    return sum(f.programs for f in families)

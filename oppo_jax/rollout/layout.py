@@ -10,7 +10,7 @@ in which it was chosen, as in TRL), so response token i reads position ``prompt_
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 
 def response_positions(prompt_len: Int[Array, " B"], response_len: int) -> Int[Array, "B R"]:
@@ -19,15 +19,6 @@ def response_positions(prompt_len: Int[Array, " B"], response_len: int) -> Int[A
     Example: prompt_len [2, 3], R = 3 -> [[1, 2, 3], [2, 3, 4]].
     """
     return prompt_len[:, None] - 1 + jnp.arange(response_len, dtype=jnp.int32)[None, :]
-
-
-def gather_response(
-    out: Float[Array, "B L ..."], prompt_len: Int[Array, " B"], response_len: int
-) -> Float[Array, "B R ..."]:
-    """Pick the outputs that belong to each response token (positions clipped into range)."""
-    pos = jnp.clip(response_positions(prompt_len, response_len), 0, out.shape[1] - 1)
-    index = pos.reshape(pos.shape + (1,) * (out.ndim - 2))
-    return jnp.take_along_axis(out, index, axis=1)
 
 
 def response_tokens(tokens: Int[Array, "B L"], prompt_len, response_len: int) -> Array:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -146,3 +148,19 @@ def update_shape(packed) -> dict:
     """The packed update's (Rp, W, N) and chunks per minibatch K (None, 0: the padded one)."""
     shape, chunks = packed or (None, 0)
     return {"packed_update": shape, "packed_update_chunks": chunks}
+
+
+def per_device_bytes(abstract_tree: Any, sharding_tree: Any) -> int:
+    """Bytes one device holds of ``abstract_tree`` laid out as ``sharding_tree``; no allocation."""
+    leaves = jax.tree.leaves(abstract_tree)
+    shardings = jax.tree.leaves(
+        sharding_tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    if len(leaves) != len(shardings):
+        raise ValueError(f"{len(leaves)} arrays but {len(shardings)} shardings")
+    # NamedSharding gives every device an equal shard shape (padding the last when uneven), so
+    # the per-device sum is the same on all devices and is also the largest.
+    return sum(
+        math.prod(s.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
+        for x, s in zip(leaves, shardings, strict=True)
+    )

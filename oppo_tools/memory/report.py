@@ -42,7 +42,6 @@ from oppo_jax.sharding import (
     abstract_params,
     padded_slot_count,
     param_shardings,
-    per_device_bytes,
     replicated,
     slot_shardings,
 )
@@ -54,6 +53,7 @@ from oppo_tools.memory.abstract import (
     abstract_tree,
     live_during,
     on_slots,
+    per_device_bytes,
     sds,
     shape_checks_off,
     shaped,

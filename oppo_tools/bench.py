@@ -26,8 +26,11 @@ from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.plots import plot_gantt, pyplot
 from oppo_jax.run_setup import RunContext, prepare_run
 from oppo_jax.train import train_step
+from oppo_tools.bench_bounds import ideal_bound, pooled_efficiency, stage_shares
+from oppo_tools.sim.trace import step_trace
 
 MOVING_AVERAGE = 5  # steps in the gold score's moving average (time to target)
 NO_GOLD = (
@@ -78,7 +81,6 @@ def _time_to(target: float | None, lane: _Lane) -> float | None:
 
 def _summary(name: str, lanes: list[_Lane], target: float | None, tail: int) -> dict:
     # The tools import the engine, never the reverse: bench, an entry point, imports them here.
-    from oppo_tools.bench_bounds import ideal_bound, pooled_efficiency
 
     times = [r["step_time_s"] for lane in lanes for r in lane.records]
     keys = ("reward", "gold") if target is not None else ("reward",)
@@ -131,7 +133,6 @@ def run_bench(
     (``pipeline.warmup.warm_up``, as ``train`` does); off, shapes compile when first met,
     inside measured steps (each record's ``compiles`` says which), which saves start-up time
     where compiling is slow."""
-    from oppo_tools.sim.trace import step_trace
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,6 @@ def _paired_ratio(base: list[list[float]], other: list[list[float]]) -> float:
 
 
 def _write(cfg, out, lanes, steps, seeds, target_gold) -> dict:
-    from oppo_tools.bench_bounds import stage_shares
 
     tail = max(1, min(5, steps // 3))
     by_name = {name: [lane for lane in lanes if lane.schedule.name == name] for name in SCHEDULES}
@@ -224,7 +224,39 @@ def _write(cfg, out, lanes, steps, seeds, target_gold) -> dict:
         },
     }
     (out / "bench.json").write_text(json.dumps(result, indent=2))
-    from oppo_jax.plots import plot_bench
 
     plot_bench(result, {name: ls[0].events for name, ls in by_name.items()}, out)
     return result
+
+
+def plot_bench(result: dict, events: dict, out: Path) -> None:
+    """Write reward_vs_time.png, step_time.png and gantt_<schedule>.png into ``out``."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    target = result["workload"]["target_gold"]  # None without a gold score (random models)
+    for name, s in result["schedules"].items():
+        wall = np.cumsum(s["step_time_s"][0])
+        axes[0].plot(wall, s["reward"][0], label=name)
+        if target is not None:
+            axes[1].plot(wall, s["gold"][0], label=name)
+    for ax, what in zip(axes, ("reward-model score", "gold score"), strict=True):
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel(f"mean {what}")
+        ax.legend() if ax.lines else ax.set_title("no gold score")
+    if target is not None:
+        axes[1].axhline(target, color="grey", ls=":", lw=1)
+    fig.tight_layout()
+    fig.savefig(out / "reward_vs_time.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(result["schedules"])
+    ax.boxplot([np.ravel(result["schedules"][n]["step_time_s"]) for n in names])
+    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.set_ylabel("step time (s)")
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=110)
+    plt.close(fig)
+
+    for name, evs in events.items():
+        plot_gantt(evs, out / f"gantt_{name}.png", title=f"{name}: one step")

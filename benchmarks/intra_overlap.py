@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from oppo_jax.pipeline.schedule import SCHEDULES
     from oppo_jax.pipeline.step import StepPlan, run_step
     from oppo_jax.pipeline.timeline import Timeline
-    from oppo_jax.run_setup import prepare_run
+    from oppo_jax.run.setup import prepare_run
 
     cfg = load_config(None, [
         "pipeline.placement=disaggregated", "mesh.scoring_devices=1", "pipeline.overcommit=0",

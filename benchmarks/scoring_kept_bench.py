@@ -55,7 +55,7 @@ def _run(cfg, args) -> None:
     from oppo_jax.pipeline.host_state import HostState
     from oppo_jax.pipeline.schedule import SCHEDULES
     from oppo_jax.pipeline.timeline import Timeline
-    from oppo_jax.run_setup import prepare_run
+    from oppo_jax.run.setup import prepare_run
     from oppo_jax.train import train_step
 
     ctx, state = prepare_run(cfg, progress=False)

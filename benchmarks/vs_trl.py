@@ -127,7 +127,7 @@ def _prepare(args, cfg, work: Path) -> dict:
     """Build (or find) the demo assets and write the prompt set; returns the TRL job."""
     from oppo_jax.data.demo_task import DemoTaskSpec, sample_prompts
     from oppo_jax.demo.assets import ensure_demo_assets
-    from oppo_jax.run_setup import NUM_DEMO_PROMPTS, cache_dir
+    from oppo_jax.run.setup import NUM_DEMO_PROMPTS, cache_dir
 
     if (cfg.model.actor_path, cfg.model.reward_path) != ("demo", "demo"):
         raise ValueError("vs_trl compares on the demo task: model.actor_path/reward_path = demo")
@@ -137,7 +137,7 @@ def _prepare(args, cfg, work: Path) -> dict:
     actor_dir, reward_dir = ensure_demo_assets(
         cache_dir() / "demo", spec, cfg.train.sft_steps, cfg.train.rm_steps, progress=False
     )
-    # The same prompt set oppo_jax.run_setup builds for the demo (same seed 12345).
+    # The same prompt set oppo_jax.run.setup builds for the demo (same seed 12345).
     prompts = sample_prompts(spec, NUM_DEMO_PROMPTS, np.random.default_rng(12345))
     (work / "prompts.json").write_text(json.dumps([p.tolist() for p in prompts]))
     return {

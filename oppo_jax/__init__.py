@@ -14,10 +14,10 @@ _PUBLIC = {
     "export_hf": "oppo_jax.models.hf_export",
     "load_config": "oppo_jax.config",
     "Config": "oppo_jax.config",
-    "prepare_run": "oppo_jax.run_setup",  # a run's context and initial train state, no compiles
-    "plot_gantt": "oppo_jax.plots",  # a step's timeline, one row per device group
+    "prepare_run": "oppo_jax.run.setup",  # a run's context and initial train state, no compiles
+    "plot_gantt": "oppo_jax.run.plots",  # a step's timeline, one row per device group
 }
-_SUBMODULES = ("config", "data", "models", "ppo", "rollout", "sharding")
+_SUBMODULES = ("config", "data", "models", "parallel", "ppo", "rollout")
 
 __all__ = sorted(_PUBLIC) + list(_SUBMODULES)
 

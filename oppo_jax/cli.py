@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from oppo_jax.help_text import plain
+from oppo_jax.base.help_text import plain
 
 # JAX's persistent compilation cache: auto or on (every backend, every program kept), off
 COMPILATION_CACHE_ENV = "OPPO_JAX_COMPILATION_CACHE"
@@ -123,7 +123,7 @@ def _demo_build(args, which: str) -> int:
     from oppo_jax.demo.common import summary_lines
     from oppo_jax.demo.reward_model import train_reward_model
     from oppo_jax.demo.sft import train_sft
-    from oppo_jax.run_setup import cache_dir
+    from oppo_jax.run.setup import cache_dir
 
     cfg = load_config(args.config, args.overrides)
     spec = DemoTaskSpec(max_response_len=cfg.rollout.max_response_len)
@@ -159,7 +159,7 @@ def _start_runtime(cfg) -> None:
     JAX_PROCESS_ID, SLURM, Open MPI, TPU pods); a single process is left alone.
     """
     _ensure_cpu_devices(cfg)
-    from oppo_jax.sharding import multihost_initialize
+    from oppo_jax.parallel.sharding import multihost_initialize
 
     multihost_initialize(force=cfg.mesh.multihost)
 
@@ -189,8 +189,8 @@ def compilation_cache() -> str | None:
     Returns the directory, or None when off."""
     import jax
 
-    from oppo_jax.errors import InputError
-    from oppo_jax.run_setup import cache_dir
+    from oppo_jax.base.errors import InputError
+    from oppo_jax.run.setup import cache_dir
 
     setting = os.environ.get(COMPILATION_CACHE_ENV, "auto").strip().lower() or "auto"
     if setting not in ("auto", "on", "off"):
@@ -206,7 +206,7 @@ def compilation_cache() -> str | None:
 
 def _default_out(args, cfg) -> str:
     """runs/<config name>-YYYYmmdd-HHMMSS: a new directory for every run."""
-    from oppo_jax.errors import InputError
+    from oppo_jax.base.errors import InputError
 
     if args.resume:
         raise InputError("--resume needs --out, the run directory to continue")
@@ -220,15 +220,15 @@ def _train(args) -> int:
     from oppo_jax.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # validated before anything compiles
-    from oppo_jax.run_log import check_run_dir, clear_run_dir
+    from oppo_jax.run.log import check_run_dir, clear_run_dir
 
     args.out = args.out or _default_out(args, cfg)
     check_run_dir(args.out, cfg, args.resume, args.overwrite)  # before any process writes
     _start_runtime(cfg)
     import jax
 
-    from oppo_jax.errors import Preempted
-    from oppo_jax.preemption import resume_command
+    from oppo_jax.base.errors import Preempted
+    from oppo_jax.run.preemption import resume_command
     from oppo_jax.train import summary_lines, train
 
     if args.overwrite and jax.process_index() == 0:  # one process clears the shared directory
@@ -336,7 +336,7 @@ def _compile_plan(args) -> int:
 def _reporting_errors(command) -> int:
     """Run ``command``; user errors, non-finite stops, preemption and a host limit become one
     line on stderr and their exit codes (2, 3, 75, 4) instead of a traceback."""
-    from oppo_jax.errors import (
+    from oppo_jax.base.errors import (
         EXIT_BAD_INPUT,
         EXIT_HOST_LIMIT,
         EXIT_NONFINITE,

@@ -7,12 +7,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from oppo_jax.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.config import load_config
 from oppo_jax.models import lora
 from oppo_jax.models.hf_export import export_hf
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.run_setup import prepare_run
+from oppo_jax.run.checkpoint import RunCheckpointer, abstract_like
+from oppo_jax.run.setup import prepare_run
 
 
 def export_run(

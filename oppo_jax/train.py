@@ -10,18 +10,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from oppo_jax.checkpoint import RunCheckpointer, abstract_like
+from oppo_jax.base.errors import NonFiniteError, Preempted
 from oppo_jax.config import Config, to_yaml
-from oppo_jax.errors import NonFiniteError, Preempted
-from oppo_jax.evaluate import make_evaluator
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult, run_step
 from oppo_jax.pipeline.timeline import Timeline, TraceWriter
 from oppo_jax.pipeline.warmup import CompileCounter, warm_up
-from oppo_jax.preemption import StopOnSignal
-from oppo_jax.run_log import RunLog, read_metrics
-from oppo_jax.run_setup import RunContext, prepare_run
+from oppo_jax.run.checkpoint import RunCheckpointer, abstract_like
+from oppo_jax.run.evaluate import make_evaluator
+from oppo_jax.run.log import RunLog, read_metrics
+from oppo_jax.run.preemption import StopOnSignal
+from oppo_jax.run.setup import RunContext, prepare_run
 
 WARMUP_ENV = "OPPO_JAX_WARMUP"  # off: no warm-up unless train(warmup=True)
 # Update metrics copied into metrics.jsonl under the same name.
@@ -154,7 +154,7 @@ def train(
 def _plot(out: Path) -> None:
     """``plots/`` from metrics.jsonl; a plot that fails warns and never hides the run's own
     outcome (this runs in a ``finally``)."""
-    from oppo_jax.plots import plot_run
+    from oppo_jax.run.plots import plot_run
 
     try:
         plot_run(out / "metrics.jsonl", out / "plots")

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 
 from oppo_jax.config import Config
 from oppo_jax.models.model_config import ModelConfig, preset
+from oppo_jax.parallel.sharding import abstract_params, make_mesh, param_shardings
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
 from oppo_jax.ppo.update import batch_shardings, train_state_shardings
-from oppo_jax.run_setup import update_spec
-from oppo_jax.sharding import abstract_params, make_mesh, param_shardings
-from oppo_jax.trained_params import abstract_train_state
+from oppo_jax.run.setup import update_spec
+from oppo_jax.run.trained_params import abstract_train_state
 from oppo_tools.memory.abstract import per_device_bytes
 
 

@@ -26,8 +26,8 @@ from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_jax.pipeline.timeline import Timeline
-from oppo_jax.plots import plot_gantt, pyplot
-from oppo_jax.run_setup import RunContext, prepare_run
+from oppo_jax.run.plots import plot_gantt, pyplot
+from oppo_jax.run.setup import RunContext, prepare_run
 from oppo_jax.train import train_step
 from oppo_tools.bench_bounds import ideal_bound, pooled_efficiency, stage_shares
 from oppo_tools.sim.trace import step_trace

@@ -18,7 +18,7 @@ os.environ.setdefault("OPPO_JAX_COMPILATION_CACHE", "off")  # see below; the CLI
 # shapes, and compiling every shape a run could meet would add minutes to the suite.
 os.environ.setdefault("OPPO_JAX_WARMUP", "off")
 # One xdist worker holds the compiled programs of every module it ran (a run holds only its
-# own), so the memory-maps stop (oppo_jax.host_maps) is off except where it is tested.
+# own), so the memory-maps stop (oppo_jax.base.host_maps) is off except where it is tested.
 os.environ.setdefault("OPPO_JAX_MAPS_CHECK", "off")
 
 import jax  # noqa: E402

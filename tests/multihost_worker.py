@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from oppo_jax.sharding import make_mesh, multihost_initialize
+from oppo_jax.parallel.sharding import make_mesh, multihost_initialize
 
 multihost_initialize()  # before any JAX computation, as in the command line
 

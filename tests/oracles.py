@@ -21,12 +21,12 @@ from jaxtyping import Array, Float, Int
 from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
+from oppo_jax.parallel.sharding import constrain_slots
 from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.decode import admit_decode, decode_step
 from oppo_jax.rollout.layout import response_positions, response_tokens
 from oppo_jax.scoring.replay import actor_spec, replay_chunk
 from oppo_jax.scoring.stream import scorer_admit
-from oppo_jax.sharding import constrain_slots
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.models import lora
+from oppo_jax.parallel.sharding import DEFAULT_RULES, ShardingRules, replicated
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite
 from oppo_jax.ppo.losses import value_loss
@@ -29,7 +30,6 @@ from oppo_jax.ppo.update import (
     optimizer_step,
     train_state_shardings,
 )
-from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, replicated
 from tests.oracles import critic_values, policy_logprobs
 
 

@@ -1,7 +1,7 @@
 """Small end-to-end runs of the demo shared by the training and reliability tests."""
 
 from oppo_jax.config import Config, load_config
-from oppo_jax.run_log import read_metrics
+from oppo_jax.run.log import read_metrics
 
 # Wall-clock metrics, and compilations (they depend on what the process compiled before):
 # everything else in metrics.jsonl must reproduce bit for bit.

@@ -18,6 +18,7 @@ import pytest
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.accounting import STAGES, WorkLedger, admission_computed, decode_computed
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
@@ -29,7 +30,6 @@ from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.scoring.replay import ReplayChunk
-from oppo_jax.sharding import make_device_groups
 from oppo_tools.sim import packing as sim_packing
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
 
@@ -161,7 +161,7 @@ def test_compaction_only_lowers_the_decode_count():
 
 def test_step_record_carries_tokens_and_efficiency_per_stage():
     from oppo_jax.config import load_config
-    from oppo_jax.run_setup import RunContext
+    from oppo_jax.run.setup import RunContext
     from oppo_jax.train import step_record
 
     plan, result = _steps(*RUNS["oppo"])[-1]

@@ -12,7 +12,7 @@ from oppo_jax.models.attention import attend, fused_arguments_attention, resolve
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.query_blocks import attention as xla_attention
 from oppo_jax.models.transformer import Transformer, attention_mask_for_cache, init_params
-from oppo_jax.sharding import DEFAULT_RULES, make_mesh, tracing_rules
+from oppo_jax.parallel.sharding import DEFAULT_RULES, make_mesh, tracing_rules
 
 
 def test_auto_picks_the_backend_kernel_where_it_supports_the_heads():

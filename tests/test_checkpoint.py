@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from orbax.checkpoint.path import atomicity
 
-from oppo_jax.checkpoint import CheckpointCorruptError, RunCheckpointer, abstract_like
+from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.ppo.update import init_train_state, train_state_shardings
-from oppo_jax.sharding import make_mesh
+from oppo_jax.run.checkpoint import CheckpointCorruptError, RunCheckpointer, abstract_like
 from tests.ppo_fixtures import make_spec, tiny_params
 
 # A restore that fails part-way (the corruption tests) can leave an orbax/tensorstore callback

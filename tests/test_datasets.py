@@ -8,13 +8,13 @@ import os
 import numpy as np
 import pytest
 
+from oppo_jax.base.errors import EXIT_BAD_INPUT, PromptError
 from oppo_jax.cli import main as cli_main
 from oppo_jax.data.demo_task import BOS_ID, NUM_SPECIAL, SEP_ID, DemoTaskSpec, save_tokenizer
 from oppo_jax.data.prompt_set import PromptFormat, load_prompt_set
 from oppo_jax.data.prompts import PromptIterator
 from oppo_jax.data.sources import open_source
 from oppo_jax.demo.assets import ensure_demo_assets
-from oppo_jax.errors import EXIT_BAD_INPUT, PromptError
 from oppo_jax.models.tokenizer import load_tokenizer
 from tests.run_fixtures import small_demo_args, small_demo_config
 

@@ -12,10 +12,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from oppo_jax.base.errors import InputError
 from oppo_jax.config import Config, load_config, validate
 from oppo_jax.data.demo_task import DemoTaskSpec, save_tokenizer
 from oppo_jax.data.prompts import load_prompt_file, tokenize_prompts
-from oppo_jax.errors import InputError
 from oppo_jax.models.tokenizer import load_tokenizer
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

@@ -1,5 +1,5 @@
-"""The memory-maps limit (oppo_jax.host_maps): XLA:CPU maps every compiled program, Linux caps a
-process's maps, and a run that would compile past the cap stops with a clear error (exit 4)
+"""The memory-maps limit (oppo_jax.base.host_maps): XLA:CPU maps every compiled program, Linux
+caps a process's maps, and a run that would compile past the cap stops with a clear error (exit 4)
 from the warm-up instead of LLVM's 'Cannot allocate memory' and a segfault."""
 
 import sys
@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from oppo_jax import host_maps
+from oppo_jax.base import host_maps
+from oppo_jax.base.errors import EXIT_HOST_LIMIT, HostLimitError
 from oppo_jax.cli import main
-from oppo_jax.errors import EXIT_HOST_LIMIT, HostLimitError
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import pytest
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -18,7 +19,6 @@ from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
-from oppo_jax.sharding import make_device_groups
 from tests.oracles import critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,

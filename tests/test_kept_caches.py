@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import oppo_jax.pipeline.step_scorers as step_module
-from oppo_jax.checkpoint import RunCheckpointer
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import Carried, CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -20,8 +20,8 @@ from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
+from oppo_jax.run.checkpoint import RunCheckpointer
 from oppo_jax.scoring.kept import KeptCaches, kept_bucket, put_rows, row_ids, take_rows
-from oppo_jax.sharding import make_device_groups
 from tests.oracles import policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import attention, kernel_check
-from oppo_jax.run_log import read_metrics
+from oppo_jax.run.log import read_metrics
 from oppo_jax.train import train
 from tests.run_fixtures import metric_values, small_demo_config
 

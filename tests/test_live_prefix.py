@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import ModelConfig, Transformer, init_cache, init_params
 from oppo_jax.models.kv_cache import MIN_LIVE_WIDTH, live_width, live_widths
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.accounting import WorkLedger, decode_keys
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
@@ -35,7 +36,6 @@ from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, make_spec, step_engine, step_plan
 from tests.xla_flags import compile_as_in_production
 

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oppo_jax.checkpoint import abstract_like
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import preset
 from oppo_jax.models.transformer import Transformer, init_params
-from oppo_jax.run_setup import cache_dir, prepare_run
+from oppo_jax.run.checkpoint import abstract_like
+from oppo_jax.run.setup import cache_dir, prepare_run
 from oppo_jax.train import train
 from tests.oracles import policy_logprobs
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
@@ -121,9 +121,9 @@ def test_export_merges_adapters_and_transformers_reloads_them(lora_run, tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from oppo_jax.checkpoint import RunCheckpointer
     from oppo_jax.config import load_config
     from oppo_jax.export import export_run
+    from oppo_jax.run.checkpoint import RunCheckpointer
 
     export_run(lora_run, tmp_path / "hf", critic=True)
     cfg = load_config(lora_run / "config.yaml")

@@ -130,7 +130,7 @@ def test_loading_places_every_tensor_on_its_sharding(tmp_path):
     device holds the whole model first); the values are those of a plain load."""
     import jax
 
-    from oppo_jax.sharding import make_mesh, param_shardings, placed_on
+    from oppo_jax.parallel.sharding import make_mesh, param_shardings, placed_on
 
     save_tiny_hf_model(tmp_path, "qwen2", "ForCausalLM")
     mesh = make_mesh(1, 2, 2, jax.devices()[:4])

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import oppo_jax.sharding as sh
+import oppo_jax.parallel.sharding as sh
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_args, small_demo_config
 from tests.xla_flags import COMPILE_FLAGS
 
@@ -143,7 +143,7 @@ def small_demo_assets(demo_cache):
 
     cfg = small_demo_config()
     spec = DemoTaskSpec(max_response_len=cfg.rollout.max_response_len)
-    # The same call as a run's own (oppo_jax.run_setup), so the runs find the assets cached.
+    # The same call as a run's own (oppo_jax.run.setup), so the runs find the assets cached.
     ensure_demo_assets(demo_cache / "demo", spec, cfg.train.sft_steps, cfg.train.rm_steps,
                        progress=False)  # fmt: skip
     return demo_cache

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oppo_jax import offload
 from oppo_jax.config import load_config
+from oppo_jax.parallel import offload
+from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.ppo.update import make_sharded_init
-from oppo_jax.run_setup import update_spec
-from oppo_jax.sharding import make_mesh
+from oppo_jax.run.setup import update_spec
 from tests.padded_update import make_sharded_update
 from tests.ppo_fixtures import ACTOR, CRITIC, make_spec, random_batch, tiny_params
 

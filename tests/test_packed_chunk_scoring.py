@@ -15,9 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oppo_jax.base.shapes import chunk_budget, chunk_groups
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
 from oppo_jax.models.chunk_layout import ChunkLayout
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import (
     Kernels,
@@ -39,8 +41,6 @@ from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.scoring.packed_chunks import padding_plan, plan_chunk
 from oppo_jax.scoring.replay import plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
-from oppo_jax.shapes import chunk_budget, chunk_groups
-from oppo_jax.sharding import make_device_groups
 from tests.oracles import admit_actor, admit_scorer, critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import oppo_jax
+from oppo_jax.base.shapes import first_fit_decreasing, update_chunk_rows, update_chunks
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import make_device_groups, make_mesh
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -31,8 +33,6 @@ from oppo_jax.ppo.packing import (
 )
 from oppo_jax.ppo.update import UpdateSpec, init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
-from oppo_jax.shapes import first_fit_decreasing, update_chunk_rows, update_chunks
-from oppo_jax.sharding import make_device_groups, make_mesh
 from tests.hf_fixtures import save_tiny_hf_model
 from tests.oracles import critic_values, policy_logprobs
 from tests.padded_update import actor_loss, critic_loss, make_padded_update

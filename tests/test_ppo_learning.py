@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from oppo_jax.config import PPOConfig
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -15,7 +16,6 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.layout import response_mask, response_tokens
-from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import ListPrompts, make_spec, step_plan, tiny_params
 
 GOOD = (2, 12)  # token ids in [2, 12) are "good": ~16% of a uniform policy's tokens

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from oppo_jax.config import PPOConfig
+from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.ppo.update import init_train_state, make_sharded_init
-from oppo_jax.sharding import make_mesh
 from tests.oracles import policy_logprobs
 from tests.padded_update import make_sharded_update, ppo_update
 from tests.ppo_fixtures import ACTOR, make_spec, random_batch, tiny_params

@@ -24,19 +24,19 @@ from oppo_jax.models import ragged_decode as rd
 from oppo_jax.models import ragged_decode_tpu as rd_tpu
 from oppo_jax.models.attention import ragged_decode
 from oppo_jax.models.model_config import preset
-from oppo_jax.pipeline.kernels import build_kernels
-from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.step import device_admission
-from oppo_jax.rollout import RolloutSpec, SamplingConfig
-from oppo_jax.rollout.decode import CutRule
-from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.sharding import (
+from oppo_jax.parallel.sharding import (
     DEFAULT_RULES,
     make_device_groups,
     make_mesh,
     param_shardings,
     tracing_rules,
 )
+from oppo_jax.pipeline.kernels import build_kernels
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.step import device_admission
+from oppo_jax.rollout import RolloutSpec, SamplingConfig
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.rollout.lengths import LengthSpec
 from oppo_tools.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU
 from tests.ppo_fixtures import ACTOR, CRITIC, fresh_slots, make_spec
 from tests.test_live_prefix import P, R, _admission, _params, _run, assert_same_steps

@@ -11,8 +11,8 @@ from oppo_jax.cli import main
 from oppo_jax.config import ConfigError, load_config
 from oppo_jax.data.random_prompts import NUM_RESERVED_IDS, random_prompts
 from oppo_jax.models.model_config import PRESETS
-from oppo_jax.run_log import read_metrics
-from oppo_jax.run_setup import prepare_run
+from oppo_jax.run.log import read_metrics
+from oppo_jax.run.setup import prepare_run
 
 # A run of the ~25M-parameter `small` preset, as short as it can be.
 SMALL = [

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 
 import oppo_jax.train as train_module
-from oppo_jax.checkpoint import RunCheckpointer, abstract_like
+from oppo_jax.base.errors import EXIT_BAD_INPUT, InputError, NonFiniteError, Preempted, PromptError
 from oppo_jax.cli import main as cli_main
 from oppo_jax.config import PPOConfig
 from oppo_jax.data.demo_task import DemoTaskSpec
 from oppo_jax.demo.assets import ensure_demo_assets
-from oppo_jax.errors import EXIT_BAD_INPUT, InputError, NonFiniteError, Preempted, PromptError
 from oppo_jax.models.hf_io import CheckpointError
 from oppo_jax.ppo.update import init_train_state
-from oppo_jax.preemption import StopOnSignal
-from oppo_jax.run_log import read_metrics
-from oppo_jax.run_setup import prepare_run
+from oppo_jax.run.checkpoint import RunCheckpointer, abstract_like
+from oppo_jax.run.log import read_metrics
+from oppo_jax.run.preemption import StopOnSignal
+from oppo_jax.run.setup import prepare_run
 from oppo_jax.train import train
 from tests.padded_update import ppo_update
 from tests.ppo_fixtures import make_spec, random_batch, tiny_params

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from oppo_jax.errors import EXIT_PREEMPTED
-from oppo_jax.preemption import resume_command
+from oppo_jax.base.errors import EXIT_PREEMPTED
+from oppo_jax.run.preemption import resume_command
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_args
 
 pytestmark = pytest.mark.slow  # fresh `oppo-jax train` processes, 10 steps each

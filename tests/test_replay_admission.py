@@ -11,6 +11,7 @@ import pytest
 from oppo_jax.models import init_params
 from oppo_jax.models.heads import scores_at
 from oppo_jax.models.kv_cache import init_cache
+from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
@@ -23,7 +24,6 @@ from oppo_jax.scoring.replay import (
     row_bucket,
 )
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
-from oppo_jax.sharding import make_mesh
 from tests.oracles import critic_values, policy_logprobs, replay, scan_decode
 from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts
 

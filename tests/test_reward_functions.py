@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from oppo_jax.base.errors import InputError
 from oppo_jax.config import ConfigError, load_config
 from oppo_jax.data.demo_task import (
     EOS_ID,
@@ -20,7 +21,6 @@ from oppo_jax.data.demo_task import (
     gold_scores,
     save_tokenizer,
 )
-from oppo_jax.errors import InputError
 from oppo_jax.models.tokenizer import load_tokenizer
 from oppo_jax.rewards import RewardFunction, RewardFunctionError, RewardFunctions, call, resolve
 from oppo_jax.rewards.demo import sentiment
@@ -211,7 +211,7 @@ FUNCTION_ONLY = (
     ids=["function-only", "mixed"],
 )
 def test_demo_gold_rises_with_reward_functions(demo_cache, tmp_path, extra):
-    from oppo_jax.run_log import read_metrics
+    from oppo_jax.run.log import read_metrics
 
     summary = _run(tmp_path, "run", *extra)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -224,7 +224,7 @@ def test_demo_gold_rises_with_reward_functions(demo_cache, tmp_path, extra):
 
 @pytest.mark.slow  # builds the small demo assets when the session has not
 def test_a_function_only_run_loads_no_reward_model(demo_cache):
-    from oppo_jax.run_setup import prepare_run
+    from oppo_jax.run.setup import prepare_run
 
     ctx, _ = prepare_run(load_config(None, small_demo_args(*FUNCTION_ONLY)), progress=False)
     assert ctx.engine.reward_params is None

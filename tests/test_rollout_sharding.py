@@ -11,6 +11,12 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import (
+    abstract_params,
+    batch_sharding,
+    make_device_groups,
+    param_shardings,
+)
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import (
     build_kernels,
@@ -25,12 +31,6 @@ from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import plan_chunk
 from oppo_jax.scoring.replay import plan_replay
 from oppo_jax.scoring.stream import ScorerSpec
-from oppo_jax.sharding import (
-    abstract_params,
-    batch_sharding,
-    make_device_groups,
-    param_shardings,
-)
 from oppo_tools.memory.abstract import per_device_bytes
 from tests.oracles import admit_scorer, prefill_and_start
 from tests.ppo_fixtures import (
@@ -284,7 +284,7 @@ def test_run_models_are_born_on_the_training_mesh():
     """prepare_run's models are read (or initialised) straight into their shardings over the
     training mesh, never first whole on one device."""
     from oppo_jax.config import load_config
-    from oppo_jax.run_setup import _load_models
+    from oppo_jax.run.setup import _load_models
 
     cfg = load_config(None, [
         "model.actor_path=random", "model.reward_path=random", "model.preset=tiny",

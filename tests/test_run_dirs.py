@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import oppo_jax.train as train_module
+from oppo_jax.base.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, Preempted
 from oppo_jax.cli import main
-from oppo_jax.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, Preempted
-from oppo_jax.preemption import resume_command
-from oppo_jax.run_log import read_metrics
+from oppo_jax.run.log import read_metrics
+from oppo_jax.run.preemption import resume_command
 from tests.run_fixtures import TIMING_KEYS
 
 # Random tiny models and prompts: no files, one step in seconds.

@@ -10,9 +10,9 @@ import pytest
 
 import oppo_jax.train as train_module
 from oppo_jax import cli
-from oppo_jax.errors import InputError, Preempted
-from oppo_jax.plots import RUN_PLOTS, plot_run
-from oppo_jax.run_log import RunLog
+from oppo_jax.base.errors import InputError, Preempted
+from oppo_jax.run.log import RunLog
+from oppo_jax.run.plots import RUN_PLOTS, plot_run
 from oppo_jax.train import summarize, summary_lines, train
 from tests.run_fixtures import small_demo_config
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -16,7 +17,6 @@ from oppo_jax.pipeline.step import StepEngine, run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
-from oppo_jax.sharding import make_device_groups
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_plan, tiny_params
 
 R = 16

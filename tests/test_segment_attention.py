@@ -24,8 +24,8 @@ from oppo_jax.models import segment_attention as sa
 from oppo_jax.models.attention import attend
 from oppo_jax.models.model_config import preset
 from oppo_jax.models.query_blocks import attention as xla_attention
+from oppo_jax.parallel.sharding import DEFAULT_RULES, make_mesh, tracing_rules
 from oppo_jax.ppo.packed_update import make_update
-from oppo_jax.sharding import DEFAULT_RULES, make_mesh, tracing_rules
 from oppo_tools.sim import packing as sim_packing
 
 

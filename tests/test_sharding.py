@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oppo_jax import sharding as sh
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.models.transformer import init_params
+from oppo_jax.parallel import sharding as sh
 from oppo_tools.memory.abstract import per_device_bytes
 
 TINY = ModelConfig(

@@ -89,12 +89,12 @@ def test_padded_engine_decodes_whole_chunks():
         # rounded to the granule, 80: first-fit decreasing in 2 rows ([36, 16, 13, 9, 5], [7]).
         ("packed_update", "update_tokens", 2 * 80),
         # The same sequences in rows of L = 68 rounded to 80: 2 rows, dealt to calls of
-        # pow2(6 / 8) = 1 row each, per scorer (oppo_jax.shapes.score_calls).
+        # pow2(6 / 8) = 1 row each, per scorer (oppo_jax.base.shapes.score_calls).
         ("real_width_scoring", "sync_score_tokens", 3 * 2 * 80),
         # Chunk j reads pow2(4 + 30 + (j + 1) · 8): 64 for each (P + R = 68 caps at 68).
         ("live_prefix_decode", "decode", [(8, 64, 64 * 64), (4, 32, 32 * 64), (0, 0, 0)]),
         # Streamed chunks' new tokens per slot ([2, 3, 5, 8, 8, 8, 8, 1] and [0, 0, 0, 4, 1,
-        # 4, 4, 0]) first-fit decreasing into calls of one budget (oppo_jax.shapes.
+        # 4, 4, 0]) first-fit decreasing into calls of one budget (oppo_jax.base.shapes.
         # chunk_budget: 8 tokens, at least C, pow2(S·C / 32) = 2 being less; 4 rows): 8 | 8 |
         # 8 | 8 | 5 3 | 2 1, 48 (below the whole [8, 8] chunk's 64), then 4 4 | 4 1, 16.
         ("packed_chunk_scoring", "score_chunks", [3 * 48, 3 * 16]),

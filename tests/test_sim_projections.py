@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import oppo_tools.sim
-from oppo_jax.errors import ConfigError
+from oppo_jax.base.errors import ConfigError
 from oppo_tools.sim import ACTIVE, BUILT, Projection, TrainSettings, Workload, regime_map
 from oppo_tools.sim.cli import main
 from oppo_tools.sim.lengths import LONGTAIL, LogNormal
@@ -190,7 +190,7 @@ SETTINGS = [
 # built / active 1.034x and 1.036x labelled (7B, 3B), 1.19x in both GH200 configs (segment
 # attention for the packed update, its minibatches packed whole), 1.15x and 1.18x in the TPU
 # v5p configs (rows of 2 (P + R), the ragged Mosaic decode), 2026-12-06 with calls of one shape
-# (oppo_jax.shapes); before, with buckets per doubling: 1.025 / 1.027, 1.21 / 1.22, 1.18 /
+# (oppo_jax.base.shapes); before, with buckets per doubling: 1.025 / 1.027, 1.21 / 1.22, 1.18 /
 # 1.21. PROJECTIONS.md §4c-f.
 @pytest.mark.parametrize(("spec", "config", "given"), SETTINGS)
 def test_built_sync_within_1_3x_of_active(spec, config, given):
@@ -205,7 +205,7 @@ def test_built_sync_within_1_3x_of_active(spec, config, given):
 # the earlier buckets per doubling) since carried
 # prefixes are replayed at their own lengths (scoring.replay; before: carried rows prefilled at
 # P + pow2(longest prefix), 2.2x their real tokens, labelled map 1/9, 0.142). With a few
-# programs (oppo_jax.shapes: calls of one shape looped, 2026-12-06) the budgets are what keeps
+# programs (oppo_jax.base.shapes: calls of one shape looped, 2026-12-06) the budgets are what keeps
 # it: streamed calls of pow2(S·C / 32) tokens and 4·M / C rows, filled first-fit decreasing,
 # and update chunks of pow2(m / 64) rows (S·C / 8, 2·M / C rows or m / 4 left the labelled map
 # up to 0.07-0.11 off). PROJECTIONS.md §4g.

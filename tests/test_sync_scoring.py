@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oppo_jax.base.shapes import score_rows_per_call, score_width
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import init_params
+from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -26,8 +28,6 @@ from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.packed import PackedBatch, plan_packing, score_packed
 from oppo_jax.scoring.stream import ScorerSpec
-from oppo_jax.shapes import score_rows_per_call, score_width
-from oppo_jax.sharding import make_device_groups
 from tests.oracles import critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from oppo_jax.config import load_config
-from oppo_jax.run_log import read_metrics
+from oppo_jax.run.log import read_metrics
 from oppo_jax.train import train
 from tests.run_fixtures import metric_values as _values
 from tests.run_fixtures import small_demo_config as _cfg
@@ -92,7 +92,7 @@ def test_export_round_trip_through_transformers(demo_cache, tmp_path):
     got = np.asarray(exported.logits(ids, mask))
     assert np.max(np.abs(got - expected)[mask == 1]) <= 1e-4
     # The exported weights are the trained ones, not the SFT starting point.
-    from oppo_jax.run_setup import cache_dir
+    from oppo_jax.run.setup import cache_dir
 
     start = oppo_jax.load_hf_model(cache_dir() / "demo" / "actor")
     assert np.max(np.abs(np.asarray(start.logits(ids, mask)) - got)) > 1e-6

@@ -15,12 +15,12 @@ import pytest
 
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.parallel.sharding import abstract_params, make_mesh
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import (
     UpdateSpec,
     init_train_state,
 )
-from oppo_jax.sharding import abstract_params, make_mesh
 from oppo_tools.memory.abstract import per_device_bytes
 from oppo_tools.memory.report import abstract_ppo_batch
 from tests.padded_update import make_sharded_update

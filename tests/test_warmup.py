@@ -6,11 +6,11 @@ import json
 import jax
 import pytest
 
+from oppo_jax.base.shapes import compaction_floor
 from oppo_jax.pipeline.compile_plan import compaction_moves, plan_programs, run_shapes
 from oppo_jax.pipeline.warmup import CompileCounter, chunk_widths
 from oppo_jax.rollout.compaction import compact_bucket
-from oppo_jax.run_log import read_metrics
-from oppo_jax.shapes import compaction_floor
+from oppo_jax.run.log import read_metrics
 from oppo_jax.train import train
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
 

@@ -2,6 +2,7 @@
 checks (``validate``) and the key reference (``docs``). No jax here: a config is loaded and
 checked before anything compiles."""
 
+from oppo_jax.base.errors import ConfigError
 from oppo_jax.config.docs import config_keys_doc
 from oppo_jax.config.load import CONFIG_DIR, DEFAULT_CONFIG, load_config, to_dict, to_yaml
 from oppo_jax.config.schema import (
@@ -17,7 +18,6 @@ from oppo_jax.config.schema import (
     TrainConfig,
 )
 from oppo_jax.config.validate import devices_needed, validate, validate_mesh
-from oppo_jax.errors import ConfigError
 
 __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "STABLE_KEYS", "Config", "ConfigError", "DataConfig",

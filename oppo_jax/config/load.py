@@ -19,10 +19,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from oppo_jax.base.errors import ConfigError
 from oppo_jax.config.docs import leaves
 from oppo_jax.config.schema import Config
 from oppo_jax.config.validate import validate
-from oppo_jax.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "demo_cpu.yaml"

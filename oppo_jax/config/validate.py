@@ -13,9 +13,9 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
+from oppo_jax.base.errors import ConfigError
 from oppo_jax.config.schema import LORA_TARGETS
 from oppo_jax.config.validate_user import user_data_problems
-from oppo_jax.errors import ConfigError
 
 if TYPE_CHECKING:
     from oppo_jax.config.schema import Config

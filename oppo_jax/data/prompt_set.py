@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from oppo_jax.base.errors import PromptError
 from oppo_jax.data.sources import open_source
-from oppo_jax.errors import PromptError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from oppo_jax.errors import PromptError
+from oppo_jax.base.errors import PromptError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 

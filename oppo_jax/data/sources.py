@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oppo_jax.errors import PromptError
+from oppo_jax.base.errors import PromptError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from oppo_jax.errors import InputError
+from oppo_jax.base.errors import InputError
 from oppo_jax.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from oppo_jax.models.transformer import init_params
 

@@ -24,7 +24,7 @@ what it already knows (context lengths at admission, chunks dispatched), a power
 run compiles at most ``len(live_widths(Tc))`` variants of each kernel.
 
 On a mesh the rollout kernels shard S over the batch axes (data x fsdp) and K over tensor
-(logical axes ``oppo_jax.sharding.KV_CACHE_AXES``), so each device holds its slots only.
+(logical axes ``oppo_jax.parallel.sharding.KV_CACHE_AXES``), so each device holds its slots only.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.base.shapes import MIN_LIVE_WIDTH, live_width, live_widths  # noqa: F401 (re-exported)
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.shapes import MIN_LIVE_WIDTH, live_width, live_widths  # noqa: F401 (re-exported)
 
 
 @flax.struct.dataclass

@@ -6,7 +6,7 @@ V vocabulary, L layers.
 
 The module is only a parameter container: every compiled function calls ``model.apply(params,
 ...)``, a pure function of the parameter pytree. Parameters carry logical axis names (see
-``oppo_jax.sharding``); the model never names mesh axes.
+``oppo_jax.parallel.sharding``); the model never names mesh axes.
 
 The blocks run under ``nn.scan``: their parameters are stacked on a leading "layers" axis
 (``params["layers"][...]`` has shape [L, ...]), a model compiles to the same program whatever

@@ -4,7 +4,7 @@ function for both so that the two cannot drift.
 
 A run's shapes follow from a few sizes (B, Δ_max, P, R, the chunk sizes, the mesh's batch
 shards) and switches (the schedule's streaming and carrying, the backend's slot compaction),
-``RunShapes``; the shape rules themselves live in ``oppo_jax.shapes``. ``plan_programs`` lists
+``RunShapes``; the shape rules themselves live in ``oppo_jax.base.shapes``. ``plan_programs`` lists
 every compiled kernel family with its shapes and its program count, the budget a run's
 warm-up spends (DESIGN §3: a few dozen programs at 7B, not hundreds).
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from oppo_jax.base.shapes import chunk_widths, compaction_floor, live_widths_pay
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.scoring.kept import kept_bucket
 from oppo_jax.scoring.replay import replay_shapes
-from oppo_jax.shapes import chunk_widths, compaction_floor, live_widths_pay
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import itertools
 import jax
 import numpy as np
 
+from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.accounting import WorkLedger, ragged_key_block
 from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION
@@ -22,7 +23,6 @@ from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step_scorers import StepScorers
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.decode import CutRule, DecodeState
-from oppo_jax.sharding import to_host
 
 
 @dataclasses.dataclass(frozen=True)

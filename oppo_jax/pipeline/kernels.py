@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from oppo_jax.base.shapes import compaction_floor, live_widths_pay, program_name
 from oppo_jax.models.attention import reads_lengths
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.parallel.sharding import batch_shards, to_host, with_rules
 from oppo_jax.pipeline.slot_map import compaction_default
 from oppo_jax.ppo.experience import RewardFn, batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
@@ -28,8 +30,6 @@ from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
 from oppo_jax.scoring.replay import ReplayChunk, actor_spec, plan_replay, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
-from oppo_jax.shapes import compaction_floor, live_widths_pay, program_name
-from oppo_jax.sharding import batch_shards, to_host, with_rules
 
 __all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "sample"]
 

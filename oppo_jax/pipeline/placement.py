@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.sharding import DeviceGroups, make_mesh, padded_slot_count, param_shardings
+from oppo_jax.parallel.sharding import DeviceGroups, make_mesh, padded_slot_count, param_shardings
 
 GENERATION, SCORING = "generation", "scoring"
 

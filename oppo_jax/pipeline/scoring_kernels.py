@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from oppo_jax.base.shapes import chunk_budget
+from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.kernels import family_jit
 from oppo_jax.pipeline.placement import move
 from oppo_jax.rollout.layout import assemble_sequences
@@ -18,8 +20,6 @@ from oppo_jax.scoring.kept import KeptCaches, put_rows, take_rows
 from oppo_jax.scoring.packed import PackedBatch, ScoringCall, plan_packing, score_packed
 from oppo_jax.scoring.packed_chunks import padding_plan
 from oppo_jax.scoring.stream import ScorerSpec
-from oppo_jax.shapes import chunk_budget
-from oppo_jax.sharding import to_host
 
 
 @functools.cache

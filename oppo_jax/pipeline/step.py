@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
 from oppo_jax.pipeline.carry import (
     AdmitRule,
@@ -42,7 +43,6 @@ from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.kept import kept_bucket, row_ids
 from oppo_jax.scoring.replay import ReplayChunk, plan_replay
 from oppo_jax.scoring.stream import ScorerParams
-from oppo_jax.sharding import to_host
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from oppo_jax import shapes as shape_rules
-from oppo_jax.host_maps import check_map_room
+from oppo_jax.base import shapes as shape_rules
+from oppo_jax.base.host_maps import check_map_room
+from oppo_jax.base.shapes import family_of, packed_width
 from oppo_jax.models import kernel_check
 from oppo_jax.models.attention import implementations
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
@@ -42,7 +43,6 @@ from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_param
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.kept import FROZEN
 from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk
-from oppo_jax.shapes import family_of, packed_width
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compilation or a cache read
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the persistent cache

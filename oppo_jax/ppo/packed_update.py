@@ -24,9 +24,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.base.shapes import program_name
 from oppo_jax.models import lora
 from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
 from oppo_jax.models.transformer import Transformer
+from oppo_jax.parallel.sharding import (
+    DEFAULT_RULES,
+    ShardingRules,
+    batch_shards,
+    replicated,
+    to_host,
+)
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite
 from oppo_jax.ppo.losses import value_loss
@@ -49,8 +57,6 @@ from oppo_jax.ppo.update import (
     optimizer_step,
     train_state_shardings,
 )
-from oppo_jax.shapes import program_name
-from oppo_jax.sharding import DEFAULT_RULES, ShardingRules, batch_shards, replicated, to_host
 
 UPDATE = program_name("update")  # the update program's name in compile events
 

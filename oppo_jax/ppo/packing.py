@@ -49,15 +49,15 @@ import flax.struct
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.losses import TokenWeights
-from oppo_jax.shapes import (
+from oppo_jax.base.shapes import (
     first_fit_decreasing,
     packed_width,
     update_chunk_rows,
     update_chunks,
 )
-from oppo_jax.sharding import to_host
+from oppo_jax.parallel.sharding import to_host
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.losses import TokenWeights
 
 
 def microbatch_rows(perms: np.ndarray, num_minibatches: int, grad_accum: int) -> np.ndarray:

@@ -28,15 +28,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from oppo_jax import offload
 from oppo_jax.config import PPOConfig
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.ppo.advantages import kl_estimate
-from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
-from oppo_jax.ppo.losses import aggregate, policy_loss
-from oppo_jax.sharding import (
+from oppo_jax.parallel import offload
+from oppo_jax.parallel.sharding import (
     DEFAULT_RULES,
     ShardingRules,
     abstract_params,
@@ -46,6 +42,10 @@ from oppo_jax.sharding import (
     replicated,
     tracing_rules,
 )
+from oppo_jax.ppo.advantages import kl_estimate
+from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
+from oppo_jax.ppo.losses import aggregate, policy_loss
 
 
 @flax.struct.dataclass

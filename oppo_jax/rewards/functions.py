@@ -10,7 +10,7 @@ import numbers
 import warnings
 from collections.abc import Callable
 
-from oppo_jax.errors import InputError
+from oppo_jax.base.errors import InputError
 
 # fn(prompt, response, record) -> float: the decoded prompt and response (special tokens
 # skipped) and the prompt's dataset record.

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.parallel.sharding import to_host
 from oppo_jax.rewards.functions import RewardFunction, call
-from oppo_jax.sharding import to_host
 
 
 class RewardFunctions:

@@ -24,7 +24,7 @@ def reward_functions(cfg, tokenizer, prompts, eos_ids) -> RewardFunctions | None
     if not rw.functions and rw.model_weight == 1.0:
         return None
     if rw.functions and tokenizer is None:
-        from oppo_jax.errors import ConfigError
+        from oppo_jax.base.errors import ConfigError
 
         raise ConfigError("reward.functions: random models have no tokenizer to decode text")
     return RewardFunctions(

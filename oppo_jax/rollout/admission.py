@@ -19,8 +19,8 @@ from oppo_jax.models.heads import gather_rows
 from oppo_jax.models.kv_cache import KVCache, init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
+from oppo_jax.parallel.sharding import batch_shards, constrain_slots
 from oppo_jax.rollout.prefill_chunks import chunked_prefill, prefill_chunk
-from oppo_jax.sharding import batch_shards, constrain_slots
 
 
 @flax.struct.dataclass

@@ -6,7 +6,7 @@ All slots decode in lockstep; a slot that has finished (EOS, max length, or empt
 it samples nothing, writes nothing and its cache length stops advancing.
 
 With a ``mesh``, the kernels lay the per-slot state out along the slot axis over the batch
-axes, and the cache's kv-heads over tensor (``oppo_jax.sharding.slot_shardings``), so each
+axes, and the cache's kv-heads over tensor (``oppo_jax.parallel.sharding.slot_shardings``), so each
 device holds 1/(data x fsdp) of the slots; the parameters arrive with their own shardings.
 """
 
@@ -22,12 +22,12 @@ from oppo_jax.models.heads import apply_head
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import Transformer
+from oppo_jax.parallel.sharding import constrain_slots
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.layout import response_tokens
 from oppo_jax.rollout.lengths import NO_TARGET, sample_to_length, target_lengths
 from oppo_jax.rollout.sampling import SamplingConfig, sample_tokens, token_keys
 from oppo_jax.rollout.spec import RolloutSpec
-from oppo_jax.sharding import constrain_slots
 
 
 @flax.struct.dataclass

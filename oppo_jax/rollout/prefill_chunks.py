@@ -21,7 +21,7 @@ from oppo_jax.models.heads import gather_rows
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import cached_hidden
-from oppo_jax.sharding import constrain_slots
+from oppo_jax.parallel.sharding import constrain_slots
 
 # Tokens one device prefills in a call (rows per device x chunk width), read when traced:
 # below it an admission runs in one call, as before. 8,192 tokens of a 7B model are

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.base.shapes import score_calls, score_rows_per_call, score_width
 from oppo_jax.models.heads import logprobs_at, scores_at
 from oppo_jax.models.transformer import Transformer
 from oppo_jax.scoring.stream import ScorerSpec
-from oppo_jax.shapes import score_calls, score_rows_per_call, score_width
 
 
 @dataclasses.dataclass(frozen=True)

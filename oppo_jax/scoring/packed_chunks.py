@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from oppo_jax.base.shapes import chunk_budget, chunk_groups
 from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.models.transformer import packed_chunk_hidden
+from oppo_jax.parallel.sharding import constrain_slots
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.scoring.stream import ScorerSpec, ScorerState, per_token_quantity, sequence_score
-from oppo_jax.shapes import chunk_budget, chunk_groups
-from oppo_jax.sharding import constrain_slots
 
 
 def plan_chunk(counts: np.ndarray, width: int) -> list[dict[str, np.ndarray]]:

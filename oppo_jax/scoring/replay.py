@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from oppo_jax.base.shapes import row_bucket
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.parallel.sharding import constrain_slots
 from oppo_jax.rollout.decode import ChunkTokens
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.kept import slot_axis
 from oppo_jax.scoring.stream import ScorerSpec, ScorerState, score_chunk
-from oppo_jax.shapes import row_bucket
-from oppo_jax.sharding import constrain_slots
 
 # Tokens of each prefix one replay chunk feeds. Smaller wastes less of each row's last chunk
 # (c / 2 on average) for more calls; 32 keeps a 7B call of >= 8 carried rows compute-bound on

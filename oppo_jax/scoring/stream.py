@@ -12,7 +12,7 @@ Because every scorer is a causal decoder, chunked prefill equals one full forwar
 streamed quantities equal those of the sync path (up to float rounding).
 
 A spec with a ``mesh`` keeps the scorer's state (cache included) sharded along the slots over
-that mesh's batch axes, like the actor's decode state (``oppo_jax.sharding.slot_shardings``).
+that mesh's batch axes, like the actor's decode state (``parallel.sharding.slot_shardings``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from oppo_jax.models.heads import gather_rows, logprobs_at, scores_at
 from oppo_jax.models.kv_cache import KVCache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import cached_hidden
+from oppo_jax.parallel.sharding import constrain_slots
 from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.decode import ChunkTokens
-from oppo_jax.sharding import constrain_slots
 
 ScorerKind = Literal["logprob", "value", "score"]
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import jaxtyping
 
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.parallel.sharding import abstract_params, param_shardings, slot_shardings
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import batch_shardings
-from oppo_jax.sharding import abstract_params, param_shardings, slot_shardings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import jax
 
+from oppo_jax.base.help_text import plain
 from oppo_jax.config import ConfigError
-from oppo_jax.help_text import plain
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_tools.memory.report import (
     KERNELS,

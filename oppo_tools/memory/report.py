@@ -24,10 +24,17 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from oppo_jax import offload
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig, preset
+from oppo_jax.parallel import offload
+from oppo_jax.parallel.sharding import (
+    abstract_params,
+    padded_slot_count,
+    param_shardings,
+    replicated,
+    slot_shardings,
+)
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
@@ -36,16 +43,9 @@ from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, admit_decode, decode_chunk
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
+from oppo_jax.run.trained_params import abstract_train_state
 from oppo_jax.scoring.replay import REPLAY_CHUNK, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
-from oppo_jax.sharding import (
-    abstract_params,
-    padded_slot_count,
-    param_shardings,
-    replicated,
-    slot_shardings,
-)
-from oppo_jax.trained_params import abstract_train_state
 from oppo_tools.memory.abstract import (
     KernelMemory,
     abstract_model_params,

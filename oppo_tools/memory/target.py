@@ -15,7 +15,7 @@ import math
 
 import jax
 
-from oppo_jax.sharding import make_mesh
+from oppo_jax.parallel.sharding import make_mesh
 
 TARGETS = ("cpu", "tpu-v5p")
 CPU_NOTE = (

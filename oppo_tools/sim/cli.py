@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from oppo_jax.errors import ConfigError
-from oppo_jax.help_text import plain
+from oppo_jax.base.errors import ConfigError
+from oppo_jax.base.help_text import plain
 from oppo_tools.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, Engine, recorded_engine
 from oppo_tools.sim.events import PLACEMENTS, SCHEDULES, Workload, compare, recommend
 from oppo_tools.sim.fitting import bench_records, calibrate, calibrate_from_bench

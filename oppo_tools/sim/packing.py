@@ -1,16 +1,16 @@
 """The tokens the built kernels compute (``engines.BUILT``), counted with the engine's own shape
-rules (``oppo_jax.shapes``, JAX-free), not an idealised packing.
+rules (``oppo_jax.base.shapes``, JAX-free), not an idealised packing.
 
 - ``update_tokens``: the packed update (``oppo_jax.ppo.packing.plan_packing``): each
   minibatch's sequences (prompt + response) first-fit-decreasing into rows of one width,
   P + R rounded up to the 16-token granule, dealt to chunks of the engine's one height
-  (``oppo_jax.shapes.update_chunk_rows``); the chunks holding no sequence do not run
+  (``oppo_jax.base.shapes.update_chunk_rows``); the chunks holding no sequence do not run
   (``UpdateGroups``: the config's epochs, minibatches, accumulation steps and shards).
 - ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the engine's
-  calls of one shape (``oppo_jax.shapes.score_calls``); the scorers' admission prefill is
+  calls of one shape (``oppo_jax.base.shapes.score_calls``); the scorers' admission prefill is
   skipped.
 - ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): whole
-  calls of the engine's token budget (``oppo_jax.shapes.chunk_budget``) over its real tokens.
+  calls of the engine's token budget (``oppo_jax.base.shapes.chunk_budget``) over its real tokens.
   S is the admission's slots even when the decode has compacted: packing scorers stay in that
   layout (``oppo_jax.pipeline.slot_map``).
 - ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
@@ -32,8 +32,8 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax import shapes as engine_shapes
-from oppo_jax.shapes import live_width, pow2_at_least, row_bucket  # noqa: F401
+from oppo_jax.base import shapes as engine_shapes
+from oppo_jax.base.shapes import live_width, pow2_at_least, row_bucket  # noqa: F401
 
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
@@ -48,7 +48,7 @@ def ffd_rows(lengths, width: int) -> int:
 
 
 def ffd_place(lengths, width: int) -> list[list[int]]:
-    """The rows first-fit decreasing fills (``oppo_jax.shapes.first_fit_decreasing``), each its
+    """The rows first-fit decreasing fills (``oppo_jax.base.shapes.first_fit_decreasing``), each its
     sequences' lengths from column 0. Example: [5, 3, 4, 2] in 8 -> [[5, 3], [4, 2]]."""
     lengths = np.asarray(lengths)
     rows = engine_shapes.first_fit_decreasing(lengths, width)
@@ -87,7 +87,7 @@ def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int
     """(rows that run, their width) of the packed update over the minibatches ``minis``
     [G, A·m] (batch rows) of sequences of ``lengths`` (prompt + response), padded width
     ``full`` = P + R, split as ``groups`` says: chunks of the engine's one height
-    (``oppo_jax.shapes.update_chunk_rows``), only those holding sequences run (module
+    (``oppo_jax.base.shapes.update_chunk_rows``), only those holding sequences run (module
     docstring)."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
     k, mult, chunks = groups.width_factor, groups.row_multiple, groups.chunks
@@ -148,7 +148,7 @@ def update_tokens(lengths, full: int, groups: UpdateGroups = UpdateGroups()) -> 
 
 def score_tokens(lengths, full: int) -> int:
     """Token slots a scorer's packed ``sync`` calls compute over ``lengths``: the engine's own
-    plan (``oppo_jax.shapes.score_calls``), calls of one shape."""
+    plan (``oppo_jax.base.shapes.score_calls``), calls of one shape."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         return 0
@@ -162,7 +162,7 @@ def score_tokens(lengths, full: int) -> int:
 
 def chunk_tokens(counts, chunk: int) -> int:
     """Tokens a streamed chunk with these new tokens per slot (``counts`` [S], each at most C =
-    ``chunk``) is scored at: the engine's calls of one budget (``oppo_jax.shapes.
+    ``chunk``) is scored at: the engine's calls of one budget (``oppo_jax.base.shapes.
     chunk_groups``, ``chunk_budget``). Example: C 8, 24 slots (budget 2 rows, 8 tokens):
     [8, 2, 3, 1] and 20 empty -> 3 calls, 24."""
     counts = np.asarray(counts)

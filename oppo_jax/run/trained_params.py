@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import init_params
+from oppo_jax.parallel.sharding import abstract_params, param_shardings
 from oppo_jax.ppo.update import init_train_state
-from oppo_jax.sharding import abstract_params, param_shardings
 
 
 def master_copy(tree, dtype):

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.data.prompt_set import load_prompt_set
+from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import make_scorer_chunk
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout.decode import CutRule
-from oppo_jax.sharding import to_host
 
 EVAL_KEY = 0xE7A1  # folded into the run's sampling key: eval samples never repeat training's
 DEMO_EVAL_SEED = 54321  # held-out demo prompts (training's come from seed 12345)
@@ -52,7 +52,7 @@ def eval_prompts(ctx) -> tuple[list[np.ndarray], list[dict]]:
         prompts = sample_prompts(spec, ev.num_prompts, np.random.default_rng(DEMO_EVAL_SEED))
         text = ctx.tokenizer.decode
         return prompts, [{"prompt": text(list(p), skip_special_tokens=True)} for p in prompts]
-    from oppo_jax.run_setup import prompt_format
+    from oppo_jax.run.setup import prompt_format
 
     source = ev.prompts if ev.prompts is not None else cfg.data.prompts
     r = cfg.rollout

@@ -30,7 +30,7 @@ RUN_PLOTS = {
 def plot_run(metrics_path: Path, out: Path) -> list[Path]:
     """Write one ``<name>.png`` per ``RUN_PLOTS`` entry that the records hold into ``out``
     (a run without a gold score gets no gold plot); returns the files written."""
-    from oppo_jax.run_log import read_metrics
+    from oppo_jax.run.log import read_metrics
 
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     if not records:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 EXIT_BAD_INPUT = 2  # a config, prompt file or model directory was rejected; nothing ran
 EXIT_NONFINITE = 3  # too many non-finite updates in a row; the last good checkpoint is kept
-EXIT_HOST_LIMIT = 4  # the host cannot hold the run's compiled programs (oppo_jax.host_maps)
+EXIT_HOST_LIMIT = 4  # the host cannot hold the run's compiled programs (oppo_jax.base.host_maps)
 EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: a checkpoint was saved; the message says how to resume
 
 
@@ -34,7 +34,7 @@ class NonFiniteError(RuntimeError):
 
 
 class HostLimitError(RuntimeError):
-    """The host cannot hold what the run would compile (``oppo_jax.host_maps``); the message
+    """The host cannot hold what the run would compile (``oppo_jax.base.host_maps``); the message
     names the limit and the fix."""
 
 

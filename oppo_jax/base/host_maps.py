@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from oppo_jax.errors import HostLimitError
+from oppo_jax.base.errors import HostLimitError
 
 MAPS_LIMIT = Path("/proc/sys/vm/max_map_count")
 OWN_MAPS = Path("/proc/self/maps")

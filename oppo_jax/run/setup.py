@@ -12,17 +12,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from oppo_jax import offload
+from oppo_jax.base.errors import InputError
 from oppo_jax.config import Config, OptimConfig, devices_needed
 from oppo_jax.data.prompt_set import PromptFormat, PromptSet, load_prompt_set
 from oppo_jax.data.prompts import PromptIterator
 from oppo_jax.data.random_prompts import RANDOM_EOS_ID, RANDOM_PAD_ID, random_prompts
-from oppo_jax.errors import InputError
 from oppo_jax.models.api import HFModel, load_hf_model
 from oppo_jax.models.hf_io import load_params
 from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.models.tokenizer import same_vocabulary
 from oppo_jax.models.transformer import init_params
+from oppo_jax.parallel import offload
+from oppo_jax.parallel.sharding import init_sharded_params, make_device_groups, placed_on
 from oppo_jax.pipeline.host_state import sampling_key
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
 from oppo_jax.pipeline.placement import Placement
@@ -39,8 +40,7 @@ from oppo_jax.rewards.setup import reward_functions
 from oppo_jax.rollout.lengths import LengthSpec
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
-from oppo_jax.sharding import init_sharded_params, make_device_groups, placed_on
-from oppo_jax.trained_params import initial_params
+from oppo_jax.run.trained_params import initial_params
 
 NUM_DEMO_PROMPTS = 4096  # size of the built-in demo's prompt set
 DEMO_CONTEXT = 128  # context of the default demo models, tokens; longer runs get their own

@@ -11,8 +11,8 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
+from oppo_jax.base.errors import InputError
 from oppo_jax.config import Config, to_dict
-from oppo_jax.errors import InputError
 
 # Shown in the progress bar, in this order.
 _BAR_KEYS = ("reward", "gold", "kl", "response_len_mean", "step_time_s")

@@ -1,0 +1,1 @@
+"""Device layout: meshes, logical-axis sharding rules, and optimizer states in host memory."""

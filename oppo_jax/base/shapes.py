@@ -127,6 +127,20 @@ def compaction_floor(
     return max(minimum, 1) if compact and not reads_lengths and single else None
 
 
+# Attention kernels' blocks (``models.ragged_decode``, ``models.ragged_decode_tpu``,
+# ``models.segment_attention``): keys a ragged decode row reads at a time on a GPU and on a
+# TPU, and queries and keys per block of the packed update's segment attention.
+RAGGED_KEY_BLOCK = 128
+RAGGED_KEY_BLOCK_TPU = 1024
+SEGMENT_BLOCK = 64
+
+
+def pow2_block(width: int, most: int) -> int:
+    """The largest power of two <= ``most`` dividing ``width``: the block a kernel tiles a
+    ``width`` with. Example: (528, 128) -> 16, (2048, 1024) -> 1024."""
+    return min(width & -width, most)
+
+
 def row_bucket(rows: int, num_slots: int) -> int:
     """Leading slots a replay chunk runs over: 0, or a power of two >= 4, capped at S.
     Example: S = 24: 0 -> 0, 1 -> 4, 5 -> 8, 8 -> 8, 9 -> 16, 17 -> 24."""

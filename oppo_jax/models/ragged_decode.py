@@ -6,8 +6,7 @@ context, finished slots included, so a step's KV-cache traffic follows the longe
 kernel walks each row's keys in blocks up to its own length, so the traffic follows the rows'
 contexts, and a row of length 0 (a slot that takes no token this step: ``models.transformer``
 passes 0 for it) reads nothing. That is what makes finished slots free on an accelerator
-without moving them (slot compaction's gathers), and what the simulator's ``ragged_decode``
-prices.
+without moving them (slot compaction's gathers).
 
 It reads the cache buffer itself, [L, S, K, Tc, Dh], with the layer index as an operand:
 slicing the layer out or transposing it to [S, Tc, K, Dh] before a Pallas call (a custom call,
@@ -38,9 +37,10 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.base import shapes
 from oppo_jax.models import ragged_decode_tpu
 
-KEY_BLOCK = 128  # keys per block at most (sim.packing.RAGGED_KEY_BLOCK prices whole blocks)
+KEY_BLOCK = shapes.RAGGED_KEY_BLOCK  # keys per block at most
 MIN_GROUP = 16  # query rows per program at least: Triton's smallest dot
 SPLIT_KEYS = 1024  # keys per split at least, before a row is split over more programs
 MAX_SPLITS = 16
@@ -50,7 +50,7 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "length", None)  # sharding.KV_CACH
 def key_block(width: int) -> int:
     """The key block for a live width: the largest power of two <= KEY_BLOCK dividing it (a
     block never reads past the width). Example: 1536 -> 128, 80 -> 16, 24 -> 8."""
-    return width & -width if width & -width < KEY_BLOCK else KEY_BLOCK
+    return shapes.pow2_block(width, KEY_BLOCK)
 
 
 def fits_gpu(head_dim: int, width: int) -> bool:

@@ -18,13 +18,12 @@ can read them:
   sublane multiple for float32 and bfloat16), runs a 2-D matmul per kv head, and writes its
   normalised output at the last key block.
 
-Why every kv head and blocks of up to 1024 keys (``key_block``) in one step: a TPU grid step
-costs about 0.35 µs of fixed overhead (Pallas's TPU guide), about what copying such a block
-(1 MiB at the 7B's 2 kv heads) takes, so smaller steps would cost more in overhead than the
-reads they save; with these the kernel follows the bytes it reads (docs/PROJECTIONS.md, "The
-ragged decode on TPU"). The cost: a running row reads up to 1023 keys past its length (the
-simulator prices half a block per running row). VMEM holds two buffers of each cache block:
-4 MiB at 2 kv heads, 8 MiB at 4 (under the default scoped limit). Off a TPU it runs in
+Why every kv head and blocks of up to 1024 keys (``key_block``) in one step: a TPU grid step costs
+about 0.35 µs of fixed overhead (Pallas's TPU guide), about what copying such a block (1 MiB at the
+7B's 2 kv heads) takes, so smaller steps would cost more in overhead than the reads they save; with
+these the kernel follows the bytes it reads (docs/PROJECTIONS.md, "The ragged decode on TPU"). The
+cost: a running row reads up to 1023 keys past its length. VMEM holds two buffers of each cache
+block: 4 MiB at 2 kv heads, 8 MiB at 4 (under the default scoped limit). Off a TPU it runs in
 Pallas's interpreter (tests).
 
 Dimension letters: S slots, K kv heads, G query rows per kv head, Tc cache columns, Dh head
@@ -41,15 +40,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.base import shapes
+
 MIN_GROUP = 16  # query rows per kv head at least: bfloat16's sublane tile
 LANES = 128  # the running max and sum are kept lane-wide (one vreg row each)
-KEY_BLOCK = 1024  # keys per grid step at most (sim.packing.RAGGED_KEY_BLOCK_TPU prices them)
+KEY_BLOCK = shapes.RAGGED_KEY_BLOCK_TPU  # keys per grid step at most
 
 
 def key_block(width: int) -> int:
     """The key block for a live width: the largest power of two <= KEY_BLOCK dividing it.
     Example: 2048 -> 1024, 2304 -> 256, 528 -> 16."""
-    return min(width & -width, KEY_BLOCK)
+    return shapes.pow2_block(width, KEY_BLOCK)
 
 
 def fits_tpu(head_dim: int, width: int) -> bool:

@@ -25,8 +25,7 @@ key block and yields zeros (no real query reads a padding key, so nothing real c
 other query equals XLA's ``attention`` with the mask ``same segment & key <= query`` wherever
 each segment id is one contiguous run of a row (the packings' layout; a repeated id elsewhere
 would still see only its own run here). Pallas lowers it to Triton on a GPU; elsewhere it runs in
-Pallas's interpreter (tests, and ``model.attention=ragged`` on a CPU). The simulator's
-``segment_update_attention`` prices the pairs it visits (``sim.packing.row_segment_pairs``).
+Pallas's interpreter (tests, and ``model.attention=ragged`` on a CPU).
 
 Dimension letters: S rows, T positions, H query heads, K kv heads, Dh head width, b block.
 """
@@ -42,16 +41,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Int
 
+from oppo_jax.base import shapes
 from oppo_jax.models import ragged_decode
 
-BLOCK = 64  # queries and keys per block at most (sim.packing.SEGMENT_BLOCK prices it)
+BLOCK = shapes.SEGMENT_BLOCK  # queries and keys per block at most
 MIN_BLOCK = 16  # Triton's smallest dot
 
 
 def block_for(width: int) -> int:
     """The block at row ``width``: the largest power of two <= BLOCK dividing it (blocks tile
     the row exactly). Example: 1024 -> 64, 80 -> 16, 24 -> 8 (too thin: ``fits`` is False)."""
-    return width & -width if width & -width < BLOCK else BLOCK
+    return shapes.pow2_block(width, BLOCK)
 
 
 def fits(head_dim: int, width: int) -> bool:

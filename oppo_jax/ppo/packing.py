@@ -19,8 +19,7 @@ sequence's valid tokens x the microbatch's sequences with any), a metric's maske
 token_mean weight. Summed over
 the chunks and divided by A as the accumulation does, that is the padded update's mean over
 microbatches of their own means: the same function of the same tokens. Packing each
-microbatch alone instead ran every microbatch at the fullest one's rows (a config of 28
-accumulation steps of 4 sequences computed 1.75x its real tokens; docs/PROJECTIONS.md §4c).
+microbatch alone instead would run every microbatch at the fullest one's rows.
 
 Packed layout of one chunk (dimension letters: Rp packed rows, W packed width, N response
 slots, K chunks per minibatch; n = A·m sequences in the minibatch):

@@ -11,15 +11,13 @@ chunk is ``stream.score_chunk`` on those leading rows, written back in place, so
 prefix gives exactly the cache, hidden states and per-token quantities a streamed one does
 (the tested invariant: chunked prefill equals one pass).
 
-Why chunks rather than one prefill per admission at P + pow2(longest prefix): a slot then
-costs its own prefix, rounded up to a chunk, not the longest of all carried prefixes. In a
-long-tail regime most carried rows hold one cut's tokens and a few twice-carried rows hold two,
-so the one-width prefill computed 2.2x the real tokens (docs/PROJECTIONS.md §4e); the chunks,
-over their leading-row buckets, about 1.1x (``sim.packing.replay_tokens`` prices them). The
-compiled shapes stay few and fixed for a run: one per (row bucket, live width),
-``replay_shapes``. On a mesh that splits the slots, the leading rows sit on the first devices,
-so each chunk moves its rows' cache block [L, N, K, live width, Dh] between devices (the
-partitioner gathers it); carried rows laid out over the shards would avoid that.
+Why chunks rather than one prefill per admission at P + pow2(longest prefix): a slot then costs its
+own prefix, rounded up to a chunk, not the longest of all carried prefixes (in a long tail most
+carried rows hold one cut's tokens and a few hold two; docs/PROJECTIONS.md, "Carried prefixes
+replayed at their own lengths"). The compiled shapes stay few and fixed for a run: one per (row
+bucket, live width), ``replay_shapes``. On a mesh that splits the slots, the leading rows sit on the
+first devices, so each chunk moves its rows' cache block [L, N, K, live width, Dh] between devices
+(the partitioner gathers it); carried rows laid out over the shards would avoid that.
 
 Dimension letters: S slots, N leading rows of a chunk, c replay chunk width, R response
 capacity.

@@ -37,8 +37,8 @@ from oppo_jax.base.shapes import live_width, pow2_at_least, row_bucket  # noqa: 
 
 GRANULE = 16  # ppo.pack_granule's default
 MIN_WIDTH = 16  # the narrowest packed scoring row and live decode width
-RAGGED_KEY_BLOCK = 128  # models.ragged_decode.KEY_BLOCK: a ragged row reads whole key blocks
-RAGGED_KEY_BLOCK_TPU = 1024  # models.ragged_decode_tpu.KEY_BLOCK: the Mosaic form's blocks
+RAGGED_KEY_BLOCK = engine_shapes.RAGGED_KEY_BLOCK  # a ragged row reads whole key blocks
+RAGGED_KEY_BLOCK_TPU = engine_shapes.RAGGED_KEY_BLOCK_TPU  # the Mosaic form's blocks
 
 
 def ffd_rows(lengths, width: int) -> int:
@@ -170,13 +170,12 @@ def chunk_tokens(counts, chunk: int) -> int:
     return len(engine_shapes.chunk_groups(counts, chunk)) * budget
 
 
-SEGMENT_BLOCK = 64  # models.segment_attention.BLOCK: query and key blocks of packed rows
+SEGMENT_BLOCK = engine_shapes.SEGMENT_BLOCK  # query and key blocks of packed rows
 
 
 def segment_block(width: int) -> int:
-    """``models.segment_attention.block_for``: the largest power of two <= SEGMENT_BLOCK
-    dividing the row width. Example: 1536 -> 64, 80 -> 16."""
-    return width & -width if width & -width < SEGMENT_BLOCK else SEGMENT_BLOCK
+    """``models.segment_attention.block_for``."""
+    return engine_shapes.pow2_block(width, SEGMENT_BLOCK)
 
 
 def row_segment_pairs(lengths, width: int, block: int | None = None) -> int:

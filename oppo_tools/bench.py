@@ -260,3 +260,33 @@ def plot_bench(result: dict, events: dict, out: Path) -> None:
 
     for name, evs in events.items():
         plot_gantt(evs, out / f"gantt_{name}.png", title=f"{name}: one step")
+
+
+def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def bench_summary_lines(result: dict) -> list[str]:
+    """The printed summary of a bench: per schedule the median step, the ideal bound and
+    measured / ideal, gold and time to target; then the speedups and sync's stage shares."""
+    lines, no_gold = [], result["workload"].get("no_gold")
+    for name, s in result["schedules"].items():
+        bound, ttt = s["ideal_bound"], s["time_to_target_s"]
+        gold = f"final gold {_fmt(s['final_gold'], '.3f')} ± {_fmt(s['final_gold_spread'], '.3f')}"
+        reach = "n/a" if no_gold else ("not reached" if ttt is None else f"{ttt:.1f}s")
+        lines.append(
+            f"  {name:>6}: step {s['step_time_median_s']:.3f}s (median), ideal "
+            f"{bound['ideal_step_s']:.3f}s, measured/ideal {_fmt(bound['measured_over_ideal'])}, "
+            f"{gold}, time to target {reach}"
+        )
+    speed = {n: _fmt(v) for n, v in result["speedup_vs_sync"].items()}
+    paired = {n: _fmt(v) for n, v in result["speedup_vs_sync_paired"].items()}
+    reach = {n: _fmt(v) for n, v in result["time_to_target_speedup_vs_sync"].items()}
+    shares = {k: round(v, 3) for k, v in result["sync_stage_shares"].items()}
+    lines += [f"  speedup vs sync (median step time): {speed}",
+              f"  speedup vs sync (median of per-round ratios): {paired}",
+              f"  speedup vs sync (time to target gold): {reach}"]  # fmt: skip
+    if no_gold:
+        lines.append(f"  time to target: {no_gold}")
+    lines.append(f"  sync stage shares: {shares}")
+    return lines

@@ -192,3 +192,22 @@ def test_the_checks_above_see_what_they_look_for():
     assert _is_pallas_body(ast.parse("def k(x_ref, o_ref, *, block): pass").body[0])
     imported = [t for t, _, _, f in _imports("oppo_jax.cli") if t.startswith("oppo_tools")]
     assert imported, "the CLI's lazy tool imports were not seen"
+
+
+def test_the_map_and_the_readme_name_every_package_and_nothing_gone():
+    """docs/MAP.md and the README's layout table stay current with the tree: every package of
+    oppo_jax and oppo_tools appears in both, and every path the table names exists."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Layout") :].split("\n\n")[2]
+    the_map = (ROOT / "docs" / "MAP.md").read_text()
+    packages = sorted(
+        p.relative_to(ROOT).as_posix() + "/"
+        for package in PACKAGES
+        for p in (ROOT / package).iterdir()
+        if (p / "__init__.py").exists() or (p.is_dir() and any(p.glob("*.py")))
+    )
+    assert [p for p in packages if f"`{p}`" not in table] == []
+    assert [p for p in packages if f"`{p.split('/', 1)[1]}`" not in the_map and
+            f"`{p}`" not in the_map] == []  # fmt: skip
+    named = [cell.split("`")[1] for cell in table.split("\n| ")[1:] if cell.startswith("`")]
+    assert named and all((ROOT / n.rstrip("/")).exists() for n in named), named

@@ -152,3 +152,20 @@ def test_the_warmup_compiles_exactly_the_planned_kernel_programs(demo_cache, tmp
     report = json.loads((tmp_path / "run" / "warmup.json").read_text())
     planned = {f.name: f.programs for f in plan_programs(run_shapes(cfg))}
     assert {f: n for f, (n, _) in report["warmup_programs"].items()} == planned
+
+
+def test_compile_plan_prints_the_plans_programs(capsys):
+    """``oppo-jax compile-plan``: the plan's programs by family (text and JSON), with the
+    projection's seconds from the measured table of the config's models."""
+    from oppo_jax import cli
+    from oppo_jax.config import load_config
+
+    assert cli.main(["compile-plan", "qwen2.5-7b_gh200x1_lora", "--backend", "gpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    families = plan_programs(run_shapes(load_config("qwen2.5-7b_gh200x1_lora"), backend="gpu"))
+    assert report["programs"] == sum(f.programs for f in families) <= 32
+    assert [f["name"] for f in report["families"]] == [f.name for f in families]
+    assert "Qwen2.5-7B" in report["seconds_measured_on"] and report["projected_compile_s"] > 0
+    assert cli.main(["compile-plan", "demo_cpu", "--mode", "oppo", "--backend", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "programs (oppo, backend cpu)" in text and "projected compile time" in text

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from oppo_jax.config import Config
+from oppo_jax.config.schema import Config
 from oppo_jax.data.prompts import PromptIterator
 from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.chunk_control import ChunkSizeController

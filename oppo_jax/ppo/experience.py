@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.config import PPOConfig
+from oppo_jax.config.schema import PPOConfig
 from oppo_jax.ppo.advantages import (
     apply_missing_eos_penalty,
     gae,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from oppo_jax.config import OptimConfig
+from oppo_jax.config.schema import OptimConfig
 
 
 def make_optimizer(optim: OptimConfig, lr: float, total_updates: int):

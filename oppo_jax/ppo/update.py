@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from oppo_jax.config import PPOConfig
+from oppo_jax.config.schema import PPOConfig
 from oppo_jax.models import lora
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel import offload

@@ -32,3 +32,18 @@ def small_demo_config(*extra: str) -> Config:
 def metric_values(path) -> list[dict]:
     """The records of a metrics.jsonl file without their wall-clock entries."""
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(path)]
+
+
+def sigterm_in_first_step(monkeypatch) -> None:
+    """Make the next run's first step receive a SIGTERM as it starts (then run as usual)."""
+    import signal
+
+    import oppo_jax.train as train_module
+
+    real = train_module.run_step
+
+    def run_step(*args):
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(train_module, "run_step", run_step)

@@ -6,19 +6,17 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import oppo_jax.train as train_module
 from oppo_jax.base.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, Preempted
 from oppo_jax.cli import main
 from oppo_jax.run.log import read_metrics
 from oppo_jax.run.preemption import resume_command
-from tests.run_fixtures import TIMING_KEYS
+from tests.run_fixtures import TIMING_KEYS, sigterm_in_first_step
 
 # Random tiny models and prompts: no files, one step in seconds.
 TINY = [
@@ -132,13 +130,7 @@ def test_resume_command_repeats_config_overrides_and_out_shell_quoted():
 
 
 def test_a_stopped_run_prints_the_command_that_resumes_it(tmp_path, monkeypatch, capsys):
-    real = train_module.run_step
-
-    def run_step(*args):  # a SIGTERM during the first step
-        signal.raise_signal(signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(train_module, "run_step", run_step)
+    sigterm_in_first_step(monkeypatch)
     out = tmp_path / "a run"  # a space, which the command must quote
     assert _train(out, sets=("train.steps=2",)) == EXIT_PREEMPTED
     command = resume_command(None, [*TINY, "train.steps=2"], str(out), ["--quiet"])

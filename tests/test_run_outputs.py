@@ -3,18 +3,16 @@ ETA, help texts, and the command's switches (compilation cache, transformers' to
 
 import json
 import logging
-import signal
 
 import matplotlib.image
 import pytest
 
-import oppo_jax.train as train_module
 from oppo_jax import cli
 from oppo_jax.base.errors import InputError, Preempted
 from oppo_jax.run.log import RunLog
 from oppo_jax.run.plots import RUN_PLOTS, plot_run
 from oppo_jax.train import summarize, summary_lines, train
-from tests.run_fixtures import small_demo_config
+from tests.run_fixtures import sigterm_in_first_step, small_demo_config
 
 
 def _write_metrics(path, rows):
@@ -78,13 +76,7 @@ def test_progress_eta_leaves_compile_time_out(tmp_path):
 
 
 def test_plots_are_written_when_the_run_is_preempted(demo_cache, tmp_path, monkeypatch):
-    real = train_module.run_step
-
-    def run_step(*args):  # a SIGTERM during the first step
-        signal.raise_signal(signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(train_module, "run_step", run_step)
+    sigterm_in_first_step(monkeypatch)
     with pytest.raises(Preempted, match="steps 0-0 are done"):
         train(small_demo_config("train.steps=3"), tmp_path, progress=False, warmup=False)
     plots = sorted(p.name for p in (tmp_path / "plots").iterdir())

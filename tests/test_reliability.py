@@ -19,13 +19,13 @@ from oppo_jax.config import PPOConfig
 from oppo_jax.data.demo_task import DemoTaskSpec
 from oppo_jax.demo.assets import ensure_demo_assets
 from oppo_jax.models.hf_io import CheckpointError
+from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.run.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.run.log import read_metrics
 from oppo_jax.run.preemption import StopOnSignal
 from oppo_jax.run.setup import prepare_run
 from oppo_jax.train import train
-from tests.padded_update import ppo_update
 from tests.ppo_fixtures import make_spec, random_batch, tiny_params
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
 
@@ -38,14 +38,22 @@ def _update_case():
     actor, critic = tiny_params()
     batch = random_batch(spec, actor, critic)
     state = init_train_state(spec, actor, critic)
-    return spec, batch, state, jax.jit(functools.partial(ppo_update, spec))
+    packed = make_update(spec)  # the update a run dispatches
+
+    def update(state, batch, key, kl_coef):  # it donates the state: hand it a copy
+        return packed(jax.tree.map(jnp.copy, state), batch, key, kl_coef)
+
+    return spec, batch, state, update
 
 
-def _poison(tree, value=np.nan):
-    """``tree`` with its first floating-point leaf's first element set to ``value``."""
+def _poison(tree, value=np.nan, whole=False):
+    """``tree`` with its first floating-point leaf's first element (``whole``: every element)
+    set to ``value``. A parameter is poisoned whole: the packed update reads real tokens only,
+    so one element (the pad token's embedding) could go unread."""
     leaves, treedef = jax.tree.flatten(tree)
     i = next(i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating))
-    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(value)
+    x = leaves[i]
+    leaves[i] = jnp.full_like(x, value) if whole else x.at[(0,) * x.ndim].set(value)
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -71,7 +79,7 @@ def _same_bits(a, b) -> bool:
 def test_nonfinite_value_skips_the_update_bitwise(where, flag, value):
     _, batch, state, update = _update_case()
     if where.endswith("params"):
-        state = state.replace(**{where: _poison(getattr(state, where), value)})
+        state = state.replace(**{where: _poison(getattr(state, where), value, whole=True)})
     else:
         batch = batch.replace(**{where: _poison(getattr(batch, where), value)})
     new_state, metrics = update(state, batch, jax.random.key(0), jnp.float32(0.05))

@@ -63,7 +63,8 @@ def microbatch_rows(perms: np.ndarray, num_minibatches: int, grad_accum: int) ->
     """[E, M, A, m] batch rows of every microbatch, as the padded update splits them.
 
     Epoch e shuffles the rows by ``perms[e]``; minibatch j takes shuffled rows j, j + M, ...
-    and its microbatch a takes that minibatch's rows a, a + A, ... (``update._split``).
+    and its microbatch a takes that minibatch's rows a, a + A, ... (strided: every part keeps
+    an equal share of the rows on every device of the batch axes).
     """
     epochs, rows = perms.shape
     m = rows // (num_minibatches * grad_accum)

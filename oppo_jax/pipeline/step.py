@@ -1,5 +1,6 @@
-"""One PPO step, top to bottom: admit -> prefill -> decode (streaming) -> cut -> experience ->
-update -> carry.
+"""One PPO step, top to bottom, as DESIGN §3 numbers it: admit -> decode and stream -> cut ->
+finalize scores -> update, then carry (dispatched after the update so that its host reads
+overlap it); the caller's controllers observe the result (step 7, control).
 
 This is the only place a step is orchestrated; ``train`` and ``bench`` call ``run_step``. It is
 plain Python that dispatches compiled kernels (``pipeline.kernels``) and never waits on them,
@@ -120,12 +121,12 @@ def run_step(
     k, place, rollout = engine.kernels, engine.placement, engine.kernels.rollout
     timeline.begin_step()
     work = WorkLedger()  # each dispatch below records its tokens in it
-    # 1. Admit: carried sequences first (FIFO), then new prompts, B + Δ of the slots.
+    # 1. Admit: carried sequences first (FIFO), then new prompts, B + Δ of the slots;
     slots = admit(buffer, prompts, admit_rule(engine, plan), *rollout_shape(rollout))
     kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
     admission = device_admission(slots)
-    # 2. Prefill the actor under the current parameters: every prompt, then each carried
-    #    prefix replayed at its own length, which gives it this step's old log-probs.
+    #    the actor prefills them under the current parameters: every prompt, then each
+    #    carried prefix replayed at its own length, which gives it this step's old log-probs.
     actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
     replay = admission_replay(slots, rollout)
     decoding, marker = k.admit(actor, admission, engine.sample_key, replay)
@@ -133,8 +134,9 @@ def run_step(
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
     computed = admission_computed(slots.num_slots, rollout.prompt_width, replay)
     work.add("admission", computed, admission_real(*lens, trained=1, frozen=0))
-    # 3. Decode until the cut rule holds. Streaming: the scorers prefill each chunk while the
-    #    actor decodes the next. Not streaming: they score the batch after the cut.
+    # 2. Decode and stream until the cut rule holds. Streaming: the scorers are admitted too
+    #    and prefill each chunk while the actor decodes the next. Not streaming: they score
+    #    the batch after the cut.
     scorers = step_scorers(engine, train_state, timeline, work, slots)
     if schedule.stream:
         scorers.admit(place.to_scoring(admission), replay, slots, kept)
@@ -144,7 +146,7 @@ def run_step(
     chunking = Chunking(rule, plan.chunk_size, longest)
     streamed = scorers if schedule.stream else None
     decoding = decode_rollout(k, timeline, work, actor, decoding, chunking, streamed)
-    # 4. Cut: the first B completed sequences, in the fixed batch order.
+    # 3. Cut: the first B completed sequences, in the fixed batch order.
     finish_step, decode_steps = to_host((decoding.finish_step, decoding.step))
     selection = select_batch(finish_step, slots.active, slots.must_finish, plan.batch_size)
     if selection is None:  # the decode loop only stops when the rule holds
@@ -154,7 +156,8 @@ def run_step(
     carried_rows = carried_slots(slots, selection) if schedule.stream else []  # kept there
     bucket = kept_bucket(len(carried_rows), plan.reserved - plan.batch_size)
     new_kept = scorers.keep(carried_rows, bucket)
-    # 5. Experience: rewards with the KL penalty, GAE and whitening over the batch rows.
+    # 4. Finalize scores (the reward functions' too), then the batch: rewards with the KL
+    #    penalty, GAE and whitening over the batch rows.
     kl_coef = jnp.float32(plan.kl_coef)
     scored = scorers.outputs(decoding, selection.batch)
     # Only the prompt columns: one compilation with or without room for carried prefixes.
@@ -178,8 +181,8 @@ def run_step(
     )
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
     work.add_update(update_metrics, trained_models=2)  # the actor and the critic
-    # 7. Carry: sequences not taken keep the tokens they had at the cut (read while the
-    #    update runs).
+    # 5. Carry: sequences not taken keep the tokens they had at the cut (read while the
+    #    update runs) and the frozen scorers' rows kept at the cut.
     host = _read_rollout(outputs[:2], generated, finish_step)
     per_slot = (slots.prompt_len, slots.prefix_len, host.num_generated)
     work.close_decode(int(decode_steps), plan.chunk_size, per_slot)

@@ -284,6 +284,7 @@ def sample(cfg: ModelConfig, rollout: RolloutSpec, params, prompts, prompt_len, 
            chunk_size: int = 32) -> DecodeState:  # fmt: skip
     """Every prompt's response sampled to its end by the run's kernels (slot s holds prompt
     id s): the actor's admission, then decode chunks until every slot has finished."""
+    prompts, prompt_len = jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_len, jnp.int32)
     admission = Admission.fresh(prompts, prompt_len, rollout.max_response_len)
     temperature = 1.0 if rollout.sampling.greedy else rollout.sampling.temperature
     spec = actor_spec(cfg, rollout, temperature)

@@ -17,9 +17,9 @@ import pytest
 from oppo_jax.config import load_config
 from oppo_jax.parallel import offload
 from oppo_jax.parallel.sharding import make_mesh
+from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import make_sharded_init
 from oppo_jax.run.setup import update_spec
-from tests.padded_update import make_sharded_update
 from tests.ppo_fixtures import ACTOR, CRITIC, make_spec, random_batch, tiny_params
 
 
@@ -32,7 +32,7 @@ def test_cpu_backend_has_pinned_host_memory():
 def _run(spec, mesh, steps: int = 3):
     actor, critic = tiny_params(seed=2)
     batch = random_batch(spec, actor, critic, seed=4)
-    update, _ = make_sharded_update(spec, mesh)
+    update = make_update(spec, mesh)  # the run's update
     state = make_sharded_init(spec, mesh)(actor, critic)
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.actor_opt)}
     for i in range(steps):

@@ -44,8 +44,8 @@ class WorkLedger:
     real: dict[str, int] = dataclasses.field(default_factory=dict)
     # The decode's attention, in cache keys read: (computed, real); see ``decode_keys``.
     keys: tuple[int, int] | None = None
-    # (slots, cache columns read, ragged key block or None) of each decode chunk dispatched
-    decode_chunks: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
+    # (slots, cache columns read) of each decode chunk dispatched
+    decode_chunks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def add(self, stage: str, computed: int, real: int = 0) -> None:
         """Add a dispatch's tokens to ``stage`` (a stage may be added to many times)."""
@@ -54,15 +54,17 @@ class WorkLedger:
         self.computed[stage] = self.computed.get(stage, 0) + int(computed)
         self.real[stage] = self.real.get(stage, 0) + int(real)
 
-    def decode_chunk(self, slots: int, width: int, key_block: int | None) -> None:
+    def decode_chunk(self, slots: int, width: int) -> None:
         """Log a decode chunk dispatched over ``slots`` slots reading ``width`` cache columns
-        (``key_block``: the ragged kernel's block, where it runs; ``ragged_key_block``)."""
-        self.decode_chunks.append((int(slots), int(width), key_block))
+        (plain host ints: nothing is computed in the decode loop)."""
+        self.decode_chunks.append((int(slots), int(width)))
 
-    def close_decode(self, steps: int, chunk_size: int, lengths: tuple) -> None:
+    def close_decode(self, steps: int, chunk_size: int, lengths: tuple, actor) -> None:
         """Price the logged decode chunks once the rollout ran ``steps`` lockstep steps:
-        ``lengths`` is (prompt_len, prefix_len, num_generated) per slot."""
-        slots, widths, blocks = (list(c) for c in zip(*self.decode_chunks, strict=True))
+        ``lengths`` is (prompt_len, prefix_len, num_generated) per slot; ``actor`` (a
+        ModelConfig) decides where the ragged kernel's key blocks apply (``ragged_key_block``)."""
+        slots, widths = (list(c) for c in zip(*self.decode_chunks, strict=True))
+        blocks = [ragged_key_block(actor, w) for w in widths]
         new = generated(lengths[2], lengths[1])
         self.add("decode", decode_computed(slots, steps, chunk_size), new)
         self.keys = decode_keys(slots, widths, steps, chunk_size, lengths, blocks)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from oppo_jax.parallel.sharding import to_host
-from oppo_jax.pipeline.accounting import WorkLedger, ragged_key_block
+from oppo_jax.pipeline.accounting import WorkLedger
 from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import GENERATION
 from oppo_jax.pipeline.slot_map import SlotMap
@@ -63,7 +63,7 @@ def decode_rollout(
     def dispatch(i, state, rule):
         width = kernels.chunk_width(chunking.longest_context, size, i)
         read = capacity if width is None else width
-        work.decode_chunk(state.tokens.shape[0], read, ragged_key_block(kernels.spec.actor, read))
+        work.decode_chunk(state.tokens.shape[0], read)
         state, chunk = kernels.decode(size, width)(params, state, rule)
         timeline.track("decode", GENERATION, chunk.count)
         return state, chunk, width

@@ -185,7 +185,7 @@ def run_step(
     #    update runs) and the frozen scorers' rows kept at the cut.
     host = _read_rollout(outputs[:2], generated, finish_step)
     per_slot = (slots.prompt_len, slots.prefix_len, host.num_generated)
-    work.close_decode(int(decode_steps), plan.chunk_size, per_slot)
+    work.close_decode(int(decode_steps), plan.chunk_size, per_slot, k.spec.actor)
     carried = carry_out(slots, selection, host, plan.step)
     if new_kept is not None:
         new_kept.ids, buffer.kept = row_ids(carried), new_kept

@@ -355,9 +355,23 @@ def test_config_modules_do_not_import_jax():
 
 def test_overcommit_larger_than_the_batch_is_rejected():
     with pytest.raises(
-        ConfigError, match=r"pipeline.overcommit_max=20: must be <= rollout.batch_size=16"
+        ConfigError, match=r"pipeline.overcommit_max=20: must be <= rollout.batch_size / "
     ):
         load_config(None, ["pipeline.overcommit_max=20", "pipeline.adaptive_overcommit=true"])
+    # Δ counts groups: 5 groups of 4 do not fit beside a batch of 16 (4 groups)
+    with pytest.raises(ConfigError, match=r"pipeline.overcommit=5: .* \(16/4\)=4 \(groups\)"):
+        load_config(None, ["pipeline.overcommit=5", "rollout.group_size=4"])
+
+
+def test_group_keys_are_checked():
+    with pytest.raises(ConfigError, match=r"rollout.batch_size=16: must be a multiple of"):
+        load_config(None, ["rollout.group_size=3"])
+    with pytest.raises(ConfigError, match=r"group_size=1: ppo.advantage=grpo needs groups"):
+        load_config(None, ["ppo.advantage=grpo"])
+    with pytest.raises(ConfigError, match=r"compact_slots=true: slot compaction does not keep"):
+        load_config(None, ["rollout.group_size=2", "pipeline.compact_slots=true"])
+    with pytest.raises(ConfigError, match=r"ppo.scale_rewards='x'"):
+        load_config(None, ["ppo.scale_rewards=x"])
 
 
 def test_config_modules_import_each_other_without_a_cycle():

@@ -170,7 +170,7 @@ def test_packed_microbatch_gradients_equal_padded(root, model_type, loss_agg):
     rows = np.array([0, 1, 5, 9])  # the empty and the full response among them
     plan = plan_packing(
         np.asarray(batch.prompt_len), np.asarray(batch.mask).sum(1),
-        rows.reshape(1, 1, 1, -1), (P + R, R), granule=4, seq_mean=loss_agg == "seq_mean",
+        rows.reshape(1, 1, 1, -1), (P + R, R), granule=4, agg=loss_agg,
     )  # fmt: skip
     # The microbatch is dealt to K chunks of one height; its loss is their weighted sum.
     chunks = [jax.tree.map(lambda x, a=a: jnp.asarray(x[0, 0, a]), plan.indices)
@@ -258,8 +258,8 @@ def test_chunk_heights_and_first_fit():
     assert first_fit_decreasing(np.array([8, 8]), 8) == [[0], [1]]
 
 
-@pytest.mark.parametrize(("seq_mean", "factor"), [(False, 1), (True, 1), (False, 2)])
-def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean, factor):
+@pytest.mark.parametrize(("agg", "factor"), [("token_mean", 1), ("seq_mean", 1), ("dapo", 2)])
+def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(agg, factor):
     rng = np.random.default_rng(0)
     full, resp, shapes, mixed, idle = 16 + 64, 64, set(), 0, 0
     for _ in range(60):
@@ -268,7 +268,7 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean, fac
         perms = np.stack([rng.permutation(32) for _ in range(2)])
         micro = microbatch_rows(perms, 2, 2)
         plan = plan_packing(prompt_len, resp_len, micro, (full, resp), granule=16, row_multiple=2,
-                            seq_mean=seq_mean, width_factor=factor)  # fmt: skip
+                            agg=agg, width_factor=factor)  # fmt: skip
         shapes.add(plan.shape)
         rows, width, slots = plan.shape
         idx = plan.indices
@@ -314,7 +314,12 @@ def test_plan_covers_every_real_token_once_and_shapes_stay_bounded(seq_mean, fac
             # the padded update's per-microbatch mean (0 for a microbatch with no token).
             has = np.array([resp_len[micro[e, j, a]].sum() > 0 for a in range(micro.shape[2])])
             np.testing.assert_allclose(mean_sum, has.astype(float), rtol=1e-6)
-            np.testing.assert_allclose(loss_sum, has.astype(float), rtol=1e-6)
+            # dapo: each microbatch's share of the minibatch's tokens, times A (TRL's
+            # num_items_in_batch, with the accumulation's division by A undone)
+            tokens = np.array([resp_len[micro[e, j, a]].sum() for a in range(micro.shape[2])])
+            dapo = micro.shape[2] * tokens / max(tokens.sum(), 1)
+            expected = dapo if agg == "dapo" else has.astype(float)
+            np.testing.assert_allclose(loss_sum, expected, rtol=1e-6)
         assert plan.tokens_real == (prompt_len + resp_len).sum() * 2
         assert plan.tokens_computed == int(idx.used.sum()) * rows * width >= plan.tokens_real
     assert mixed > 0 and idle > 0  # chunks mixed microbatches, and some did not run

@@ -49,7 +49,10 @@ class ModelConfig:
 class RolloutConfig:
     """What the actor generates each step."""
 
-    batch_size: int = 16  # B, completed sequences per PPO update
+    batch_size: int = 16  # B, completed sequences per update (a multiple of group_size)
+    # G, responses sampled per prompt (distinct sampling keys); a group is admitted, cut and
+    # carried whole. G > 1 with a group estimator (ppo.advantage) is the GRPO family
+    group_size: int = 1
     max_prompt_len: int = 16  # longest prompt, tokens
     max_response_len: int = 64  # longest response, tokens (a response without EOS ends here)
     temperature: float = 0.7  # sampling temperature; log-probs use logits / temperature too
@@ -65,7 +68,15 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """Rewards, advantages and the clipped PPO losses (TRL's numerics)."""
+    """Rewards, advantages and the clipped policy-gradient losses (TRL's numerics)."""
+
+    # estimator of the advantages: gae (PPO: a critic, the KL in the reward) | grpo | rloo |
+    # reinforce_pp (critic-free, from each group's G scores: GRPO's (r - group mean) / scale,
+    # RLOO's leave-one-out baseline, REINFORCE++'s r - group mean whitened over the batch)
+    advantage: str = "gae"
+    # grpo: the scale dividing r - group mean: group (its std) | batch (the batch's std) |
+    # none (Dr. GRPO)
+    scale_rewards: str = "group"
 
     kl_coef: float = 0.05  # β, weight of the per-token KL penalty (initial β if adaptive_kl)
     kl_estimator: str = "k1"  # per-token KL estimate of log π/π_ref: k1 | k2 | k3
@@ -73,7 +84,8 @@ class PPOConfig:
     adaptive_kl: bool = False  # steer β toward target_kl (Ziegler et al. controller)
     target_kl: float = 6.0  # KL the adaptive controller aims for, nats per sequence
     kl_horizon: int = 10000  # horizon of the adaptive KL controller, sequences
-    cliprange: float = 0.2  # ε, clip range of the policy ratio
+    cliprange: float = 0.2  # ε (ε_low), clip range of the policy ratio below 1
+    cliprange_high: float | None = None  # ε_high above 1 (DAPO's clip-higher); None = ε
     cliprange_value: float = 0.2  # ε_v, clip range of values around the old values, reward units
     vf_coef: float = 0.1  # weight of the value loss in the total loss
     entropy_coef: float = 0.0  # weight of the entropy bonus (0 = off)
@@ -85,7 +97,10 @@ class PPOConfig:
     whiten_rewards: bool = False  # whiten per-token rewards over valid tokens before GAE
     # subtracted from the score of responses without EOS, reward units; None = off (TRL)
     missing_eos_penalty: float | None = None
-    loss_agg: str = "token_mean"  # loss average: token_mean (all valid tokens) | seq_mean
+    # loss average: token_mean (all valid tokens of a microbatch: TRL's bnpo) | seq_mean (each
+    # sequence's token mean, averaged: TRL's grpo) | dr_grpo (token sum / (sequences x
+    # max_response_len)) | dapo (token sum / the minibatch's valid tokens)
+    loss_agg: str = "token_mean"
     # weight carried (stale) tokens by a truncated ratio π_old / π_behaviour (decoupled PPO)
     importance_correction: bool = False
     importance_clip: float = 2.0  # upper truncation of that importance weight
@@ -137,12 +152,14 @@ class PipelineConfig:
     chunk_candidates: list[int] = field(default_factory=lambda: [8, 16, 32])
     chunk_tuning: bool = False  # tune chunk_size online by measured step time
     chunk_tuning_every: int = 50  # steps between two tuning rounds
-    overcommit: int = 0  # Δ, extra prompts started per step (start value if adaptive); 0 = off
+    # Δ, extra prompts (groups of rollout.group_size) started per step (start value if
+    # adaptive); 0 = off
+    overcommit: int = 0
     adaptive_overcommit: bool = False  # raise Δ while mean reward rises, else lower it
     overcommit_min: int = 0  # Δ_min, lower clamp of adaptive Δ, prompts
     overcommit_max: int = 8  # Δ_max, upper clamp of adaptive Δ, prompts
     overcommit_window: int = 3  # w, steps averaged in the reward trend
-    max_deferrals: int = 2  # steps a sequence may be carried before it must finish
+    max_deferrals: int = 2  # steps a sequence (a group) may be carried before it must finish
     # device roles: colocated (all share the mesh) | disaggregated (scorers on own devices)
     placement: str = "colocated"
     # gather the still-running decode slots into a smaller slot bucket once they fit in half of

@@ -32,13 +32,16 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "rollout.prompt_too_long": ("truncate", "reject"),
     "rollout.length_sampler": ("policy", "lognormal"),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
-    "ppo.loss_agg": ("token_mean", "seq_mean"),
+    "ppo.loss_agg": ("token_mean", "seq_mean", "dr_grpo", "dapo"),
+    "ppo.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
+    "ppo.scale_rewards": ("group", "batch", "none"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "pipeline.mode": ("sync", "intra", "inter", "oppo"),
     "pipeline.placement": ("colocated", "disaggregated"),
 }
 _POSITIVE_INTS = (
-    "rollout.batch_size", "rollout.max_prompt_len", "rollout.max_response_len",
+    "rollout.batch_size", "rollout.group_size", "rollout.max_prompt_len",
+    "rollout.max_response_len",
     "ppo.kl_horizon", "ppo.ppo_epochs", "ppo.num_minibatches", "ppo.grad_accum_steps",
     "ppo.pack_granule", "ppo.pack_width_factor",
     "mesh.data", "mesh.fsdp", "mesh.tensor",
@@ -214,12 +217,14 @@ def _relation_problems(cfg: Config) -> list[str]:
             f"pipeline.overcommit_max]=[{p.overcommit_min}, {p.overcommit_max}] "
             "when pipeline.adaptive_overcommit is on"
         )
+    problems += _group_problems(cfg)
+    g = cfg.rollout.group_size
     largest_delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
-    if largest_delta > b:
-        # At most Δ sequences are carried out of a step; B + Δ' slots must take them all in.
+    if largest_delta * g > b:
+        # At most Δ groups are carried out of a step; B + Δ'G slots must take them all in.
         problems.append(
             f"pipeline.overcommit{'_max' if p.adaptive_overcommit else ''}={largest_delta}: "
-            f"must be <= rollout.batch_size={b}"
+            f"must be <= rollout.batch_size / rollout.group_size ({b}/{g})={b // g} (groups)"
         )
     if p.placement == "disaggregated" and mesh.scoring_devices < 1:
         problems.append(
@@ -230,6 +235,36 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append(
             f"mesh.scoring_devices={mesh.scoring_devices}: must be 0 when "
             "pipeline.placement=colocated (scorers share the mesh)"
+        )
+    return problems
+
+
+def _group_problems(cfg: Config) -> list[str]:
+    """Group sampling and the critic-free estimators (the GRPO family)."""
+    r, ppo, problems = cfg.rollout, cfg.ppo, []
+    if r.batch_size % r.group_size:
+        problems.append(
+            f"rollout.batch_size={r.batch_size}: must be a multiple of "
+            f"rollout.group_size={r.group_size} (a batch holds whole groups)"
+        )
+    if ppo.advantage != "gae" and r.group_size < 2:
+        problems.append(
+            f"rollout.group_size={r.group_size}: ppo.advantage={ppo.advantage} needs groups of "
+            "at least 2 responses per prompt (its baseline is the group's other scores)"
+        )
+    if ppo.advantage != "gae" and ppo.kl_in_reward and ppo.kl_coef > 0:
+        problems.append(
+            f"ppo.kl_in_reward=true: ppo.advantage={ppo.advantage} has no per-token reward; "
+            "set ppo.kl_in_reward=false (the KL goes into the loss) or ppo.kl_coef=0"
+        )
+    if ppo.advantage != "gae" and ppo.adaptive_kl:
+        problems.append(f"ppo.adaptive_kl=true: not supported with ppo.advantage={ppo.advantage}")
+    if ppo.cliprange_high is not None and ppo.cliprange_high <= 0:
+        problems.append(f"ppo.cliprange_high={ppo.cliprange_high}: must be > 0 (or null)")
+    if r.group_size > 1 and cfg.pipeline.compact_slots:
+        problems.append(
+            "pipeline.compact_slots=true: slot compaction does not keep groups together; "
+            f"set it to null or false with rollout.group_size={r.group_size}"
         )
     return problems
 

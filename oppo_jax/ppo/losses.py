@@ -10,7 +10,8 @@ from jaxtyping import Array, Float, Shaped
 
 from oppo_jax.ppo.masked import Scalar, as_bool_mask, masked_mean
 
-Aggregation = Literal["token_mean", "seq_mean"]
+Aggregation = Literal["token_mean", "seq_mean", "dr_grpo", "dapo"]
+AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo", "dapo")
 
 
 @flax.struct.dataclass
@@ -20,7 +21,7 @@ class TokenWeights:
     the host computed from the lengths, equal to what the padded update's per-microbatch
     means give each token (0 on unused slots)."""
 
-    loss: Float[Array, " N"]  # the loss aggregation's: token_mean or seq_mean
+    loss: Float[Array, " N"]  # the loss aggregation's (``packing.token_weights``)
     mean: Float[Array, " N"]  # a masked token mean's (the metrics)
 
 
@@ -41,16 +42,21 @@ def aggregate(
 
     token_mean: Σ_{b,t} m·ℓ / Σ_{b,t} m                (every valid token weighs the same)
     seq_mean:   mean over sequences with ≥ 1 valid token of (Σ_t m·ℓ / Σ_t m)
+    dr_grpo:    Σ_{b,t} m·ℓ / (B · T)                   (a constant: Dr. GRPO)
+    dapo:       Σ_{b,t} m·ℓ / Σ_{b,t} m over the whole minibatch (here: these rows)
     A sequence is a row of [B, T] arrays. With ``weights`` (the packed layout) the same
     reduction is Σ weights.loss · ℓ over valid tokens: the host folded the counts in.
     """
-    if agg not in ("token_mean", "seq_mean"):
-        raise ValueError(f"unknown aggregation {agg!r}; expected 'token_mean' or 'seq_mean'")
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGREGATIONS}")
     if weights is not None:
         valid = as_bool_mask(mask)
         return jnp.sum(jnp.where(valid, weights.loss * per_token.astype(jnp.float32), 0.0))
-    if agg == "token_mean":
+    if agg in ("token_mean", "dapo"):
         return masked_mean(per_token, mask)
+    if agg == "dr_grpo":
+        valid = as_bool_mask(mask)
+        return jnp.sum(jnp.where(valid, per_token.astype(jnp.float32), 0.0)) / valid.size
     row_mean = masked_mean(per_token, mask, axis=-1)
     return masked_mean(row_mean, as_bool_mask(mask).any(axis=-1))
 
@@ -67,15 +73,15 @@ def policy_loss(
     old_logp: Float[Array, "*tokens"],
     advantages: Float[Array, "*tokens"],
     mask: Shaped[Array, "*tokens"],
-    cliprange: Scalar,
+    cliprange: Scalar | tuple[Scalar, Scalar],
     agg: Aggregation = "token_mean",
     importance: tuple[Float[Array, "*tokens"], float] | None = None,
     weights: TokenWeights | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """Clipped PPO surrogate, optionally with a truncated importance weight (decoupled PPO).
 
-    With r = exp(logp − old_logp) and ε = cliprange:
-        ℓ_t = max(−A_t · r_t, −A_t · clip(r_t, 1 − ε, 1 + ε))
+    With r = exp(logp − old_logp) and cliprange ε or (ε_low, ε_high) (DAPO's clip-higher):
+        ℓ_t = max(−A_t · r_t, −A_t · clip(r_t, 1 − ε_low, 1 + ε_high))
         loss = agg(w_t · ℓ_t)
     where w_t = 1, or, with ``importance`` = (behaviour_logp, is_clip),
         w_t = stop_gradient(min(exp(old_logp − behaviour_logp), is_clip))
@@ -83,15 +89,16 @@ def policy_loss(
 
     Returns:
         (loss, aux) with aux (masked token means, no gradient):
-        clipfrac = mean(|r − 1| > ε), approx_kl = mean(½ (logp − old_logp)²),
+        clipfrac = mean(r outside [1 − ε_low, 1 + ε_high]), approx_kl = mean(½ (logp − old_logp)²),
         ratio_mean = mean(r), and is_weight_mean = mean(w) when the correction is on.
     """
     valid = as_bool_mask(mask)
     log_ratio = _valid_f32(logp, valid) - _valid_f32(old_logp, valid)
     ratio = jnp.exp(log_ratio)
     adv = _valid_f32(advantages, valid)
-    eps = jnp.asarray(cliprange, jnp.float32)
-    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - eps, 1.0 + eps))
+    low, high = cliprange if isinstance(cliprange, tuple) else (cliprange, cliprange)
+    low, high = jnp.asarray(low, jnp.float32), jnp.asarray(high, jnp.float32)
+    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - low, 1.0 + high))
 
     aux = {}
     if importance is not None:
@@ -103,7 +110,10 @@ def policy_loss(
 
     loss = aggregate(per_token, mask, agg, weights)
     ratio_sg = jax.lax.stop_gradient(ratio)
-    clipped = (jnp.abs(ratio_sg - 1.0) > eps).astype(jnp.float32)
+    outside = (ratio_sg < 1.0 - low) | (ratio_sg > 1.0 + high)
+    if not isinstance(cliprange, tuple):  # PPO's symmetric range, as it always read
+        outside = jnp.abs(ratio_sg - 1.0) > low
+    clipped = outside.astype(jnp.float32)
     aux["clipfrac"] = _mean(clipped, mask, weights)
     aux["approx_kl"] = _mean(0.5 * jnp.square(jax.lax.stop_gradient(log_ratio)), mask, weights)
     aux["ratio_mean"] = _mean(ratio_sg, mask, weights)

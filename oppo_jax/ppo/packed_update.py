@@ -170,7 +170,7 @@ class PackedUpdate:
             (batch.tokens.shape[1], batch.response_len),
             ppo.pack_granule,
             self.row_multiple,
-            seq_mean=ppo.loss_agg == "seq_mean",
+            agg=ppo.loss_agg,
             width_factor=ppo.pack_width_factor,
         )
 

@@ -15,8 +15,8 @@ most rows a minibatch can need), and a chunk that holds no sequence does not run
 partly padding. A chunk then mixes microbatches, so every reduction of the loss and the
 metrics is a weighted sum of its tokens with weights the host computes from the lengths
 (``losses.TokenWeights``): token_mean 1 / the microbatch's valid tokens, seq_mean 1 / (the
-sequence's valid tokens x the microbatch's sequences with any), a metric's masked mean the
-token_mean weight. Summed over
+sequence's valid tokens x the microbatch's sequences with any), dr_grpo 1 / (m x R), dapo
+A / the minibatch's valid tokens, a metric's masked mean the token_mean weight. Summed over
 the chunks and divided by A as the accumulation does, that is the padded update's mean over
 microbatches of their own means: the same function of the same tokens. Packing each
 microbatch alone instead would run every microbatch at the fullest one's rows.
@@ -129,15 +129,24 @@ def packed_shapes(
     return shape, update_chunks(num_seqs, chunks, row_multiple, width_factor)
 
 
-def token_weights(response_len: np.ndarray, micro: np.ndarray, seq_mean: bool):
+def token_weights(response_len: np.ndarray, micro: np.ndarray, agg: str, response_width: int):
     """(loss, mean) weight of each sequence's response tokens [B] for one minibatch's
-    microbatches ``micro`` [A, m] (module docstring); sequences outside it get 0."""
+    microbatches ``micro`` [A, m] under the loss aggregation ``agg`` (module docstring);
+    sequences outside it get 0. dr_grpo divides by m x R (``response_width``), dapo by the
+    minibatch's tokens, times A (the accumulation divides the sum by A; TRL's does not)."""
     loss, mean = np.zeros(len(response_len)), np.zeros(len(response_len))
+    minibatch_tokens = max(int(response_len[micro.reshape(-1)].sum()), 1)
     for rows in micro:
         n = response_len[rows]
         mean[rows] = 1.0 / max(int(n.sum()), 1)
-        with_tokens = max(int((n > 0).sum()), 1)
-        loss[rows] = 1.0 / (np.maximum(n, 1) * with_tokens) if seq_mean else mean[rows]
+        if agg == "seq_mean":
+            loss[rows] = 1.0 / (np.maximum(n, 1) * max(int((n > 0).sum()), 1))
+        elif agg == "dr_grpo":
+            loss[rows] = 1.0 / (len(rows) * response_width)
+        elif agg == "dapo":
+            loss[rows] = len(micro) / minibatch_tokens
+        else:
+            loss[rows] = mean[rows]
     return loss.astype(np.float32), mean.astype(np.float32)
 
 
@@ -148,13 +157,13 @@ def plan_packing(
     widths: tuple[int, int],
     granule: int = 16,
     row_multiple: int = 1,
-    seq_mean: bool = False,
+    agg: str = "token_mean",
     width_factor: int = 1,
 ) -> PackPlan:
     """Pack every minibatch of ``micro`` [E, M, A, m] (see ``microbatch_rows``) of a batch
     whose sequences have these lengths [B] (host ints), padded width L and response width R
-    (``widths`` = (L, R)), into A chunks each. ``row_multiple``: Rp and N are
-    multiples of it (the devices the rows shard over); ``seq_mean``: the loss aggregation;
+    (``widths`` = (L, R)), into A chunks each. ``row_multiple``: Rp and N are multiples of
+    it (the devices the rows shard over); ``agg``: the loss aggregation (``token_weights``);
     ``width_factor``: rows of that many times L (``packed_width``)."""
     prompt_len, response_len = np.asarray(prompt_len, np.int64), np.asarray(response_len)
     if (prompt_len < 1).any():
@@ -174,7 +183,7 @@ def plan_packing(
     dims = (rows, width, slots, full_width, response_width)
     arrays = []
     for mini, seqs, row_bins in zip(minis, members, bins, strict=True):
-        weights = token_weights(response_len, mini, seq_mean)
+        weights = token_weights(response_len, mini, agg, response_width)
         for c in range(count):
             dealt = row_bins[c * rows : (c + 1) * rows]
             arrays.append(_pack_one(seqs, dealt, prompt_len, response_len, weights, dims))

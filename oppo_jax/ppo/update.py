@@ -139,7 +139,7 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
         mb.old_logp,
         mb.advantages,
         mb.mask,
-        ppo.cliprange,
+        ppo.cliprange if ppo.cliprange_high is None else (ppo.cliprange, ppo.cliprange_high),
         ppo.loss_agg,
         importance=(mb.behaviour_logp, is_clip) if is_clip else None,
         weights=weights,

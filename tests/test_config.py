@@ -360,7 +360,10 @@ def test_overcommit_larger_than_the_batch_is_rejected():
         load_config(None, ["pipeline.overcommit_max=20", "pipeline.adaptive_overcommit=true"])
     # Δ counts groups: 5 groups of 4 do not fit beside a batch of 16 (4 groups)
     with pytest.raises(ConfigError, match=r"pipeline.overcommit=5: .* \(16/4\)=4 \(groups\)"):
-        load_config(None, ["pipeline.overcommit=5", "rollout.group_size=4"])
+        load_config(
+            None,
+            ["pipeline.overcommit=5", "rollout.group_size=4", "pipeline.adaptive_overcommit=false"],
+        )
 
 
 def test_group_keys_are_checked():

@@ -21,8 +21,9 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 STD_EPS = 1e-4  # TRL's: added to the std, not under the root
 
 
-def _std(x: Float[Array, "*dims"], axis=None) -> Float[Array, "*dims"]:
-    """Unbiased standard deviation (0 for a single value's NaN is not reachable: G >= 2)."""
+def _std(x: Float[Array, "*dims"], axis=None) -> Float[Array, "..."]:
+    """Unbiased standard deviation, over ``axis`` (kept, size 1) or all of ``x`` (a scalar);
+    a single value's NaN is not reachable: G >= 2."""
     return jnp.std(x, axis=axis, ddof=1, keepdims=axis is not None)
 
 

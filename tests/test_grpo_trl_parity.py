@@ -1,0 +1,401 @@
+"""The GRPO family against TRL 1.9.0's own code, within 1e-6 (float32 on both sides).
+
+Advantages: the lines of ``GRPOTrainer._generate_and_score_completions`` and
+``RLOOTrainer._generate_and_score_completions`` that turn rewards into advantages, cut from
+TRL's source between anchor lines and run on torch tensors (an anchor TRL no longer has fails
+the test). Losses: ``GRPOTrainer._compute_loss`` itself, called unbound on a stub holding only
+the attributes it reads, its per-token log-prob function returning given log-probs; the
+microbatches' losses summed as the Trainer's accumulation sums them, against
+``update.actor_objective`` on one packed chunk (``packing.token_weights``) divided by A as our
+accumulation divides. Values and gradients w.r.t. the log-probs. REINFORCE++ has no TRL
+trainer: NumPy.
+
+Loss types: our token_mean = TRL bnpo, seq_mean = grpo, dr_grpo = dr_grpo, dapo = dapo.
+"""
+
+import importlib.util
+import inspect
+import textwrap
+from collections import defaultdict
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oppo_jax.config.schema import PPOConfig
+from oppo_jax.ppo.group_advantages import sequence_advantages, token_advantages
+from oppo_jax.ppo.losses import TokenWeights
+from oppo_jax.ppo.packing import token_weights
+from oppo_jax.ppo.update import actor_objective
+
+# Looked up, not imported: importing trl and torch at collection would cost every test worker
+# seconds. TRL's GRPO and RLOO trainers import requests (its vLLM client), which trl does not
+# declare.
+for _module in ("trl", "torch", "requests"):
+    if importlib.util.find_spec(_module) is None:
+        pytest.skip(f"{_module} is not installed (the peers extra)", allow_module_level=True)
+
+TOL = dict(atol=1e-6, rtol=1e-6)
+LOSS_TYPES = {"token_mean": "bnpo", "seq_mean": "grpo", "dr_grpo": "dr_grpo", "dapo": "dapo"}
+R = 8  # max_response_len = TRL's max_completion_length
+M = 3  # sequences per microbatch (TRL's per_device_train_batch_size)
+
+
+@pytest.fixture(scope="module")
+def trl():
+    """TRL's trainer modules, and torch."""
+    import torch
+    from trl.trainer import grpo_trainer, rloo_trainer
+
+    return SimpleNamespace(grpo=grpo_trainer, rloo=rloo_trainer, torch=torch)
+
+
+# ------------------------------------------------------------------------------ advantages
+def _trl_block(func, first: str, last: str):
+    """TRL's own lines of ``func``, from the one holding ``first`` to the next holding
+    ``last``, dedented and compiled to run on given variables."""
+    lines = inspect.getsource(func).splitlines()
+    starts = [i for i, line in enumerate(lines) if first in line]
+    assert len(starts) == 1, f"anchor {first!r}: {len(starts)} matches in {func.__qualname__}"
+    ends = [i for i in range(starts[0], len(lines)) if last in lines[i]]
+    assert ends, f"anchor {last!r} not found after {first!r} in {func.__qualname__}"
+    source = textwrap.dedent("\n".join(lines[starts[0] : ends[0] + 1]))
+    return compile(source, f"<trl {func.__qualname__}>", "exec")
+
+
+def _run_block(module, func, anchors, **variables):
+    """Run TRL's block of ``func`` in its module's namespace; returns its ``advantages``."""
+    namespace = {**vars(module), "device": module.torch.device("cpu"), **variables}
+    exec(_trl_block(func, *anchors), namespace)
+    return namespace["advantages"].numpy()
+
+
+GRPO_ANCHORS = (
+    'if self.multi_objective_aggregation == "sum_then_normalize":',
+    "advantages = torch.nan_to_num(advantages, nan=0.0)",
+)
+RLOO_ANCHORS = (
+    "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+    "advantages = torch.nan_to_num(advantages, nan=0.0)",
+)
+
+
+def trl_grpo_advantages(trl, rewards: np.ndarray, group_size: int, scale: str) -> np.ndarray:
+    """GRPOTrainer's advantages of one reward function's scores [B] (float32)."""
+    torch = trl.torch
+    stub = SimpleNamespace(
+        multi_objective_aggregation="sum_then_normalize",
+        scale_rewards=scale,
+        reward_weights=torch.ones(1),
+    )
+    per_func = torch.from_numpy(rewards.astype(np.float32))[:, None]
+    return _run_block(
+        trl.grpo,
+        trl.grpo.GRPOTrainer._generate_and_score_completions,
+        GRPO_ANCHORS,
+        self=stub,
+        rewards_per_func=per_func,
+        unscorable_mask=torch.isnan(per_func).all(dim=1),
+        num_generations=group_size,
+    )
+
+
+def trl_rloo_advantages(trl, rewards: np.ndarray, group_size: int, kl=None) -> np.ndarray:
+    """RLOOTrainer's advantages (normalize_advantages False, its default); ``kl`` =
+    (beta, old_logp [B, T], ref_logp [B, T], mask [B, T]) puts its sequence KL in the reward."""
+    torch = trl.torch
+    beta, old, ref, mask = kl if kl is not None else (0.0, None, None, None)
+    stub = SimpleNamespace(
+        reward_weights=torch.ones(1),
+        reward_clip_range=None,
+        beta=beta,
+        normalize_advantages=False,
+    )
+    per_func = torch.from_numpy(rewards.astype(np.float32))[:, None]
+    tensors = {"old_per_token_logps": old, "ref_per_token_logps": ref, "completion_mask": mask}
+    return _run_block(
+        trl.rloo,
+        trl.rloo.RLOOTrainer._generate_and_score_completions,
+        RLOO_ANCHORS,
+        self=stub,
+        rewards_per_func=per_func,
+        unscorable_mask=torch.isnan(per_func).all(dim=1),
+        num_generations=group_size,
+        **{k: None if v is None else torch.from_numpy(v) for k, v in tensors.items()},
+    )
+
+
+def group_rewards(seed: int, groups: int, group_size: int) -> np.ndarray:
+    """[groups·G] scores: continuous groups, one binary group and one tied group (std 0)."""
+    rng = np.random.default_rng(seed)
+    r = rng.normal(0.3, 1.5, (groups, group_size))
+    r[1] = rng.integers(0, 2, group_size)
+    r[1, :2] = (0.0, 1.0)  # both values present
+    r[2] = 0.75  # every response scores the same: A = 0 / (0 + 1e-4)
+    return r.reshape(-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("seed,groups,group_size", [(0, 4, 4), (1, 3, 2), (2, 3, 8)])
+def test_grpo_advantages_match_trl(trl, scale, seed, groups, group_size):
+    rewards = group_rewards(seed, groups, group_size)
+    want = trl_grpo_advantages(trl, rewards, group_size, scale)
+    got = sequence_advantages(jnp.asarray(rewards), group_size, "grpo", scale)
+    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+
+
+@pytest.mark.parametrize("seed,groups,group_size", [(0, 4, 4), (1, 3, 2), (2, 3, 8)])
+def test_rloo_advantages_match_trl(trl, seed, groups, group_size):
+    rewards = group_rewards(seed, groups, group_size)
+    want = trl_rloo_advantages(trl, rewards, group_size)
+    got = sequence_advantages(jnp.asarray(rewards), group_size, "rloo")
+    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+
+
+def test_rloo_with_kl_in_reward_matches_trl(trl):
+    """RLOO (beta > 0) subtracts beta · Σ_t (old_logp − ref_logp) from each score first;
+    ours, given those penalised scores, gives RLOO's advantages."""
+    rng = np.random.default_rng(3)
+    group_size, beta = 4, 0.05
+    rewards = group_rewards(3, 3, group_size)
+    lengths = rng.integers(1, R + 1, rewards.size)
+    mask = (np.arange(R)[None] < lengths[:, None]).astype(np.int64)
+    old = (-np.abs(rng.normal(1.0, 0.5, mask.shape))).astype(np.float32)
+    ref = (old + rng.normal(0.0, 0.3, mask.shape)).astype(np.float32)
+    want = trl_rloo_advantages(trl, rewards, group_size, (beta, old, ref, mask))
+    assert not np.allclose(want, trl_rloo_advantages(trl, rewards, group_size), atol=1e-3)
+    penalised = rewards - beta * np.sum((old - ref) * mask, axis=1, dtype=np.float32)
+    got = sequence_advantages(jnp.asarray(penalised), group_size, "rloo")
+    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+
+
+@pytest.mark.parametrize("estimator,scale", [("grpo", "group"), ("rloo", "group")])
+def test_token_advantages_spread_sequence_advantages(estimator, scale):
+    rng = np.random.default_rng(4)
+    rewards = group_rewards(4, 3, 4)
+    mask = np.arange(R)[None] < rng.integers(1, R + 1, rewards.size)[:, None]
+    per_seq = np.asarray(sequence_advantages(jnp.asarray(rewards), 4, estimator, scale))
+    got = token_advantages(jnp.asarray(rewards), jnp.asarray(mask), 4, estimator, scale)
+    np.testing.assert_array_equal(np.asarray(got), np.where(mask, per_seq[:, None], 0.0))
+
+
+@pytest.mark.parametrize("seed,group_size", [(0, 4), (1, 2), (2, 8)])
+def test_reinforce_pp_matches_numpy(seed, group_size):
+    """REINFORCE++ (group baseline): r − group mean on each valid token, whitened over all
+    valid tokens of the batch (unbiased variance, + 1e-8 under the root), 0 on padding."""
+    rng = np.random.default_rng(seed)
+    rewards = group_rewards(seed, 3, group_size)
+    mask = np.arange(R)[None] < rng.integers(1, R + 1, rewards.size)[:, None]
+    r = rewards.astype(np.float64).reshape(-1, group_size)
+    centred = (r - r.mean(axis=1, keepdims=True)).reshape(-1)
+    tokens = np.broadcast_to(centred[:, None], mask.shape)[mask]
+    whitened = (tokens - tokens.mean()) / np.sqrt(tokens.var(ddof=1) + 1e-8)
+    want = np.zeros(mask.shape)
+    want[mask] = whitened
+    got = token_advantages(jnp.asarray(rewards), jnp.asarray(mask), group_size, "reinforce_pp")
+    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+    np.testing.assert_allclose(
+        np.asarray(sequence_advantages(jnp.asarray(rewards), group_size, "reinforce_pp")),
+        centred,
+        **TOL,
+    )
+
+
+# ------------------------------------------------------------------------------ losses
+class LossStub:
+    """What ``GRPOTrainer._compute_loss`` reads, and nothing more (a new read fails loudly).
+    Its per-token log-prob function returns ``self.logps`` / ``self.entropies``."""
+
+    def __init__(self, loss_type, beta, eps, grad_accum, entropy_coef=0.0):
+        self.loss_type, self.beta, self.max_completion_length = loss_type, beta, R
+        self.epsilon_low, self.epsilon_high = eps
+        self.current_gradient_accumulation_steps = grad_accum
+        self.top_entropy_quantile, self.aux_loss_enabled = 1.0, False
+        self.off_policy_mask_threshold, self.importance_sampling_level = None, "token"
+        self.use_vllm, self.vllm_importance_sampling_correction = False, False
+        self._entropy_bonus_enabled = entropy_coef != 0.0
+        self.entropy_coef, self.use_adaptive_entropy = entropy_coef, False
+        self.args = SimpleNamespace(delta=None, use_bias_correction_kl=False)
+        self.model = SimpleNamespace(training=True)
+        self.accelerator = SimpleNamespace(
+            num_processes=1,
+            sync_gradients=True,
+            gather=lambda x: x.reshape(-1),
+            reduce=lambda x, reduction: x,
+        )
+        self._metrics = defaultdict(lambda: defaultdict(list))
+        self.logps = self.entropies = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, mask, logits_to_keep, **kw):
+        assert self.logps.shape == (input_ids.shape[0], logits_to_keep)
+        return self.logps, self.entropies, None
+
+
+def loss_case(seed: int, accum: int, on_policy: bool):
+    """A minibatch of ``accum`` x M sequences, lengths 1..R-1 (padded to the longest, as TRL
+    pads), and its microbatches: random rows [A, M]."""
+    rng = np.random.default_rng(seed)
+    n = accum * M
+    lengths = rng.integers(1, R, n)
+    width = int(lengths.max())
+    mask = np.arange(width)[None] < lengths[:, None]
+    logp = (-np.abs(rng.normal(1.0, 0.6, (n, width)))).astype(np.float32)
+    drift = 0.0 if on_policy else rng.normal(0.0, 0.3, (n, width))
+    return SimpleNamespace(
+        lengths=lengths,
+        mask=mask,
+        logp=logp,
+        old=(logp + drift).astype(np.float32),  # π_old (= logp when μ = 1: TRL detaches)
+        ref=(logp + rng.normal(0.0, 0.2, (n, width))).astype(np.float32),
+        entropy=np.abs(rng.normal(2.0, 0.5, (n, width))).astype(np.float32),
+        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
+        micro=rng.permutation(n).reshape(accum, M),
+    )
+
+
+def trl_loss(trl, case, stub: LossStub, on_policy: bool):
+    """TRL's accumulated loss (Σ over microbatches of ``_compute_loss``) and its gradients
+    w.r.t. the log-probs [n, T] and the entropies [n, T]."""
+    torch = trl.torch
+    logp = torch.tensor(case.logp, requires_grad=True)
+    entropy = torch.tensor(case.entropy, requires_grad=True)
+    completion_mask = torch.from_numpy(case.mask.astype(np.int64))
+    num_items = completion_mask.sum()  # the generation batch's: all A microbatches
+    total = 0.0
+    for rows in case.micro:
+        rows_t = torch.from_numpy(rows)
+        stub.logps, stub.entropies = logp[rows_t], entropy[rows_t]
+        inputs = {
+            "prompt_ids": torch.ones(len(rows), 2, dtype=torch.long),
+            "prompt_mask": torch.ones(len(rows), 2, dtype=torch.long),
+            "completion_ids": torch.ones(len(rows), case.mask.shape[1], dtype=torch.long),
+            "completion_mask": completion_mask[rows_t],
+            "advantages": torch.from_numpy(case.advantages[rows]),
+            "ref_per_token_logps": torch.from_numpy(case.ref[rows]),
+            "num_items_in_batch": num_items,
+        }
+        if not on_policy:
+            inputs["old_per_token_logps"] = torch.from_numpy(case.old[rows])
+        total = total + trl.grpo.GRPOTrainer._compute_loss(stub, None, inputs)
+    total.backward()
+    grads = [
+        np.zeros_like(x) if t.grad is None else t.grad.numpy()
+        for x, t in ((case.logp, logp), (case.entropy, entropy))
+    ]
+    return total.item(), *grads
+
+
+def our_loss(ppo: PPOConfig, case, kl_coef: float, seed: int):
+    """Our accumulated loss on the packed layout: every valid token of the minibatch in one
+    chunk, in shuffled slot order with unused slots after, weighted by ``token_weights``;
+    divided by A as the update divides. Gradients mapped back to [n, T]."""
+    rng = np.random.default_rng(seed + 100)
+    rows, cols = np.nonzero(case.mask)
+    order = rng.permutation(len(rows))
+    rows, cols = rows[order], cols[order]
+    unused = 5
+    loss_w, mean_w = token_weights(case.lengths, case.micro, ppo.loss_agg, R)
+
+    def slots(x, fill):
+        return jnp.asarray(np.concatenate([x[rows, cols], np.full(unused, fill, x.dtype)]))
+
+    def slot_weights(w):
+        return jnp.asarray(np.concatenate([w[rows], np.zeros(unused, w.dtype)]))
+
+    per_seq = np.broadcast_to(case.advantages[:, None], case.mask.shape)
+    mb = SimpleNamespace(
+        old_logp=slots(case.old, 3.0),
+        behaviour_logp=slots(case.old, 3.0),
+        ref_logp=slots(case.ref, -7.0),
+        advantages=slots(per_seq, 9.0),
+        mask=slots(case.mask, False),
+    )
+    weights = TokenWeights(loss=slot_weights(loss_w), mean=slot_weights(mean_w))
+
+    def loss(logp, entropy):
+        value, _ = actor_objective(ppo, logp, entropy, mb, kl_coef, weights)
+        return value / ppo.grad_accum_steps
+
+    value, (g_logp, g_entropy) = jax.value_and_grad(loss, argnums=(0, 1))(
+        slots(case.logp, 5.0), slots(case.entropy, 4.0)
+    )
+    grads = []
+    for g in (g_logp, g_entropy):
+        assert np.all(np.asarray(g)[-unused:] == 0.0)  # unused slots take no gradient
+        full = np.zeros(case.mask.shape, np.float32)
+        full[rows, cols] = np.asarray(g)[:-unused]
+        grads.append(full)
+    return float(value), *grads
+
+
+def compare(trl, agg, beta, eps_high, accum, on_policy, seed, entropy_coef=0.0):
+    """Our packed loss and gradients against TRL's, for one setting."""
+    ppo = PPOConfig(
+        advantage="grpo",
+        loss_agg=agg,
+        kl_coef=beta,
+        kl_estimator="k3",
+        kl_in_reward=False,
+        cliprange=0.2,
+        cliprange_high=eps_high,
+        entropy_coef=entropy_coef,
+        grad_accum_steps=accum,
+    )
+    case = loss_case(seed, accum, on_policy)
+    stub = LossStub(LOSS_TYPES[agg], beta, (0.2, eps_high or 0.2), accum, entropy_coef)
+    want, want_glogp, want_gent = trl_loss(trl, case, stub, on_policy)
+    got, got_glogp, got_gent = our_loss(ppo, case, beta, seed)
+    np.testing.assert_allclose(got, want, **TOL)
+    for mine, theirs in ((got_glogp, want_glogp), (got_gent, want_gent)):
+        # gradients are small (1 / tokens): within 1e-6 of the largest one, relative
+        scale = max(np.abs(theirs).max(), 1e-30)
+        np.testing.assert_allclose(mine / scale, theirs / scale, atol=1e-6)
+    return case
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_loss_matches_trl_compute_loss(trl, agg, beta, eps_high, accum):
+    """Off-policy (μ > 1: π_old ≠ π_θ, so ratios leave [1 − ε_low, 1 + ε_high])."""
+    case = compare(trl, agg, beta, eps_high, accum, on_policy=False, seed=7 + accum)
+    ratio = np.exp(case.logp - case.old)[case.mask]
+    assert (ratio > 1.28).any() and (ratio < 0.8).any()  # both clip edges are exercised
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+def test_on_policy_loss_matches_trl(trl, agg):
+    """μ = 1: TRL takes π_old = π_θ detached; ours reads π_old = the same numbers."""
+    compare(trl, agg, beta=0.04, eps_high=0.28, accum=2, on_policy=True, seed=11)
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_parity_across_lengths(trl, agg, seed):
+    """Other draws of the lengths and the microbatch split."""
+    compare(trl, agg, beta=0.04, eps_high=None, accum=2, on_policy=False, seed=seed)
+
+
+ENTROPY_DISCREPANCY = pytest.mark.xfail(
+    strict=True,
+    reason="TRL 1.9.0's entropy bonus is the per-token mean of every loss type (accumulated "
+    "as its policy term is); ours aggregates the entropy with ppo.loss_agg, which for "
+    "seq_mean (per-sequence means) and dr_grpo (Σ / (m·R)) is not a token mean",
+)
+
+
+@pytest.mark.parametrize(
+    "agg",
+    [
+        "token_mean",
+        "dapo",
+        pytest.param("seq_mean", marks=ENTROPY_DISCREPANCY),
+        pytest.param("dr_grpo", marks=ENTROPY_DISCREPANCY),
+    ],
+)
+def test_entropy_bonus_matches_trl(trl, agg):
+    """ppo.entropy_coef against TRL's entropy_coef (loss − coef · H)."""
+    compare(trl, agg, 0.04, 0.28, 2, on_policy=False, seed=5, entropy_coef=0.01)

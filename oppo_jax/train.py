@@ -75,7 +75,7 @@ def step_record(ctx: RunContext, plan: StepPlan, result: StepResult, carried: in
     }
     if ctx.gold_fn is not None:
         record["gold"] = float(np.mean(ctx.gold_fn(result.responses, lengths)))
-    record.update(_staleness(result, carried, plan.overcommit))
+    record.update(_staleness(result, carried, plan.overcommit // plan.group_size))  # Δ: groups
     if result.work is not None:  # tokens computed / real and efficiency per stage
         record.update(result.work.to_record())
     return record

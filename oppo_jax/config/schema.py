@@ -110,6 +110,17 @@ class PPOConfig:
     # hold no more tokens than a padded microbatch whatever the width
     pack_width_factor: int = 1
 
+    @property
+    def uses_critic(self) -> bool:
+        """GAE needs a critic; the group estimators are critic-free (no critic anywhere)."""
+        return self.advantage == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term (in the reward or the loss) reads the reference; with β = 0 it is never
+        loaded or run."""
+        return self.kl_coef > 0 or self.adaptive_kl
+
 
 @dataclass(frozen=True)
 class OptimConfig:

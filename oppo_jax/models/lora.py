@@ -156,8 +156,8 @@ def over_frozen(losses, frozen: dict | None):
     if frozen is None:
         return losses
 
-    def under(fn, role):
-        return lambda params, *args: fn(combine(params, frozen[role]), *args)
+    def under(fn, role):  # a critic-free run has no critic base
+        return lambda params, *args: fn(combine(params, frozen.get(role)), *args)
 
     return dataclasses.replace(
         losses, actor=under(losses.actor, "actor"), critic=under(losses.critic, "critic")

@@ -1,11 +1,14 @@
 """Inter-step overlap bookkeeping on the host: admission, the cut, and the carried buffer.
 
-A step admits up to B + Δ sequences: carried ones first (FIFO), then new prompts. All slots
-decode in lockstep; the step's rollout ends at the decode position where the B-th sequence
-completes. The batch is the B completed sequences in a fixed order — sequences that reached
-``max_deferrals`` first, then by completion position, then by admission order — and every
-other sequence is carried with the tokens it had at the cut. Nothing here touches a device:
-it is plain Python over small integer arrays, so its invariants are property-tested directly.
+A step admits up to B + Δ·G sequences in groups of G (G responses to one prompt, with sample
+indices 0..G-1; G = 1 for PPO): carried groups first (FIFO), then new prompts, each group in
+G contiguous slots. All slots decode in lockstep; the step's rollout ends at the decode
+position where the (B/G)-th group completes (a group completes with its last member). The
+batch is those B/G whole groups in a fixed order — groups that reached ``max_deferrals``
+first, then by completion position, then by admission order — and every other group is
+carried whole: its finished members complete, the others with the tokens they had at the cut.
+Nothing here touches a device: it is plain Python over small integer arrays, so its
+invariants are property-tested directly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Carried:
     version: list[int]  # step (policy version) that sampled each response token
     deferrals: int  # steps this sequence has been carried so far
     finished: bool = False  # completed (EOS or max length) but not taken into a batch yet
+    sample_index: int = 0  # which of its prompt's G samples (its sampling keys' index)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -74,22 +78,31 @@ def select_batch(
     active: np.ndarray,
     must_finish: np.ndarray,
     batch_size: int,
+    group_size: int = 1,
 ) -> Selection | None:
-    """Choose the batch once enough slots have finished; None if the rollout must go on.
+    """Choose the batch once enough groups have finished; None if the rollout must go on.
 
     ``finish_step[s]`` is the lockstep decode position at which slot s finished (-1 while
-    running; 0 if it was already complete when admitted). Slots are in admission order.
+    running; 0 if it was already complete when admitted). Slots are in admission order, slot
+    s in group s // ``group_size``; a group completes at its last member's finish.
 
-    Example: finish_step [3, -1, 1, 3], all active, none must finish, B = 2 -> batch [2, 0],
-    cut 3 (slot 3 also finished at 3 but was admitted after slot 0, so it is carried).
+    Example (G = 1): finish_step [3, -1, 1, 3], all active, none must finish, B = 2 -> batch
+    [2, 0], cut 3 (slot 3 also finished at 3 but was admitted after slot 0, so it is carried).
     """
-    done = active & (finish_step >= 0)
-    if np.any(must_finish & active & ~done) or done.sum() < batch_size:
+    g = group_size
+    groups = len(finish_step) // g
+    member_active = active[: groups * g].reshape(groups, g)
+    running = (member_active & (finish_step[: groups * g].reshape(groups, g) < 0)).any(axis=1)
+    done = member_active.any(axis=1) & ~running
+    urgent = (must_finish[: groups * g].reshape(groups, g) & member_active).any(axis=1)
+    if np.any(urgent & ~done) or done.sum() < batch_size // g:
         return None
-    slots = np.flatnonzero(done)
+    ids = np.flatnonzero(done)
+    finish = finish_step[: groups * g].reshape(groups, g).max(axis=1)
     # Lexicographic: must-finish first, then completion position, then admission order.
-    order = np.lexsort((slots, finish_step[slots], ~must_finish[slots]))
-    batch = slots[order[:batch_size]]
+    order = np.lexsort((ids, finish[ids], ~urgent[ids]))
+    taken = ids[order[: batch_size // g]]
+    batch = (taken[:, None] * g + np.arange(g)[None, :]).reshape(-1)
     return Selection(batch=batch, cut=int(finish_step[batch].max()) if len(batch) else 0)
 
 
@@ -104,6 +117,7 @@ class SlotBatch:
     prefix_behaviour: np.ndarray  # [S, R] sampling-time log-probs of the prefix tokens
     prefix_version: np.ndarray  # [S, R] policy version (step) that sampled each prefix token
     prompt_ids: np.ndarray  # [S]
+    sample_index: np.ndarray  # [S] which of its prompt's G samples each slot holds
     deferrals: np.ndarray  # [S] times each sequence has been carried so far
     active: np.ndarray  # [S] bool: slot holds a sequence
     must_finish: np.ndarray  # [S] bool: deferrals reached max_deferrals
@@ -132,10 +146,11 @@ class SlotBatch:
 class AdmitRule:
     """How one step fills its slots."""
 
-    num_sequences: int  # B + Δ sequences to start
+    num_sequences: int  # B + Δ·G sequences to start
     num_slots: int  # S >= num_sequences (rounded up so slots shard evenly; the rest stay empty)
     room_for_prefix: bool  # contexts get R columns for carried prefixes (carrying is on)
     max_deferrals: int  # a sequence carried this often must finish in this step
+    group_size: int = 1  # G, samples of each new prompt (contiguous slots)
 
 
 def admit(
@@ -147,16 +162,18 @@ def admit(
     pad_id: int = 0,
 ) -> SlotBatch:
     """Fill ``rule.num_sequences`` of ``rule.num_slots`` slots: carried first (FIFO), then new
-    prompts.
+    prompts, each G times (sample indices 0..G-1). Carried groups stay whole: the buffer only
+    ever holds whole groups in order, and both counts are multiples of G.
 
     ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)]. The context is P wide, P + R when
     ``rule.room_for_prefix`` (one width for every step of a carrying run: the admission
     prefills the prompts and replays each prefix at its own length, ``scoring.replay``).
     """
-    n, num_slots = rule.num_sequences, rule.num_slots
+    n, num_slots, g = rule.num_sequences, rule.num_slots, rule.group_size
     entries: list = buffer.take(n)
-    for prompt_id, tokens in prompts.take(n - len(entries)):
-        entries.append(Carried(int(prompt_id), [int(t) for t in tokens], [], [], [], 0))
+    for prompt_id, tokens in prompts.take((n - len(entries)) // g):
+        prompt = [int(t) for t in tokens]
+        entries += [Carried(int(prompt_id), prompt, [], [], [], 0, False, i) for i in range(g)]
     room = response_len if rule.room_for_prefix else 0
     s = SlotBatch(
         context=np.full((num_slots, prompt_width + room), pad_id, np.int32),
@@ -166,6 +183,7 @@ def admit(
         prefix_behaviour=np.zeros((num_slots, response_len), np.float32),
         prefix_version=np.zeros((num_slots, response_len), np.int32),
         prompt_ids=np.zeros(num_slots, np.int64),
+        sample_index=np.zeros(num_slots, np.int32),
         deferrals=np.zeros(num_slots, np.int32),
         active=np.zeros(num_slots, bool),
         must_finish=np.zeros(num_slots, bool),
@@ -176,6 +194,7 @@ def admit(
         s.context[i, : len(row)] = row
         s.prompt_len[i], s.prefix_len[i] = len(c.prompt), len(c.response)
         s.prefix_finished[i], s.prompt_ids[i], s.deferrals[i] = c.finished, c.prompt_id, c.deferrals
+        s.sample_index[i] = c.sample_index
         s.prefix_behaviour[i, : len(c.response)] = c.behaviour_logp
         s.prefix_version[i, : len(c.response)] = c.version
         s.active[i] = True
@@ -225,6 +244,7 @@ def carry_out(
                 version=entry.version + [step] * (keep - n0),
                 deferrals=entry.deferrals + 1,
                 finished=bool(done),
+                sample_index=entry.sample_index,
             )
         )
     return out

@@ -70,15 +70,16 @@ class HostState:
 
     def plan(self, cfg: Config) -> StepPlan:
         """The next step's settings, as the controllers chose them."""
-        b = cfg.rollout.batch_size
-        return StepPlan(
+        b, g = cfg.rollout.batch_size, cfg.rollout.group_size
+        return StepPlan(  # Δ counts groups of G
             step=self.step,
             batch_size=b,
-            overcommit=self.deltas.delta,
-            reserved=b + self.deltas.slots_needed,
+            overcommit=self.deltas.delta * g,
+            reserved=b + self.deltas.slots_needed * g,
             chunk_size=self.chunks.size_for(self.step),
             kl_coef=float(self.kl_ctl.value),
             update_key=update_key(cfg.seed, self.step),
+            group_size=g,
         )
 
     def observe(self, plan: StepPlan, record: dict) -> None:

@@ -143,7 +143,7 @@ class Kernels:
         """Whether the streaming scorers pack each chunk's tokens (``scoring.packed_chunks``):
         on a scoring mesh that does not split the slots, where packing moves no cache between
         devices; else they score each chunk over every slot."""
-        mesh = self.scorer_specs.reference.mesh
+        mesh = self.rollout.scoring_mesh
         return mesh is None or batch_shards(mesh) == 1
 
     @property
@@ -194,11 +194,13 @@ class Kernels:
         reward = None
         if self.reward_model is not None:  # None: reward functions alone (oppo_jax.rewards)
             reward = ScorerSpec(self.reward_model, "score", r, mesh=mesh)
-        return ScorerSpecs(
-            reference=ScorerSpec(self.spec.actor, "logprob", r, self.spec.temperature, mesh),
-            critic=ScorerSpec(self.spec.critic, "value", r, mesh=mesh),
-            reward=reward,
-        )
+        reference = None  # β = 0: no KL term reads it, so none is loaded or run
+        if self.spec.ppo.uses_reference:
+            reference = ScorerSpec(self.spec.actor, "logprob", r, self.spec.temperature, mesh)
+        critic = None  # a critic-free estimator (ppo.advantage)
+        if self.spec.critic is not None:
+            critic = ScorerSpec(self.spec.critic, "value", r, mesh=mesh)
+        return ScorerSpecs(reference=reference, critic=critic, reward=reward)
 
     def scorer_admit(self, role: str) -> Callable:
         """(params, admission) -> (ScorerState, marker): one role's prefill of the admission's

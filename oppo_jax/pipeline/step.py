@@ -65,11 +65,12 @@ class StepPlan:
 
     step: int  # index of the step (the policy version stamped on the tokens it samples)
     batch_size: int  # B, sequences the update takes
-    overcommit: int  # Δ, sequences started beyond B (0 without carrying)
-    reserved: int  # slots held for this run's largest B + Δ (one compiled shape); >= B + Δ
+    overcommit: int  # Δ·G, sequences started beyond B (0 without carrying)
+    reserved: int  # slots held for this run's largest B + Δ·G (one compiled shape); >= B + Δ·G
     chunk_size: int  # C, tokens per decode chunk
     kl_coef: float  # β of the KL penalty
     update_key: jax.Array  # randomness of the update's minibatch shuffles
+    group_size: int = 1  # G, samples per prompt: admitted, cut and carried as one group
 
 
 @dataclasses.dataclass
@@ -141,14 +142,15 @@ def run_step(
     if schedule.stream:
         scorers.admit(place.to_scoring(admission), replay, slots, kept)
     del kept  # its rows live on in the scorers' states only (memory: Δ_max rows once)
-    rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
+    rule = cut_rule(admission, plan)
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
     chunking = Chunking(rule, plan.chunk_size, longest)
     streamed = scorers if schedule.stream else None
     decoding = decode_rollout(k, timeline, work, actor, decoding, chunking, streamed)
-    # 3. Cut: the first B completed sequences, in the fixed batch order.
+    # 3. Cut: the first B/G completed groups, in the fixed batch order.
     finish_step, decode_steps = to_host((decoding.finish_step, decoding.step))
-    selection = select_batch(finish_step, slots.active, slots.must_finish, plan.batch_size)
+    must = (slots.active, slots.must_finish)
+    selection = select_batch(finish_step, *must, plan.batch_size, plan.group_size)
     if selection is None:  # the decode loop only stops when the rule holds
         raise RuntimeError("rollout ended before enough sequences finished")
     if not schedule.stream:  # the batch's real tokens, packed
@@ -180,7 +182,8 @@ def run_step(
         train_state, batch, plan.update_key, kl_coef, lengths=lengths
     )
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
-    work.add_update(update_metrics, trained_models=2)  # the actor and the critic
+    trained = 1 if k.spec.critic is None else 2  # the actor, and the critic if any
+    work.add_update(update_metrics, trained_models=trained)
     # 5. Carry: sequences not taken keep the tokens they had at the cut (read while the
     #    update runs) and the frozen scorers' rows kept at the cut.
     host = _read_rollout(outputs[:2], generated, finish_step)
@@ -197,14 +200,24 @@ def run_step(
 
 
 def admit_rule(engine: StepEngine, plan: StepPlan) -> AdmitRule:
-    """B + Δ sequences into the slots reserved for the run's largest B + Δ (rounded up so
+    """B + Δ·G sequences into the slots reserved for the run's largest B + Δ·G (rounded up so
     they shard evenly)."""
     return AdmitRule(
         plan.batch_size + plan.overcommit,
         engine.placement.num_slots(plan.reserved),
         room_for_prefix=plan.reserved > plan.batch_size,
         max_deferrals=engine.max_deferrals,
+        group_size=plan.group_size,
     )
+
+
+def cut_rule(admission: Admission, plan: StepPlan) -> CutRule:
+    """The decode's stop rule: B/G complete groups (slot s in group s // G; G = 1: B
+    sequences, each its own group, the rule without group ids)."""
+    g, slots = plan.group_size, admission.num_slots
+    group = None if g == 1 else jnp.arange(slots, dtype=jnp.int32) // g
+    target = jnp.int32(plan.batch_size // g)
+    return CutRule(admission.active, admission.must_finish, target, group)
 
 
 def rollout_shape(rollout) -> tuple[int, int, int]:
@@ -218,12 +231,20 @@ def step_scorers(engine: StepEngine, train_state, timeline: Timeline, work, slot
     k, place = engine.kernels, engine.placement
     params = ScorerParams(
         reference=engine.ref_params,
-        critic=place.critic_for_scoring(k.spec.critic, train_state.critic_model_params),
+        critic=critic_params(engine, train_state),
         reward=engine.reward_params if k.scorer_specs.reward is not None else None,
     )
     # Reward functions run on host threads: each sequence is scored as soon as it ends.
     rewards = engine.rewards.start(slots) if engine.rewards is not None else None
     return StepScorers(k, place, params, timeline, work, rewards)
+
+
+def critic_params(engine: StepEngine, train_state):
+    """This step's critic weights where the scorers run; None without a critic."""
+    critic = engine.kernels.spec.critic
+    if critic is None:
+        return None
+    return engine.placement.critic_for_scoring(critic, train_state.critic_model_params)
 
 
 def admission_replay(slots: SlotBatch, rollout) -> list[ReplayChunk]:
@@ -244,7 +265,7 @@ def device_admission(slots: SlotBatch) -> Admission:
         prefix_finished=jnp.asarray(slots.prefix_finished),
         prefix_behaviour=jnp.asarray(slots.prefix_behaviour),
         prompt_id=jnp.asarray(slots.prompt_ids, jnp.int32),
-        sample_index=jnp.zeros(slots.num_slots, jnp.int32),
+        sample_index=jnp.asarray(slots.sample_index),
         active=jnp.asarray(slots.active),
         must_finish=jnp.asarray(slots.must_finish),
     )

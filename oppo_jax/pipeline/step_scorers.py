@@ -68,7 +68,7 @@ class StepScorers:
         used = kept.usable_rows(carried) if kept is not None else 0
         lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
         prompts = prompts_only(admission, width)
-        states = {}
+        states = {}  # roles without a model stay None
         for role in self.roles:
             frozen = role in FROZEN
             params = getattr(self.params, role)
@@ -116,7 +116,7 @@ class StepScorers:
         """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
         out, computed, real = packed_outputs(self, decoding, rows, slots)
         self.work.add("scoring", computed * len(self.roles), real * len(self.roles))
-        self.packed = ScorerOutputs(out["reference"], out["critic"], out.get("reward"))
+        self.packed = ScorerOutputs(out.get("reference"), out.get("critic"), out.get("reward"))
 
     def keep(self, slots: list[int], bucket: int) -> KeptCaches | None:
         """The frozen scorers' states of the carried ``slots`` in a block of ``bucket`` rows

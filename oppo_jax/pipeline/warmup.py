@@ -37,10 +37,9 @@ from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_pro
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.kernels import feed_replay, prompts_only
 from oppo_jax.pipeline.scoring_kernels import compile_packed_chunks, keep_rows, restore_rows
-from oppo_jax.pipeline.step import device_admission, run_step
+from oppo_jax.pipeline.step import cut_rule, device_admission, run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
-from oppo_jax.rollout.decode import CutRule
 from oppo_jax.scoring.kept import FROZEN
 from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk
 
@@ -170,7 +169,7 @@ def _admission(ctx, host):
     r, plan = engine.kernels.rollout, host.plan(cfg)
     slots = engine.placement.num_slots(plan.reserved)
     rule = AdmitRule(plan.batch_size + plan.overcommit, slots, plan.reserved > plan.batch_size,
-                     engine.max_deferrals)  # fmt: skip
+                     engine.max_deferrals, plan.group_size)  # fmt: skip
     fresh = _Prompts([(i, [r.pad_id + 2] * 2) for i in range(rule.num_sequences)])
     slot_batch = admit(CarryBuffer(), fresh, rule, r.prompt_width, r.max_response_len, r.pad_id)
     return device_admission(slot_batch)
@@ -225,7 +224,7 @@ def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | N
     width = () if kv_width is None else (kv_width,)  # kernels without live widths take C only
     admission = _admission(ctx, host)
     decoding, _ = k.admit(state.actor_model_params, admission, engine.sample_key, ())
-    rule = CutRule(admission.active, admission.must_finish, jnp.int32(plan.batch_size))
+    rule = cut_rule(admission, plan)
     decoding, chunk = k.decode(chunk_size, *width)(state.actor_model_params, decoding, rule)
     outputs = [decoding, chunk]
     if schedule.stream:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from oppo_jax.pipeline.compile_plan import compaction_moves
 from oppo_jax.pipeline.slot_map import SlotMap
+from oppo_jax.pipeline.step import critic_params
 from oppo_jax.rollout.decode import CutRule
 
 
@@ -83,6 +84,5 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
 def scorer_params(ctx, state) -> dict:
     """Role -> the parameters each scorer runs with, placed where the scorers run."""
     engine = ctx.engine
-    k, place = engine.kernels, engine.placement
-    critic = place.critic_for_scoring(k.spec.critic, state.critic_model_params)
+    critic = critic_params(engine, state)
     return {"reference": engine.ref_params, "critic": critic, "reward": engine.reward_params}

@@ -1,4 +1,6 @@
-"""From scored rollouts to a PPOBatch: KL-penalised rewards, GAE and whitening (TRL's order)."""
+"""From scored rollouts to a PPOBatch: KL-penalised rewards, GAE and whitening (TRL's order),
+or, for a critic-free estimator (the GRPO family), each group's scores to advantages
+(``ppo.group_advantages``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from oppo_jax.ppo.advantages import (
     whiten_rewards,
 )
 from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.group_advantages import token_advantages
 from oppo_jax.ppo.masked import masked_mean, masked_sum
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.admission import Admission
@@ -43,14 +46,16 @@ class ScoredRollout:
     ended_with_eos: Bool[Array, " B"]  # False: the response hit the length cap
     old_logp: Float[Array, "B R"]  # log π_old of each token under this step's parameters
     behaviour_logp: Float[Array, "B R"]  # log-prob recorded when the token was sampled
-    ref_logp: Float[Array, "B R"]  # reference log-probs
-    values: Float[Array, "B R"]  # critic values before each token
+    ref_logp: Float[Array, "B R"]  # reference log-probs (old_logp without a reference: KL 0)
+    values: Float[Array, "B R"]  # critic values before each token (zeros without a critic)
 
 
 def build_batch(
-    ppo: PPOConfig, rollout: ScoredRollout, kl_coef: Float[Array, ""]
+    ppo: PPOConfig, rollout: ScoredRollout, kl_coef: Float[Array, ""], group_size: int = 1
 ) -> tuple[PPOBatch, dict[str, Float[Array, ""]]]:
-    """Rewards with the KL penalty -> (optional reward whitening) -> GAE -> advantage whitening.
+    """gae: rewards with the KL penalty -> (optional reward whitening) -> GAE -> advantage
+    whitening. A group estimator: the score (less β·Σ_t KL_t when ``kl_in_reward``, as TRL's
+    RLOO) -> ``group_advantages.token_advantages`` over groups of ``group_size`` rows.
 
     Returns the batch and rollout statistics: mean score, mean sequence KL (Σ_t KL_t,
     averaged over sequences), mean non-score reward, and the mean value.
@@ -61,10 +66,17 @@ def build_batch(
     rewards, kl = penalized_rewards(
         scores, old_logp, ref_logp, mask, kl_coef, ppo.kl_estimator, ppo.kl_in_reward
     )
-    if ppo.whiten_rewards:
-        rewards = whiten_rewards(rewards, mask)
-    advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
-    advantages = whiten_advantages(advantages, mask)
+    if ppo.uses_critic:
+        if ppo.whiten_rewards:
+            rewards = whiten_rewards(rewards, mask)
+        advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
+        advantages = whiten_advantages(advantages, mask)
+    else:  # the per-token rewards summed: the score, less β·Σ_t KL_t when in the reward
+        sequence_reward = jnp.sum(rewards, axis=-1)
+        advantages = token_advantages(
+            sequence_reward, mask, group_size, ppo.advantage, ppo.scale_rewards
+        )
+        returns = jnp.zeros_like(advantages)
     batch = PPOBatch(
         tokens=r.tokens,
         prompt_len=r.prompt_len,
@@ -120,6 +132,7 @@ def batch_from_rollout(
     ended_with_eos = (resp_len > 0) & jnp.isin(last[:, 0], jnp.asarray(rollout.eos_ids))
     in_prefix = jnp.arange(width)[None, :] < prefix_len[:, None]
     behaviour = jnp.where(in_prefix, take(admission.prefix_behaviour), logprobs)
+    zeros = jnp.zeros_like(logprobs)  # no critic (critic-free)
     scored_rollout = ScoredRollout(
         tokens=tokens,
         prompt_len=prompt_len,
@@ -128,8 +141,8 @@ def batch_from_rollout(
         ended_with_eos=ended_with_eos,
         old_logp=logprobs,
         behaviour_logp=behaviour,
-        ref_logp=take(scored.ref_logp),
-        values=take(scored.values),
+        ref_logp=logprobs if scored.ref_logp is None else take(scored.ref_logp),  # KL 0
+        values=zeros if scored.values is None else take(scored.values),
     )
-    batch, stats = build_batch(spec.ppo, scored_rollout, kl_coef)
+    batch, stats = build_batch(spec.ppo, scored_rollout, kl_coef, rollout.group_size)
     return batch, {**stats, "reward": jnp.mean(scores)}

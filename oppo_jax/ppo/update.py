@@ -4,6 +4,8 @@
 The actor and the critic are separate models with separate optimizers. The actor minimises
     pg_loss − entropy_coef · entropy (+ β · KL to the reference, when the KL is not in the reward)
 and the critic minimises vf_coef · vf_loss, which is TRL's ``pg + vf_coef · vf`` split by model.
+A critic-free estimator (the GRPO family) has no critic: ``UpdateSpec.critic`` is None, and so
+are the train state's critic parameters and optimizer state; only the actor is trained.
 Each optimizer update averages the gradients of ``grad_accum_steps`` microbatches.
 
 On a mesh (``packed_update.make_update``) the update is traced with the logical-axis rules
@@ -53,9 +55,9 @@ class TrainState:
     """Actor and critic parameters with their optimizer states and the update counter."""
 
     actor_params: dict
-    critic_params: dict
+    critic_params: dict | None  # None: a critic-free run
     actor_opt: optax.OptState
-    critic_opt: optax.OptState
+    critic_opt: optax.OptState | None
     step: jax.Array  # PPO steps that applied at least one optimizer step (int32 scalar)
     # LoRA: the frozen bases {"actor": ..., "critic": ...} under the trained adapters (the same
     # arrays serve the reference and reward model); never trained, donated or checkpointed.
@@ -70,7 +72,10 @@ class TrainState:
 
     @property
     def critic_model_params(self) -> dict:
-        """The critic's whole parameter tree (adapters and value head over the frozen base)."""
+        """The critic's whole parameter tree (adapters and value head over the frozen base);
+        None without a critic."""
+        if self.critic_params is None:
+            return None
         return lora.combine(self.critic_params, self.frozen and self.frozen["critic"])
 
 
@@ -79,11 +84,11 @@ class UpdateSpec:
     """Static description of the update: models, hyper-parameters and optimizers."""
 
     actor: ModelConfig
-    critic: ModelConfig
+    critic: ModelConfig | None  # None: critic-free (``PPOConfig.uses_critic``)
     ppo: PPOConfig
     temperature: float
     actor_tx: optax.GradientTransformation
-    critic_tx: optax.GradientTransformation
+    critic_tx: optax.GradientTransformation | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +131,7 @@ def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainStat
         actor_params=actor_params,
         critic_params=critic_params,
         actor_opt=spec.actor_tx.init(actor_params),
-        critic_opt=spec.critic_tx.init(critic_params),
+        critic_opt=None if spec.critic is None else spec.critic_tx.init(critic_params),
         step=jnp.zeros((), jnp.int32),
     )
 
@@ -177,6 +182,8 @@ def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, para
     def compute(part):
         mb = losses.prepare(part)
         g_actor, a_aux = actor_grad_fn(params[0], mb, kl_coef)
+        if spec.critic is None:  # critic-free: nothing to differentiate
+            return constrain((g_actor, None)), a_aux
         g_critic, c_aux = critic_grad_fn(params[1], mb)
         return constrain((g_actor, g_critic)), {**a_aux, **c_aux}
 
@@ -208,12 +215,14 @@ def _apply(spec: UpdateSpec, grads, state: TrainState) -> TrainState:
     """One optimizer update of the actor and one of the critic."""
     g_actor, g_critic = grads
     a_updates, actor_opt = spec.actor_tx.update(g_actor, state.actor_opt, state.actor_params)
+    state = state.replace(
+        actor_params=optax.apply_updates(state.actor_params, a_updates), actor_opt=actor_opt
+    )
+    if spec.critic is None:
+        return state
     c_updates, critic_opt = spec.critic_tx.update(g_critic, state.critic_opt, state.critic_params)
     return state.replace(
-        actor_params=optax.apply_updates(state.actor_params, a_updates),
-        critic_params=optax.apply_updates(state.critic_params, c_updates),
-        actor_opt=actor_opt,
-        critic_opt=critic_opt,
+        critic_params=optax.apply_updates(state.critic_params, c_updates), critic_opt=critic_opt
     )
 
 
@@ -228,7 +237,8 @@ def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, 
     metrics = jax.tree.map(lambda v: jnp.sum(v) / spec.ppo.grad_accum_steps, aux)
     # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
     metrics["actor_grad_norm"] = optax.tree.norm(grads[0])
-    metrics["critic_grad_norm"] = optax.tree.norm(grads[1])
+    if spec.critic is not None:
+        metrics["critic_grad_norm"] = optax.tree.norm(grads[1])
     ok = batch_ok & all_finite(metrics)
     # A cond, as in optax.apply_if_finite: XLA then updates the carried (donated) state in
     # place. A select between old and new state kept the new moments as extra temporaries.
@@ -273,8 +283,12 @@ def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT
         return params_sh, opt_sh, frozen_sh
 
     actor_sh, actor_opt_sh, actor_frozen = model_and_opt(spec.actor, spec.actor_tx)
-    critic_sh, critic_opt_sh, critic_frozen = model_and_opt(spec.critic, spec.critic_tx)
+    critic_sh = critic_opt_sh = critic_frozen = None
+    if spec.critic is not None:
+        critic_sh, critic_opt_sh, critic_frozen = model_and_opt(spec.critic, spec.critic_tx)
     frozen = None if actor_frozen is None else {"actor": actor_frozen, "critic": critic_frozen}
+    if frozen is not None and critic_frozen is None:
+        del frozen["critic"]
     return TrainState(actor_sh, critic_sh, actor_opt_sh, critic_opt_sh, step=repl, frozen=frozen)
 
 

@@ -186,14 +186,22 @@ class ChunkTokens:
 
 @flax.struct.dataclass
 class CutRule:
-    """When a rollout may stop: ``target`` active slots finished, and every must-finish one."""
+    """When a rollout may stop: ``target`` groups complete (every active member finished),
+    and every must-finish slot finished. Without ``group`` each slot is its own group."""
 
     active: Bool[Array, " S"]  # slots holding a sequence this step
     must_finish: Bool[Array, " S"]  # slots whose sequence may not be carried again
-    target: Int[Array, ""]  # B, sequences the step needs
+    target: Int[Array, ""]  # B / G, groups the step needs
+    group: Int[Array, " S"] | None = None  # each slot's group id, in [0, S)
 
     def ready(self, finished: Bool[Array, " S"]) -> Bool[Array, ""]:
-        enough = jnp.sum(finished & self.active) >= self.target
+        if self.group is None:
+            enough = jnp.sum(finished & self.active) >= self.target
+        else:
+            slots = finished.shape[0]
+            count = lambda x: jax.ops.segment_sum(x.astype(jnp.int32), self.group, slots)  # noqa: E731
+            running, members = count(self.active & ~finished), count(self.active)
+            enough = jnp.sum((members > 0) & (running == 0)) >= self.target
         return enough & ~jnp.any(self.must_finish & ~finished)
 
 

@@ -24,3 +24,4 @@ class RolloutSpec:
     # synthetic response lengths (rollout.length_sampler lognormal; a benchmarking device);
     # None: the policy decides when to stop
     lengths: LengthSpec | None = None
+    group_size: int = 1  # G, samples per prompt (the batch's groups: G contiguous rows)

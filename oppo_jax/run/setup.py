@@ -257,10 +257,11 @@ def sampling_config(cfg: Config) -> SamplingConfig:
     return SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy)
 
 
-def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateSpec:
+def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig | None) -> UpdateSpec:
     """Static description of the PPO update for ``cfg`` (optimizers sized to the run, layers
     rematerialised as ``model.remat`` says: the rollout never differentiates, so only here;
-    LoRA adapters as ``model.lora_*`` say; trained weights in ``optim.master_dtype``)."""
+    LoRA adapters as ``model.lora_*`` say; trained weights in ``optim.master_dtype``); no
+    critic for a critic-free estimator."""
     updates = cfg.train.steps * cfg.ppo.ppo_epochs * cfg.ppo.num_minibatches
     m = cfg.model
     # Trained weights are created (LoRA adapters, value heads) in the master dtype.
@@ -273,11 +274,13 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig) -> UpdateS
     )
     return UpdateSpec(
         actor=actor.replace(**trained),
-        critic=critic.replace(**trained),
+        critic=critic.replace(**trained) if cfg.ppo.uses_critic else None,
         ppo=cfg.ppo,
         temperature=cfg.rollout.temperature,
         actor_tx=_optimizer(cfg.optim, cfg.optim.actor_lr, updates),
-        critic_tx=_optimizer(cfg.optim, cfg.optim.critic_lr, updates),
+        critic_tx=_optimizer(cfg.optim, cfg.optim.critic_lr, updates)
+        if cfg.ppo.uses_critic
+        else None,
     )
 
 
@@ -305,6 +308,7 @@ def rollout_spec(
         mesh=None if placement is None else placement.groups.generation,
         scoring_mesh=None if placement is None else placement.scoring_mesh,
         lengths=length_spec(cfg),
+        group_size=cfg.rollout.group_size,
     )
 
 
@@ -324,7 +328,9 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
     actor, reward, actor_dir, prompts, gold_fn = _load_models(cfg, mesh, progress)
     critic_cfg = actor.config.replace(head="score", num_labels=1)
     critic_params = None  # a LoRA critic started from the actor sits on the actor's base
-    if cfg.model.critic_init == "reward":  # copied (trained) or shared (a LoRA base) below
+    if not cfg.ppo.uses_critic:  # critic-free (the GRPO family): no critic is built
+        pass
+    elif cfg.model.critic_init == "reward":  # copied (trained) or shared (a LoRA base) below
         critic_cfg, critic_params = reward.config, reward.params
     elif cfg.model.lora_rank:
         pass
@@ -357,13 +363,15 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
             compact_min_slots=cfg.pipeline.compact_min_slots,
         ),
         placement=placement,
-        ref_params=placement.scoring_params(actor.config, actor.params),
+        ref_params=placement.scoring_params(actor.config, actor.params)
+        if cfg.ppo.uses_reference
+        else None,  # β = 0: no reference
         reward_params=reward and placement.scoring_params(reward.config, reward.params),
         sample_key=sampling_key(cfg.seed),
         max_deferrals=cfg.pipeline.max_deferrals,
         rewards=reward_functions(cfg, tok, prompts, eos_ids),  # reward.functions (host)
     )
-    critic_base = reward.params if cfg.model.critic_init == "reward" else actor.params
+    critic_base = reward.params if reward and cfg.model.critic_init == "reward" else actor.params
     actor_trained, critic_trained, frozen = initial_params(
         spec,
         actor.params,

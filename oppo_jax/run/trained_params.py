@@ -13,6 +13,7 @@ critic's base is the reward model's (``critic_init=reward``) or the actor's (``a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -57,6 +58,14 @@ def initial_params(spec, actor_params, critic_params, critic_base, mesh, key, dt
     parameters, shared, not copied). ``dtype`` is ``optim.master_dtype``.
     """
     a_cfg, c_cfg = spec.actor, spec.critic
+    if c_cfg is None and not a_cfg.lora_rank:  # critic-free: the actor alone is trained
+        return master_copy(actor_params, dtype), None, None
+    if c_cfg is None:  # LoRA: the actor's adapters and base (the critic's part is dropped)
+        actor_trained, _, frozen = initial_params(
+            dataclasses.replace(spec, critic=spec.actor), actor_params, actor_params,
+            actor_params, mesh, key, dtype,
+        )  # fmt: skip
+        return actor_trained, None, frozen and {"actor": frozen["actor"]}
     if not a_cfg.lora_rank:
         return master_copy(actor_params, dtype), master_copy(critic_params, dtype), None
     a_key, c_key = jax.random.split(key)
@@ -81,13 +90,14 @@ def abstract_train_state(spec, master: str, frozen_dtype: str | None = None):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), tree)
 
     def trained(cfg):
-        return as_dtype(lora.split(abstract_params(cfg), cfg)[0], master)
+        return None if cfg is None else as_dtype(lora.split(abstract_params(cfg), cfg)[0], master)
 
     init = functools.partial(init_train_state, spec)
     state = jax.eval_shape(init, trained(spec.actor), trained(spec.critic))
     if not spec.actor.lora_rank:
         return state
     models = {"actor": spec.actor, "critic": spec.critic}
+    models = {role: m for role, m in models.items() if m is not None}
     frozen = {
         role: as_dtype(lora.split(abstract_params(m), m)[1], frozen_dtype or m.param_dtype)
         for role, m in models.items()

@@ -63,12 +63,13 @@ ROLES = ("reference", "critic", "reward")  # the scorers of a PPO step, in dispa
 
 @dataclasses.dataclass(frozen=True)
 class ScorerSpecs:
-    """The streaming consumers of the actor's tokens, by role. ``reward`` is None when a
-    programmatic reward function scores the sequences instead of a reward model."""
+    """The streaming consumers of the actor's tokens, by role; a role without a model is
+    None: the reference when no KL term needs it (β = 0), the critic with a critic-free
+    estimator, the reward model when reward functions score instead."""
 
-    reference: ScorerSpec  # log-probs of the frozen reference policy
-    critic: ScorerSpec  # values of the critic (this step's parameters)
-    reward: ScorerSpec | None  # the reward model's score, or None
+    reference: ScorerSpec | None  # log-probs of the frozen reference policy
+    critic: ScorerSpec | None  # values of the critic (this step's parameters)
+    reward: ScorerSpec | None  # the reward model's score
 
     def present(self) -> tuple[str, ...]:
         """The roles that have a model, in dispatch order."""
@@ -79,8 +80,8 @@ class ScorerSpecs:
 class ScorerOutputs:
     """What the scorers produced for every slot, read after the rollout."""
 
-    ref_logp: Float[Array, "S R"]  # reference log-prob of each response token
-    values: Float[Array, "S R"]  # critic value before each response token
+    ref_logp: Float[Array, "S R"] | None  # reference log-prob of each response token
+    values: Float[Array, "S R"] | None  # critic value before each response token
     scores: Float[Array, " S"] | None  # reward-model score at the last token (None: no model)
 
 
@@ -88,8 +89,8 @@ class ScorerOutputs:
 class ScorerParams:
     """Each role's parameters, where its scorer runs (the same roles as its ``ScorerSpecs``)."""
 
-    reference: dict
-    critic: dict
+    reference: dict | None
+    critic: dict | None
     reward: dict | None = None
 
 
@@ -97,13 +98,17 @@ class ScorerParams:
 class ScorerStates:
     """Each role's streaming state (the same roles as its ``ScorerSpecs``)."""
 
-    reference: ScorerState
-    critic: ScorerState
+    reference: ScorerState | None = None
+    critic: ScorerState | None = None
     reward: ScorerState | None = None
 
     def outputs(self) -> ScorerOutputs:
-        reward = None if self.reward is None else self.reward.score
-        return ScorerOutputs(self.reference.per_token, self.critic.per_token, reward)
+        ref, critic, reward = self.reference, self.critic, self.reward
+        return ScorerOutputs(
+            None if ref is None else ref.per_token,
+            None if critic is None else critic.per_token,
+            None if reward is None else reward.score,
+        )
 
 
 def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: int) -> ScorerState:

@@ -1,0 +1,163 @@
+"""Groups under OPPO's overlaps (the GRPO family): the cut takes whole groups, carried groups
+keep their finished members, and the invariances of PPO (chunk size, Δ = 0 oppo = sync,
+resume) hold for a critic-free step."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, HostRollout, admit, carry_out
+from oppo_jax.pipeline.carry import select_batch as host_select
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.run.log import read_metrics
+from oppo_jax.train import train
+from tests.ppo_fixtures import ListPrompts
+from tests.run_fixtures import metric_values, small_demo_config
+
+R = 24  # response capacity
+_B, _G = 8, 4
+
+
+def _length(lengths, prompt_id, sample_index):
+    return min(lengths[(prompt_id * _G + sample_index) % len(lengths)], R)
+
+
+def _device_ready(finish_step, slots) -> bool:
+    """The decode's cut rule (CutRule) on the same finish positions."""
+    import jax.numpy as jnp
+
+    n = slots.num_slots
+    rule = CutRule(
+        jnp.asarray(slots.active), jnp.asarray(slots.must_finish), jnp.int32(_B // _G),
+        jnp.arange(n, dtype=jnp.int32) // _G,
+    )  # fmt: skip
+    return bool(rule.ready(jnp.asarray(finish_step >= 0)))
+
+
+def _simulate_step(slots, lengths, chunk, step, check_device=False):
+    """Lockstep decoding stopped at the first chunk boundary where the cut rule holds; a
+    sequence's length is fixed by (prompt id, sample index)."""
+    n = slots.num_slots
+    full = np.array([
+        _length(lengths, slots.prompt_ids[i], slots.sample_index[i]) if slots.active[i] else 0
+        for i in range(n)
+    ])  # fmt: skip
+    finish_at = np.where(slots.prefix_finished, 0, np.maximum(full - slots.prefix_len, 0))
+    clock = 0
+    while True:
+        clock += chunk
+        finish_step = np.where(slots.active & (finish_at <= clock), finish_at, -1)
+        selection = host_select(finish_step, slots.active, slots.must_finish, _B, _G)
+        if check_device:  # the host can choose a batch exactly when the device may stop
+            assert _device_ready(finish_step, slots) == (selection is not None)
+        if selection is not None:
+            break
+    generated = np.where(finish_step >= 0, slots.prefix_len + finish_at, slots.prefix_len + clock)
+    generated = generated.clip(max=R)
+    tokens = np.stack([
+        slots.prompt_ids[i] * 1000 + slots.sample_index[i] * 100 + np.arange(R) for i in range(n)
+    ]).astype(np.int32)  # fmt: skip
+    rollout = HostRollout(tokens, -np.ones((n, R), np.float32), generated, finish_step)
+    return selection, carry_out(slots, selection, rollout, step), full
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3 * R), min_size=97, max_size=97),
+    delta=st.integers(0, _B // _G),
+    max_deferrals=st.integers(1, 3),
+    chunk=st.sampled_from([1, 3, 8]),
+    steps=st.integers(1, 10),
+)
+def test_updates_hold_whole_groups_and_carried_groups_keep_their_members(
+    lengths, delta, max_deferrals, chunk, steps
+):
+    prompts = ListPrompts([(i, [5, 6]) for i in range(200)])
+    buffer, seen = CarryBuffer(), []
+    for step in range(steps):
+        rule = AdmitRule(_B + delta * _G, _B + delta * _G, True, max_deferrals, _G)
+        slots = admit(buffer, prompts, rule, 2, R)
+        slots.check_carried_first()
+        selection, carried, full = _simulate_step(slots, lengths, chunk, step, step < 3)
+        batch = selection.batch
+        # Exactly B/G whole groups, each its G samples in order.
+        assert len(batch) == _B
+        ids = slots.prompt_ids[batch].reshape(-1, _G)
+        assert (ids == ids[:, :1]).all() and len(set(ids[:, 0])) == _B // _G
+        assert (slots.sample_index[batch].reshape(-1, _G) == np.arange(_G)).all()
+        # No group is split: none of a batch group's members is carried.
+        assert not {c.prompt_id for c in carried} & set(ids[:, 0].tolist())
+        assert len(carried) % _G == 0 and len(carried) == int(slots.active.sum()) - _B
+        for i, c in zip([i for i in range(slots.num_slots) if slots.active[i] and i not in
+                         set(batch.tolist())], carried, strict=True):  # fmt: skip
+            # A finished member is carried complete; its tokens are kept as sampled.
+            assert c.sample_index == slots.sample_index[i]
+            assert c.response == [c.prompt_id * 1000 + c.sample_index * 100 + j
+                                  for j in range(len(c.response))]  # fmt: skip
+            if c.finished:
+                assert len(c.response) == full[i]
+            assert len(c.behaviour_logp) == len(c.version) == len(c.response)
+            assert c.deferrals <= max_deferrals
+        groups = [carried[k : k + _G] for k in range(0, len(carried), _G)]
+        for group in groups:  # carried whole and contiguous, deferred together
+            assert len({c.prompt_id for c in group}) == 1
+            assert [c.sample_index for c in group] == list(range(_G))
+            assert len({c.deferrals for c in group}) == 1
+        seen.extend(ids[:, 0].tolist())
+        buffer.extend(carried)
+    assert len(seen) == len(set(seen))  # a group trains once
+
+
+def test_the_cut_waits_for_a_groups_last_member():
+    finish = np.array([2, 9, 3, 3, -1, 1, 1, 1])  # groups of 4: [2, 9, 3, 3] and [-1, 1, 1, 1]
+    active, none = np.ones(8, bool), np.zeros(8, bool)
+    sel = host_select(finish, active, none, 4, 4)
+    assert sel.batch.tolist() == [0, 1, 2, 3] and sel.cut == 9
+    assert host_select(np.array([2, -1, 3, 3, -1, 1, 1, 1]), active, none, 4, 4) is None
+
+
+# End to end: a critic-free GRPO step on the demo, scored by a reward function.
+GRPO = (
+    "rollout.group_size=4", "ppo.advantage=grpo", "ppo.kl_coef=0.0", "ppo.kl_in_reward=false",
+    "reward.model_weight=0", "reward.functions=[oppo_jax.rewards.demo:sentiment]",
+    "ppo.ppo_epochs=2", "ppo.loss_agg=seq_mean", "ppo.cliprange_high=0.28",
+)  # fmt: skip
+GRPO_OPPO = ("pipeline.mode=oppo", "pipeline.overcommit=1", "pipeline.adaptive_overcommit=false")
+
+
+def _run(tmp_path, name, *extra, resume=False):
+    train(small_demo_config(*GRPO, *extra), tmp_path / name, resume=resume, progress=False)
+    return metric_values(tmp_path / name / "metrics.jsonl")
+
+
+def test_a_grpo_run_has_no_critic_and_no_reference(demo_cache, tmp_path):
+    records = _run(tmp_path, "a", *GRPO_OPPO)
+    stages = set(read_metrics(tmp_path / "a" / "metrics.jsonl")[0]["stage_time_s"])
+    assert not {s for s in stages if "critic" in s or "reference" in s}
+    assert "value_loss" not in records[0] and "critic_grad_norm" not in records[0]
+    assert all(r["kl"] == 0.0 for r in records)
+    assert any(r["carried"] > 0 for r in records) and all(r["carried"] % 4 == 0 for r in records)
+
+
+@pytest.mark.slow  # four demo runs
+def test_grpo_chunk_size_invariance_and_delta_zero_oppo_equals_sync(demo_cache, tmp_path):
+    def results(records):  # what was trained on and its update (not the work's layout)
+        keys = ("reward", "gold", "policy_loss", "actor_grad_norm", "clipfrac", "entropy",
+                "response_len_mean", "carried", "deferral_age_mean")  # fmt: skip
+        return [[r[k] for k in keys] for r in records]
+
+    carrying = _run(tmp_path, "c4", *GRPO_OPPO, "pipeline.chunk_size=4")
+    assert results(carrying) == results(_run(tmp_path, "c16", *GRPO_OPPO, "pipeline.chunk_size=16"))
+    sync = _run(tmp_path, "sync")
+    oppo = _run(tmp_path, "oppo0", "pipeline.mode=oppo", "pipeline.overcommit=0",
+                "pipeline.adaptive_overcommit=false")  # fmt: skip
+    assert results(sync) == results(oppo)
+
+
+@pytest.mark.slow  # three demo runs
+def test_grpo_resume_with_groups_in_flight_is_bit_identical(demo_cache, tmp_path):
+    full = _run(tmp_path, "full", *GRPO_OPPO)
+    assert full[1]["carried"] > 0  # the checkpoint at step 2 holds groups in flight
+    _run(tmp_path, "half", *GRPO_OPPO, "train.steps=2")
+    assert _run(tmp_path, "half", *GRPO_OPPO, resume=True) == full

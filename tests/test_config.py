@@ -357,12 +357,18 @@ def test_overcommit_larger_than_the_batch_is_rejected():
     with pytest.raises(
         ConfigError, match=r"pipeline.overcommit_max=20: must be <= rollout.batch_size / "
     ):
-        load_config(None, ["pipeline.overcommit_max=20", "pipeline.adaptive_overcommit=true"])
+        load_config(None, ["pipeline.overcommit_max=20", "pipeline.adaptive_overcommit=true",
+                           "pipeline.mode=oppo"])  # fmt: skip
     # Δ counts groups: 5 groups of 4 do not fit beside a batch of 16 (4 groups)
     with pytest.raises(ConfigError, match=r"pipeline.overcommit=5: .* \(16/4\)=4 \(groups\)"):
         load_config(
             None,
-            ["pipeline.overcommit=5", "rollout.group_size=4", "pipeline.adaptive_overcommit=false"],
+            [
+                "pipeline.overcommit=5",
+                "rollout.group_size=4",
+                "pipeline.adaptive_overcommit=false",
+                "pipeline.mode=oppo",
+            ],  # fmt: skip
         )
 
 

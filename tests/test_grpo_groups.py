@@ -161,3 +161,21 @@ def test_grpo_resume_with_groups_in_flight_is_bit_identical(demo_cache, tmp_path
     assert full[1]["carried"] > 0  # the checkpoint at step 2 holds groups in flight
     _run(tmp_path, "half", *GRPO_OPPO, "train.steps=2")
     assert _run(tmp_path, "half", *GRPO_OPPO, resume=True) == full
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # β > 0: the reference is loaded and run, its k3 KL in the loss
+        ("ppo.advantage=rloo", "ppo.kl_coef=0.05", "ppo.kl_estimator=k3", "ppo.loss_agg=dr_grpo"),
+        ("ppo.advantage=reinforce_pp", "ppo.loss_agg=dapo", "pipeline.mode=intra"),
+    ],
+)
+def test_every_group_estimator_trains_without_a_critic(demo_cache, tmp_path, extra):
+    records = _run(tmp_path, "e", *extra, "train.steps=2", "train.checkpoint_every=0")
+    stages = set(read_metrics(tmp_path / "e" / "metrics.jsonl")[0]["stage_time_s"])
+    assert not {s for s in stages if "critic" in s}
+    with_reference = "ppo.kl_coef=0.05" in extra
+    assert any("reference" in s for s in stages) == with_reference
+    assert all(np.isfinite(r["policy_loss"]) and r["skipped_steps"] == 0 for r in records)
+    assert (records[-1]["kl"] != 0.0) == with_reference  # the updated policy left the reference

@@ -220,7 +220,7 @@ def _relation_problems(cfg: Config) -> list[str]:
     problems += _group_problems(cfg)
     g = cfg.rollout.group_size
     largest_delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
-    if largest_delta * g > b:
+    if largest_delta * g > b and p.mode in ("inter", "oppo"):  # the schedules that carry
         # At most Δ groups are carried out of a step; B + Δ'G slots must take them all in.
         problems.append(
             f"pipeline.overcommit{'_max' if p.adaptive_overcommit else ''}={largest_delta}: "

@@ -154,6 +154,7 @@ class Kernels:
         if jax.process_count() > 1:
             return None
         compact = compaction_default() if self.compact_slots is None else self.compact_slots
+        compact = compact and self.rollout.group_size == 1  # it would split groups
         gen = 1 if self.rollout.mesh is None else batch_shards(self.rollout.mesh)
         scoring = 1 if self.packs_chunks else 2
         actor, r = self.spec.actor, self.rollout

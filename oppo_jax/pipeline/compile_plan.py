@@ -2,11 +2,12 @@
 what the warm-up iterates (``pipeline.warmup``) and ``oppo-jax compile-plan`` prints, one
 function for both so that the two cannot drift.
 
-A run's shapes follow from a few sizes (B, Δ_max, P, R, the chunk sizes, the mesh's batch
-shards) and switches (the schedule's streaming and carrying, the backend's slot compaction),
-``RunShapes``; the shape rules themselves live in ``oppo_jax.base.shapes``. ``plan_programs`` lists
-every compiled kernel family with its shapes and its program count, the budget a run's
-warm-up spends (DESIGN §3: a few dozen programs at 7B, not hundreds).
+A run's shapes follow from a few sizes (B, Δ_max groups of G, P, R, the chunk sizes, the
+mesh's batch shards), the scorers the config runs (``scorer_roles``) and switches (the
+schedule's streaming and carrying, the backend's slot compaction), ``RunShapes``; the shape
+rules themselves live in ``oppo_jax.base.shapes``. ``plan_programs`` lists every compiled
+kernel family with its shapes and its program count, the budget a run's warm-up spends
+(DESIGN §3: a few dozen programs at 7B, not hundreds).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.scoring.kept import kept_bucket
 from oppo_jax.scoring.replay import replay_shapes
+from oppo_jax.scoring.stream import ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +30,11 @@ class RunShapes:
     stream: bool  # the scorers consume the decode's chunks (intra-step overlap)
     carry: bool  # B + Δ slots, stragglers carried (inter-step overlap)
     batch_size: int  # B
-    slots: int  # S: B + Δ_max rounded up to the generation mesh's batch shards
+    slots: int  # S: B + Δ_max·G rounded up to the generation mesh's batch shards
     prompt_width: int  # P
     response_len: int  # R
     chunk_sizes: tuple[int, ...]  # every C the chunk controller can pick
-    scorers: tuple[str, ...]  # roles that score: reference, critic and the reward model if any
+    scorers: tuple[str, ...]  # roles that score (``scorer_roles``); may be none
     keeps_frozen: bool  # streaming with carrying keeps the frozen scorers' caches of carried rows
     compaction_floor: int | None  # smallest slot bucket of compaction; None: no compaction
     update: tuple  # ((Rp, W, N), K) of the packed update
@@ -52,6 +54,15 @@ class RunShapes:
         return self.slots - self.batch_size if self.carry else 0
 
 
+def scorer_roles(cfg) -> tuple[str, ...]:
+    """The models that score a run's tokens, in dispatch order: the reference when a KL term
+    reads it (``ppo.uses_reference``), the critic when GAE needs values (``ppo.uses_critic``),
+    the reward model when its score weighs (reward.model_weight > 0). Example: GRPO with β = 0
+    and reward functions only -> ()."""
+    present = (cfg.ppo.uses_reference, cfg.ppo.uses_critic, cfg.reward.model_weight > 0)
+    return tuple(role for role, on in zip(ROLES, present, strict=True) if on)
+
+
 def run_shapes(
     cfg, schedule: Schedule | None = None, backend: str | None = None, head_dim: int | None = None
 ) -> RunShapes:
@@ -66,11 +77,12 @@ def run_shapes(
     schedule = schedule or Schedule.named(cfg.pipeline.mode)
     p, r, mesh = cfg.pipeline, cfg.rollout, cfg.mesh
     shards = mesh.data * mesh.fsdp
-    extra = (p.overcommit_max if p.adaptive_overcommit else p.overcommit) if schedule.carry else 0
+    delta = (p.overcommit_max if p.adaptive_overcommit else p.overcommit) if schedule.carry else 0
+    extra = delta * r.group_size  # Δ counts groups of G sequences
     slots = -(-(r.batch_size + extra) // shards) * shards
     sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
-    scorers = ("reference", "critic", *(("reward",) if cfg.reward.model_weight else ()))
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
+    compact = compact and r.group_size == 1  # it would split groups
     scoring_shards = cfg.mesh.scoring_devices if p.placement == "disaggregated" else shards
     if head_dim is None:
         head_dim = PRESETS[cfg.model.preset].head_dim if cfg.model.preset in PRESETS else 128
@@ -96,7 +108,7 @@ def run_shapes(
         prompt_width=r.max_prompt_len,
         response_len=r.max_response_len,
         chunk_sizes=tuple(sorted(sizes)),
-        scorers=scorers,
+        scorers=scorer_roles(cfg),
         keeps_frozen=schedule.stream and schedule.carry and extra > 0,
         compaction_floor=floor,
         update=update,
@@ -157,7 +169,7 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
         Family("experience", ("batch",), 1),
         Family("update", (s.update[0],), 1),
     ]
-    return [f for f in families if f.shapes]
+    return [f for f in families if f.programs]
 
 
 def kept_rows(shapes: RunShapes) -> tuple[int, ...]:

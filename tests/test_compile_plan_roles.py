@@ -1,0 +1,79 @@
+"""The compile plan follows the config's scorers and groups: the reference only at β > 0, the
+critic only with GAE, the reward model only when it weighs; slots B + Δ·G. The PPO configs'
+program counts are unchanged and the GRPO configs stay within them."""
+
+import pytest
+
+from oppo_jax.config import load_config
+from oppo_jax.pipeline.compile_plan import plan_programs, run_shapes, scorer_roles
+from oppo_jax.pipeline.schedule import Schedule
+from oppo_tools.compile_report import total_programs
+
+
+def _programs(name: str, mode: str, backend: str, *sets: str) -> int:
+    cfg = load_config(name, list(sets))
+    return total_programs(plan_programs(run_shapes(cfg, Schedule.named(mode), backend)))
+
+
+@pytest.mark.parametrize(
+    ("name", "sets", "roles"),
+    [
+        ("qwen2.5-7b_gh200x1_lora", (), ("reference", "critic", "reward")),
+        ("qwen2.5-7b_gh200x1_lora", ("ppo.kl_coef=0",), ("critic", "reward")),
+        ("qwen2.5-7b_gh200x1_lora", ("ppo.kl_coef=0", "ppo.adaptive_kl=true"),
+         ("reference", "critic", "reward")),  # an adaptive β needs the reference
+        ("qwen2.5-7b_gh200x1_lora", ("reward.model_weight=0", "reward.functions=[m:f]",
+                                     "model.critic_init=actor"),
+         ("reference", "critic")),
+        ("qwen2.5-7b_gh200x1_lora_grpo", (), ()),
+        ("qwen2.5-7b_tpu-v5p-8_grpo", (), ("reference",)),
+        ("qwen2.5-7b_tpu-v5p-8_grpo", ("reward.model_weight=1",), ("reference", "reward")),
+    ],
+)  # fmt: skip
+def test_scorer_roles_follow_the_config(name, sets, roles):
+    cfg = load_config(name, list(sets))
+    assert scorer_roles(cfg) == roles
+    assert run_shapes(cfg, backend="gpu").scorers == roles
+
+
+# PPO configs: as at a194689 (BENCHMARKS.md, "Few programs"); the GRPO configs below them.
+COUNTS = [
+    ("qwen2.5-7b_gh200x1_lora", "gpu", 10, 27),
+    ("qwen2.5-7b_gh200x4", "gpu", 10, 24),
+    ("qwen2.5-7b_tpu-v5p-8", "tpu", 10, 24),
+    # no scorer at all: admission, decode start, 4 replay row buckets, 3 decodes, experience,
+    # update (sync: 3 decodes, no scoring)
+    ("qwen2.5-7b_gh200x1_lora_grpo", "gpu", 7, 11),
+    # the reference, colocated without LoRA, runs the actor's admission and replay programs;
+    # its streamed chunks are 3 more (one per chunk size), its sync scoring 1
+    ("qwen2.5-7b_tpu-v5p-8_grpo", "tpu", 8, 14),
+]
+
+
+@pytest.mark.parametrize(("name", "backend", "sync", "oppo"), COUNTS)
+def test_program_counts(name, backend, sync, oppo):
+    assert _programs(name, "sync", backend) == sync
+    assert _programs(name, "oppo", backend) == oppo
+
+
+def test_grpo_configs_within_their_ppo_configs_budget():
+    for grpo, ppo, backend in (
+        ("qwen2.5-7b_gh200x1_lora_grpo", "qwen2.5-7b_gh200x1_lora", "gpu"),
+        ("qwen2.5-7b_tpu-v5p-8_grpo", "qwen2.5-7b_tpu-v5p-8", "tpu"),
+    ):
+        for mode in ("sync", "oppo"):
+            assert _programs(grpo, mode, backend) <= _programs(ppo, mode, backend)
+
+
+def test_slots_count_groups_and_groups_do_not_compact():
+    cfg = load_config("qwen2.5-7b_gh200x1_lora_grpo")
+    shapes = run_shapes(cfg, backend="gpu")
+    assert shapes.slots == 112 + 4 * 8 and shapes.max_carried == 32  # Δ_max = 4 groups of 8
+    assert run_shapes(cfg, Schedule.named("intra"), "gpu").slots == 112
+    names = [f.name for f in plan_programs(shapes)]
+    assert "streamed scoring" not in names and "sync scoring" not in names  # no 0-program family
+    # On the CPU compaction is on by default, but not for groups (it would split them).
+    demo = load_config("demo_cpu", ["rollout.group_size=4", "ppo.advantage=grpo",
+                                    "ppo.kl_in_reward=false"])  # fmt: skip
+    assert run_shapes(demo, backend="cpu").compaction_floor is None
+    assert run_shapes(load_config("bench_longtail_cpu"), backend="cpu").compaction_floor

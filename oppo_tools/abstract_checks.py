@@ -50,7 +50,8 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
     declared mesh without allocating anything.
 
     Returns a dict with the mesh shape, the per-device parameter bytes of actor and critic
-    (from the shardings), and the lowered computation (``.as_text()`` is the StableHLO).
+    (from the shardings; 0 for a critic-free run's, which has none), and the lowered
+    computation (``.as_text()`` is the StableHLO).
     """
     m = cfg.mesh
     count = m.data * m.fsdp * m.tensor
@@ -78,8 +79,8 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
         "actor_bytes_per_device": per_device_bytes(
             abstract_params(actor), param_shardings(actor, mesh)
         ),
-        "critic_bytes_per_device": per_device_bytes(
-            abstract_params(critic), param_shardings(critic, mesh)
-        ),
+        "critic_bytes_per_device": 0
+        if spec.critic is None
+        else per_device_bytes(abstract_params(critic), param_shardings(critic, mesh)),
         "lowered": lowered,
     }

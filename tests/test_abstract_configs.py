@@ -17,6 +17,9 @@ def _check(cfg):
     shards = cfg.mesh.fsdp * cfg.mesh.tensor  # parameters are replicated over "data"
     itemsize = 2 if cfg.model.param_dtype == "bfloat16" else 4
     for model, key in ((actor, "actor_bytes_per_device"), (critic, "critic_bytes_per_device")):
+        if key.startswith("critic") and not cfg.ppo.uses_critic:
+            assert result[key] == 0  # critic-free: no critic parameters anywhere
+            continue
         ideal = model.num_params() * itemsize / shards
         # Norm scales (a few thousand numbers per layer) stay replicated: within 1% of ideal.
         assert ideal <= result[key] <= ideal * 1.01, (key, result[key], ideal)
@@ -27,6 +30,7 @@ def _check(cfg):
 
 def test_there_are_real_size_configs():
     assert {"qwen2.5-7b_gh200x4", "qwen2.5-7b_tpu-v5p-8", "qwen2.5-3b_gh200x1"} <= set(REAL_CONFIGS)
+    assert {"qwen2.5-7b_gh200x1_lora_grpo", "qwen2.5-7b_tpu-v5p-8_grpo"} <= set(REAL_CONFIGS)
 
 
 @pytest.mark.parametrize("name", REAL_CONFIGS)

@@ -117,14 +117,14 @@ def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) 
 
     The actor's admission runs before any of this step's KV caches exists (it returns the
     actor's, counted as its output) and the update after the step has dropped all four; both
-    see only the frozen scorers' kept rows of carried sequences (at most Δ_max of the slots:
+    see only the frozen scorers' kept rows of carried sequences (at most Δ_max·G of the slots:
     ``kept_fraction`` of the reference's and reward model's caches). The actor's replay of
     carried prefixes runs on its admitted cache (donated in and out) beside those kept rows.
-    Decode and scorer chunks run with all four caches resident.
+    Decode and scorer chunks run with every cache resident (a cache per model the run has).
     """
     if kernel not in ("update", "admission", "replay"):
         return resident
-    kept = kept_fraction * (caches["reference"] + caches["reward"])
+    kept = kept_fraction * (caches.get("reference", 0) + caches.get("reward", 0))
     own = caches["actor"] if kernel == "replay" else 0
     return resident - sum(caches.values()) + int(kept) + own
 
@@ -164,3 +164,25 @@ def per_device_bytes(abstract_tree: Any, sharding_tree: Any) -> int:
         math.prod(s.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
         for x, s in zip(leaves, shardings, strict=True)
     )
+
+
+def bytes_by_memory(tree, shardings) -> tuple[int, int]:
+    """(device bytes, host bytes) per device of ``tree`` laid out as ``shardings``."""
+    leaves = jax.tree.leaves(tree)
+    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    host = [(x, sh) for x, sh in zip(leaves, shs, strict=True) if sh.memory_kind == "pinned_host"]
+    on_host = per_device_bytes([x for x, _ in host], [sh for _, sh in host]) if host else 0
+    return per_device_bytes(leaves, shs) - on_host, on_host
+
+
+def describe_model(cfg) -> dict:
+    """What the report prints of a model: size, depth, head, dtypes, LoRA rank, remat."""
+    return {
+        "params": cfg.num_params(),
+        "layers": cfg.num_layers,
+        "head": cfg.head,
+        "param_dtype": cfg.param_dtype,
+        "lora_rank": cfg.lora_rank,
+        "dtype": cfg.dtype,
+        "remat": cfg.remat,
+    }

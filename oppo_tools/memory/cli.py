@@ -34,9 +34,13 @@ def config_memory_report(
     target: str = "cpu",
 ) -> dict:
     """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
-    ``model.remat`` (unless ``remat``), B, P, R, slots B + Δ_max (B when the schedule does not
-    carry), the largest chunk size it may use, and the widest replay of carried prefixes."""
+    ``model.remat`` (unless ``remat``), its scorers (``compile_plan.scorer_roles``: no critic
+    when critic-free, no reference at β = 0, no reward model with reward functions alone), B,
+    P, R, slots B + Δ_max·G (B when the schedule does not carry; G samples per prompt change
+    no sequence's bytes, only how many slots Δ groups hold), the largest chunk size it may
+    use, and the widest replay of carried prefixes."""
     # Higher layers, imported here only: the report itself needs no pipeline.
+    from oppo_jax.pipeline.compile_plan import scorer_roles
     from oppo_jax.pipeline.schedule import Schedule
     from oppo_jax.scoring.replay import row_bucket
     from oppo_tools.abstract_checks import preset_models
@@ -53,16 +57,16 @@ def config_memory_report(
     actor, critic = actor.replace(**adapters), critic.replace(**adapters)
     r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
     delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
-    delta = delta if Schedule.named(p.mode).carry else 0
+    carried = (delta if Schedule.named(p.mode).carry else 0) * r.group_size  # Δ counts groups
     chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
-    slots = r.batch_size + delta
+    slots = r.batch_size + carried
     shapes = RunShapes(
         r.batch_size,
         r.max_prompt_len,
         r.max_response_len,
         slots,
         chunk,
-        replay_rows=row_bucket(delta, slots),
+        replay_rows=row_bucket(carried, slots),
     )
     scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
     settings = ReportSettings(
@@ -73,22 +77,31 @@ def config_memory_report(
         SamplingConfig(r.temperature, r.top_k, r.top_p, r.greedy),
     )
     lowering = Lowering(tuple(kernels), layers, remat or cfg.model.remat, target)
-    report = memory_report(ReportModels(actor, critic), shapes, settings, lowering)
+    models = ReportModels(actor, critic, roles=scorer_roles(cfg))
+    report = memory_report(models, shapes, settings, lowering)
     return {"preset": cfg.model.preset, **report}
+
+
+FROZEN_ROWS = (
+    ("reference parameters (frozen; the LoRA actor's base)", "reference_params"),
+    ("reward parameters (frozen; the LoRA critic's base)", "reward_params"),
+)
 
 
 def format_table(report: dict) -> str:
     """Markdown tables of a ``memory_report`` per device: resident bytes, then the kernels."""
     unit, scale = ("GiB", 2**30) if report["resident"] >= 2**30 else ("MiB", 2**20)
     fmt = lambda n: f"{n / scale:.2f}"  # noqa: E731
-    b = report["bytes"]
+    b, roles = report["bytes"], report.get("roles", ["reference", "critic", "reward"])
+    critic = "critic" in roles
+    trained = "actor + critic" if critic else "actor; critic-free"
     rows = [
         ("actor parameters (trained)", b["actor_params"]),
-        ("critic parameters (trained)", b["critic_params"]),
+        *([("critic parameters (trained)", b["critic_params"])] if critic else []),
         ("LoRA bases on the training devices (frozen)", b["frozen_params"]),
-        ("AdamW moments on the device (actor + critic)", b["optimizer"]),
-        ("reference parameters (frozen; the LoRA actor's base)", b["reference_params"]),
-        ("reward parameters (frozen; the LoRA critic's base)", b["reward_params"]),
+        (f"AdamW moments on the device ({trained})", b["optimizer"]),
+        # absent models (β = 0 without LoRA, reward functions only) get no row
+        *[(name, b[key]) for name, key in FROZEN_ROWS if b[key]],
         *((f"KV cache: {role}", n) for role, n in b["kv_caches"].items()),
         ("PPO batch", b["ppo_batch"]),
         ("resident on the device", report["resident"]),
@@ -97,6 +110,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"{unit} per device, mesh {report['mesh']} (scorers {report['scoring_mesh']}); "
         f"{report['note']}.",
+        f"scorers: {', '.join(roles) or 'none (reward functions only)'}.",
         "",
         f"| state | {unit} |",
         "|---|---|",

@@ -2,7 +2,7 @@
 memory analysis. Nothing is allocated.
 
 Every array is a ``jax.ShapeDtypeStruct`` carrying the sharding the run gives it. Each kernel
-(the PPO update, the actor's admission prefill, a decode chunk, a reference-scorer chunk) is
+(the PPO update, the actor's admission prefill, a decode chunk, a scorer's chunk) is
 jitted as the run jits it (same donation), lowered with those inputs and compiled for fake CPU
 devices (or, ``Lowering.target``, for a deviceless TPU v5p topology), one per mesh device;
 ``compiled.memory_analysis()`` then gives one device's argument, output, aliased (donated) and
@@ -11,8 +11,10 @@ temporary bytes.
 XLA:CPU computes bfloat16 arithmetic in float32, so kernel temporaries of a bf16 model are
 upper bounds there (arguments and state keep their dtypes; ``memory.target``). A kernel's
 "with resident" adds its temporaries and new outputs (output − aliased) to everything a step
-keeps resident: trained and frozen parameters, optimizer state, the four KV caches and the PPO
-batch; "with live" adds them to what the step holds while that kernel runs (``live_during``).
+keeps resident: trained and frozen parameters, optimizer state, the KV caches of the actor
+and of each scorer the run has (``ReportModels.roles``: a critic-free run has no critic
+anywhere, β = 0 no reference, reward functions no reward model) and the PPO batch; "with
+live" adds them to what the step holds while that kernel runs (``live_during``).
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.run.trained_params import abstract_train_state
 from oppo_jax.scoring.replay import REPLAY_CHUNK, replay_chunk
-from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
+from oppo_jax.scoring.stream import ROLES, ScorerSpec, score_chunk, scorer_admit
 from oppo_tools.memory.abstract import (
     KernelMemory,
     abstract_model_params,
     abstract_ppo_batch,
     abstract_tree,
+    bytes_by_memory,
+    describe_model,
     live_during,
     on_slots,
     per_device_bytes,
@@ -72,7 +76,7 @@ class RunShapes:
     batch_size: int  # B, sequences per PPO update
     prompt_len: int  # P, prompt width, tokens
     response_len: int  # R, response capacity, tokens
-    slots: int  # S, rollout slots (B + Δ_max), before padding to a multiple of data x fsdp
+    slots: int  # S, rollout slots (B + Δ_max·G), before padding to a multiple of data x fsdp
     chunk_size: int  # C, decode steps per chunk (and the scorer chunk's width), tokens
     replay_rows: int = 0  # leading slots of the widest replay of carried prefixes (0: none)
 
@@ -82,23 +86,15 @@ def _abstract_state(spec: UpdateSpec, master: str):
     return abstract_train_state(spec, master)
 
 
-def _bytes_by_memory(tree, shardings) -> tuple[int, int]:
-    """(device bytes, host bytes) per device of ``tree`` laid out as ``shardings``."""
-    leaves = jax.tree.leaves(tree)
-    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    host = [(x, sh) for x, sh in zip(leaves, shs, strict=True) if sh.memory_kind == "pinned_host"]
-    on_host = per_device_bytes([x for x, _ in host], [sh for _, sh in host]) if host else 0
-    return per_device_bytes(leaves, shs) - on_host, on_host
-
-
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """The models, shapes and meshes one report lowers kernels for."""
 
-    spec: UpdateSpec  # actor and critic as the update runs them (remat), their optimizers
+    spec: UpdateSpec  # actor and critic (None: critic-free) as the update runs them, optimizers
     master: str  # dtype of the trained parameters and their moments (optim.master_dtype)
     policy: ModelConfig  # the actor's architecture as the rollout runs it; also the reference's
     reward: ModelConfig
+    roles: tuple[str, ...]  # the scorers the run has (``ROLES``), in dispatch order
     shapes: RunShapes
     sampling: SamplingConfig
     mesh: jax.sharding.Mesh  # generation and training
@@ -110,7 +106,7 @@ class _Run:
 
     def at_depth(self, layers: int) -> _Run:
         """The same run with every model cut to ``layers`` layers."""
-        cut = lambda m: m.replace(num_layers=layers)  # noqa: E731
+        cut = lambda m: m and m.replace(num_layers=layers)  # noqa: E731
         spec = dataclasses.replace(
             self.spec, actor=cut(self.spec.actor), critic=cut(self.spec.critic)
         )
@@ -202,10 +198,16 @@ class _Run:
         return jax.jit(fn, donate_argnums=(1,)), (args[0], state, rule)
 
     def score_chunk(self):
-        """(one reference-scorer chunk, donating its state, and its abstract arguments)."""
+        """(one chunk of the run's first scorer (the reference, else the critic, else the
+        reward model), donating its state, and its abstract arguments)."""
         s, mesh, n = self.shapes, self.scoring_mesh, self.slots
-        spec = ScorerSpec(self.policy, "logprob", s.response_len, self.sampling.temperature, mesh)
-        params = abstract_model_params(self.policy, mesh)
+        model, kind = {
+            "reference": (self.policy, "logprob"),
+            "critic": (self.spec.critic, "value"),
+            "reward": (self.reward, "score"),
+        }[self.roles[0]]
+        spec = ScorerSpec(model, kind, s.response_len, self.sampling.temperature, mesh)
+        params = abstract_model_params(model, mesh)
         admit = functools.partial(scorer_admit, spec, prompt_width=s.prompt_len)
         state = on_slots(jax.eval_shape(admit, params, self.admission(mesh)), mesh)
         count = ((n,), jnp.int32)
@@ -235,27 +237,32 @@ class _Run:
             return per_device_bytes(abstract, slot_shardings(abstract, on))
 
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, mesh)
-        opt, opt_host = _bytes_by_memory(
+        opt, opt_host = bytes_by_memory(
             (state.actor_opt, state.critic_opt), (state_sh.actor_opt, state_sh.critic_opt)
         )
         # LoRA's frozen bases are the reference and the reward model themselves (one copy each)
-        # when colocated; disaggregated, the training devices hold their own copy.
+        # when colocated; disaggregated, the training devices hold their own copy. The LoRA
+        # actor's base is resident with or without a reference (β = 0), the LoRA critic's
+        # base with or without a reward model.
         frozen = 0
         if state.frozen is not None and scoring is not mesh:
             frozen = per_device_bytes(state.frozen, state_sh.frozen)
         base = lambda cfg: cfg.replace(lora_rank=0)  # noqa: E731
+        lora, roles = bool(self.policy.lora_rank), self.roles
+        critic = spec.critic is not None
+        has = {"reference": "reference" in roles or lora,
+               "reward": "reward" in roles or (lora and critic)}  # fmt: skip
+        scorers = {"critic": spec.critic, "reference": self.policy, "reward": self.reward}
         return {
             "actor_params": per_device_bytes(state.actor_params, state_sh.actor_params),
             "critic_params": per_device_bytes(state.critic_params, state_sh.critic_params),
             "frozen_params": frozen,
             "optimizer": opt,
-            "reference_params": params(base(self.policy), scoring),
-            "reward_params": params(base(self.reward), scoring),
+            "reference_params": params(base(self.policy), scoring) if has["reference"] else 0,
+            "reward_params": params(base(self.reward), scoring) if has["reward"] else 0,
             "kv_caches": {
                 "actor": cache(self.policy, mesh),
-                "critic": cache(spec.critic, scoring),
-                "reference": cache(self.policy, scoring),
-                "reward": cache(self.reward, scoring),
+                **{r: cache(m, scoring) for r, m in scorers.items() if r in roles},
             },
             "ppo_batch": per_device_bytes(batch, [x.sharding for x in jax.tree.leaves(batch)]),
             "host": {"optimizer": opt_host},  # pinned host memory (optim.offload), not device
@@ -273,6 +280,10 @@ class ReportModels:
     actor: ModelConfig | str  # the actor's (and the reference's)
     critic: ModelConfig | str | None = None  # default: the actor's with a score head
     reward: ModelConfig | str | None = None  # default: the critic's
+    # the scorers the run has (``compile_plan.scorer_roles``): no "critic" is a critic-free
+    # run (no critic parameters, moments, cache or update), no "reference" β = 0, no "reward"
+    # reward functions only
+    roles: tuple[str, ...] = ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,16 +336,18 @@ def memory_report(
     )
     plain_critic = critic.replace(lora_rank=0)  # the reward model carries no adapter
     reward = plain_critic if models.reward is None else _model(models.reward, "score")
-    remat, layers = lowering.remat, lowering.layers
-    trained = [m if remat is None else m.replace(remat=remat) for m in (actor, critic)]
+    remat, layers, roles = lowering.remat, lowering.layers, tuple(models.roles)
+    critic = critic if "critic" in roles else None  # critic-free: none anywhere
+    trained = [m and (m if remat is None else m.replace(remat=remat)) for m in (actor, critic)]
     ppo, optim = settings.ppo or PPOConfig(), settings.optim or OptimConfig()
     sampling = settings.sampling or SamplingConfig()
     mesh, scoring_mesh = settings.mesh, settings.scoring_mesh
     txs = [make_optimizer(optim, lr, 1000) for lr in (optim.actor_lr, optim.critic_lr)]
     txs = [offload.offloaded(tx) if optim.offload else tx for tx in txs]
+    txs[1] = txs[1] if critic else None
     spec = UpdateSpec(*trained, ppo, sampling.temperature, *txs)
     meshes = target_meshes(mesh, scoring_mesh, lowering.target)
-    run = _Run(spec, optim.master_dtype, actor, reward, shapes, sampling, *meshes)
+    run = _Run(spec, optim.master_dtype, actor, reward, roles, shapes, sampling, *meshes)
     state = run.resident()
     device = {k: v for k, v in state.items() if k != "host"}
     resident = sum(v if isinstance(v, int) else sum(v.values()) for v in device.values())
@@ -349,9 +362,11 @@ def memory_report(
     report = {
         "mesh": "x".join(map(str, mesh)),
         "scoring_mesh": "x".join(map(str, scoring_mesh or mesh)),
+        "roles": list(roles),
         "models": {
-            n: _describe(m)
+            n: describe_model(m)
             for n, m in zip(("actor", "critic", "reward"), (*trained, reward), strict=True)
+            if m is not None and (n != "reward" or "reward" in roles)
         },
         "shapes": dataclasses.asdict(shapes)
         | {"slots_padded": run.slots, **update_shape(run.packed_update_shape)},
@@ -360,8 +375,8 @@ def memory_report(
         "resident": resident,
         "kernels": {},
     }
-    kept_fraction = (shapes.slots - shapes.batch_size) / run.slots  # Δ_max of the slots
-    for name in lowering.kernels:
+    kept_fraction = (shapes.slots - shapes.batch_size) / run.slots  # Δ_max·G of the slots
+    for name in (k for k in lowering.kernels if roles or k != "score_chunk"):
         if cut:
             shallow = run.at_depth(layers).kernel(name)
             mem = shallow.extrapolate(run.at_depth(layers + 1).kernel(name), depth - layers)
@@ -378,15 +393,3 @@ def memory_report(
         }
     report["warmup"] = warmup_peak(state, report["kernels"])
     return report
-
-
-def _describe(cfg: ModelConfig) -> dict:
-    return {
-        "params": cfg.num_params(),
-        "layers": cfg.num_layers,
-        "head": cfg.head,
-        "param_dtype": cfg.param_dtype,
-        "lora_rank": cfg.lora_rank,
-        "dtype": cfg.dtype,
-        "remat": cfg.remat,
-    }

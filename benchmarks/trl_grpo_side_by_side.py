@@ -328,56 +328,60 @@ def per_batch(result: dict, kind: str, iterations: int) -> list[float]:
     return times
 
 
+def _steady(run: dict, name: str, args) -> list[float]:
+    """A run's seconds per batch after its first ``--warmup`` batches."""
+    kind = "trl" if name.startswith("trl") else "oppo_jax"
+    return per_batch(run, kind, args.iterations)[args.warmup :]
+
+
 def summarize(results: dict, args) -> dict:
-    """Steady-state medians per lane (after ``--warmup`` batches) and TRL / oppo-jax ratios."""
-    out = {}
-    for name, r in results.items():
-        kind = "trl" if name.startswith("trl") else "oppo_jax"
-        steady = per_batch(r, kind, args.iterations)[args.warmup :]
-        out[name] = {
-            "batch_time_median_s": statistics.median(steady),
-            "batch_time_mean_s": float(np.mean(steady)),
-            "first_batches_s": per_batch(r, kind, args.iterations)[: args.warmup],
-            "reward_first_last": [r["reward"][0], r["reward"][-1]] if r["reward"] else None,
-            "lane_wall_s": r["lane_wall_s"],
+    """Per lane: the median seconds per batch over every round's steady batches, compile
+    seconds and gc calls; per TRL lane and oppo-jax lane: the ratio of their medians in each
+    round (TRL / oppo-jax, > 1: oppo-jax faster)."""
+    lanes_out = {}
+    for name, runs in results.items():
+        pooled = [t for r in runs for t in _steady(r, name, args)]
+        lane = {
+            "batch_time_median_s": statistics.median(pooled),
+            "batch_time_mean_s": float(np.mean(pooled)),
+            "round_medians_s": [statistics.median(_steady(r, name, args)) for r in runs],
+            "response_len_mean": float(np.mean([x for r in runs for x in r["len"] if x])),
         }
-        if kind == "trl":
-            out[name]["gc_calls"] = sum(r["gc_calls"])
-            out[name]["gc_time_s"] = sum(r["gc_time_s"])
+        if name.startswith("trl"):
+            lane["gc_calls"] = sum(sum(r["gc_calls"]) for r in runs)
+            lane["gc_time_s"] = sum(sum(r["gc_time_s"]) for r in runs)
         else:
-            out[name]["warmup_compile_s"] = r["warmup_s"]
-            out[name]["step_compile_s"] = sum(r["compile_time_s"])
-    return out
+            lane["warmup_compile_s"] = statistics.median(r["warmup_s"] for r in runs)
+            lane["step_compile_s"] = max(sum(r["compile_time_s"]) for r in runs)
+        lanes_out[name] = lane
+    ratios = {}
+    for t in (n for n in lanes_out if n.startswith("trl")):
+        for o in (n for n in lanes_out if n.startswith("oppo_jax")):
+            pair = (lanes_out[t]["round_medians_s"], lanes_out[o]["round_medians_s"])
+            per_round = [a / b for a, b in zip(*pair, strict=True)]  # a failed lane is dropped
+            ratios[f"{t}/{o}"] = {"median": statistics.median(per_round), "rounds": per_round}
+    return {"lanes": lanes_out, "ratios": ratios}
 
 
 def table(summary: dict) -> str:
     """Markdown: each lane's median seconds per batch, then TRL / oppo-jax for each pair."""
     rows = [
-        "| run | median s / batch | mean s / batch | compile s (warm-up + in steps) | gc calls |"
+        "| run | median s / batch (rounds) | compile s (warm-up + steps) | gc calls | resp len |",
+        "|---|---|---|---|---|",
     ]
-    rows.append("|---|---|---|---|---|")
-    for name, s in summary.items():
-        comp = (
-            f"{s['warmup_compile_s']:.1f} + {s['step_compile_s']:.1f}"
-            if "warmup_compile_s" in s
-            else "-"
-        )
-        gc = str(s.get("gc_calls", "-"))
+    for name, s in summary["lanes"].items():
+        comp = "-"
+        if "warmup_compile_s" in s:
+            comp = f"{s['warmup_compile_s']:.1f} + {s['step_compile_s']:.1f}"
+        rounds = ", ".join(f"{x:.3f}" for x in s["round_medians_s"])
         rows.append(
-            f"| {name} | {s['batch_time_median_s']:.3f} | {s['batch_time_mean_s']:.3f} "
-            f"| {comp} | {gc} |"
+            f"| {name} | {s['batch_time_median_s']:.3f} ({rounds}) | {comp} "
+            f"| {s.get('gc_calls', '-')} | {s['response_len_mean']:.1f} |"
         )
-    trl = [n for n in summary if n.startswith("trl")]
-    ours = [n for n in summary if n.startswith("oppo_jax")]
-    if trl and ours:
-        rows += ["", "| TRL / oppo-jax (median s per batch) | " + " | ".join(ours) + " |"]
-        rows.append("|---|" + "---|" * len(ours))
-        for t in trl:
-            cells = [
-                f"{summary[t]['batch_time_median_s'] / summary[o]['batch_time_median_s']:.2f}x"
-                for o in ours
-            ]
-            rows.append(f"| {t} | " + " | ".join(cells) + " |")
+    rows += ["", "| TRL / oppo-jax, per round | median (rounds) |", "|---|---|"]
+    for pair, r in summary["ratios"].items():
+        rounds = ", ".join(f"{x:.2f}" for x in r["rounds"])
+        rows.append(f"| {pair} | {r['median']:.2f}x ({rounds}) |")
     return "\n".join(rows)
 
 
@@ -387,19 +391,21 @@ def main(argv=None) -> dict:
         work = Path(tmp)
         assets = make_assets(work, args)
         results, failed = {}, {}
-        for lane in lanes(args):
-            print(f"running {lane['name']} ...", flush=True)
-            try:
-                results[lane["name"]] = r = run_lane(lane, assets, args, work)
-            except RuntimeError as e:  # reported, and the other runs go on
-                failed[lane["name"]] = str(e)[-3000:]
-                print(f"  FAILED: {str(e).strip().splitlines()[-1]}", flush=True)
-                continue
-            steady = per_batch(r, lane["kind"], args.iterations)[args.warmup :]
-            print(
-                f"  median {statistics.median(steady):.3f} s / batch, run {r['lane_wall_s']:.0f} s",
-                flush=True,
-            )
+        for round_ in range(args.rounds):
+            for lane in lanes(args):
+                if lane["name"] in failed:
+                    continue
+                print(f"round {round_}: running {lane['name']} ...", flush=True)
+                try:
+                    r = run_lane(lane, assets, args, work)
+                except RuntimeError as e:  # reported, and the other runs go on
+                    failed[lane["name"]] = str(e)[-3000:]
+                    print(f"  FAILED: {str(e).strip().splitlines()[-1]}", flush=True)
+                    continue
+                results.setdefault(lane["name"], []).append(r)
+                median = statistics.median(_steady(r, lane["name"], args))
+                print(f"  median {median:.3f} s / batch, run {r['lane_wall_s']:.0f} s", flush=True)
+    results = {k: v for k, v in results.items() if k not in failed}
     summary = summarize(results, args)
     print(table(summary))
     report = {
@@ -429,6 +435,7 @@ def versions() -> dict:
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="timed batches per run")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every lane, interleaved")
     ap.add_argument("--warmup", type=int, default=2, help="untimed first batches per run")
     ap.add_argument("--G", type=int, default=4, help="completions per prompt")
     ap.add_argument("--B", type=int, default=16, help="completions per batch")
@@ -449,8 +456,8 @@ def parse(argv):
     ap.add_argument("--trl-gc", type=_names, default=["gc", "nogc"], help="TRL runs: gc,nogc")
     ap.add_argument("--out", default=None, help="JSON report")
     args = ap.parse_args(argv)
-    if args.B % args.G or args.steps < 1 or args.warmup < 0:
-        ap.error("--B must be a multiple of --G; --steps >= 1; --warmup >= 0")
+    if args.B % args.G or min(args.steps, args.rounds) < 1 or args.warmup < 0:
+        ap.error("--B must be a multiple of --G; --steps and --rounds >= 1; --warmup >= 0")
     return args
 
 

@@ -20,12 +20,15 @@ Model
   context read, the update's tokens.
 - Costs (``CostModel``, seconds per unit of that work; ``model``), fitted to measurements
   (``fitting``) or from a roofline (``roofline``: GH200, TPU v5p; Qwen2.5-3B/7B; PPO epochs,
-  minibatches and trained models from a config; outputs say PROJECTION).
+  minibatches, trained models and scorers from a config: a critic-free run trains the actor
+  alone and has no critic scorer, β = 0 no reference, reward functions no reward model;
+  outputs say PROJECTION).
 - Schedules. sync: decode all B to the longest, then score, then update. intra: the scorers
-  prefill each chunk of C tokens while the actor decodes the next (Δ = 0). inter: B + Δ slots
-  start, the step's rollout is cut when B have finished (the B-th shortest remaining length;
-  later if a slot carried ``max_deferrals`` times still runs), the rest are carried with their
-  tokens; scoring after generation. oppo: both (``events``).
+  prefill each chunk of C tokens while the actor decodes the next (Δ = 0). inter: B + Δ·G
+  slots start (Δ groups of G responses per prompt; G = 1 for PPO), the step's rollout is cut
+  when B/G groups have finished (a group with its longest member; later if a group carried
+  ``max_deferrals`` times still runs), the other groups are carried whole with their tokens;
+  scoring after generation. oppo: both (``events``).
 - Step time = the end of the last stage (the copy after the update).
 
 Calibration: ``calibrate_from_bench`` fits every cost to the per-step timelines ``oppo-jax
@@ -33,8 +36,9 @@ bench`` records (``trace``), as the engine that recorded them computed; ``calibr
 takes a run's metrics.jsonl (stage sums only: a rougher fit). ``validate`` (``validation``)
 checks the simulator against any bench.json on held-out steps. ``project`` builds a
 projection's settings from a config and the regime map (OPPO's speedup over PPO epochs ×
-median response length). Not modelled: varying prompt lengths (one width for all), memory
-limits, compilations (a bench step that compiles is an outlier the medians ignore).
+median response length); ``group_map`` the regime map of a run of groups (intra, inter and
+oppo over Δ groups × median response length). Not modelled: varying prompt lengths (one width
+for all), memory limits, compilations (a bench step that compiles is an outlier the medians ignore).
 """
 
 from oppo_jax.pipeline.events import Event
@@ -59,6 +63,7 @@ from oppo_tools.sim.events import (
     simulate,
 )
 from oppo_tools.sim.fitting import calibrate, calibrate_from_bench, calibrate_traces
+from oppo_tools.sim.group_map import group_regime_map
 from oppo_tools.sim.model import CostModel
 from oppo_tools.sim.project import Projection, regime_map
 from oppo_tools.sim.roofline import (
@@ -76,6 +81,6 @@ __all__ = [
     "ACTIVE", "BUILT", "ENGINES", "FEATURES", "FIXED", "HARDWARE", "MODELS", "PADDED", "PLACEMENTS",
     "SCHEDULES", "CostModel", "Engine", "Event", "Hardware", "LengthSource", "ModelShape",
     "Projection", "SimResult", "TrainSettings", "Workload", "calibrate", "calibrate_from_bench",
-    "calibrate_traces", "compare", "project_cost_model", "recommend", "regime_map",
-    "built_for", "roofline_cost_model", "simulate", "validate",
+    "calibrate_traces", "compare", "group_regime_map", "project_cost_model", "recommend",
+    "regime_map", "built_for", "roofline_cost_model", "simulate", "validate",
 ]  # fmt: skip

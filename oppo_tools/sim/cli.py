@@ -1,16 +1,17 @@
 """``oppo-jax sim``: predicted step time of sync / intra / inter / oppo, and the best (C, Δ).
 
-The cost model comes from measurements (``--bench`` bench.json with timelines, or
-``--metrics`` a run's metrics.jsonl, a rougher fit) or from a roofline projection
-(``--project qwen2.5-7b:gh200``, labelled PROJECTION). A projection takes the run's settings
-(B, prompt and response widths, PPO epochs and minibatches, trained models, C, Δ, placement,
+The cost model comes from measurements (``--bench`` bench.json with timelines, or ``--metrics``
+a run's metrics.jsonl, a rougher fit) or from a roofline projection (``--project
+qwen2.5-7b:gh200``, labelled PROJECTION). A projection takes the run's settings (B, G, prompt
+and response widths, PPO epochs and minibatches, trained models and scorers, C, Δ, placement,
 chips) from ``--config`` (with ``--set``), else from flags whose defaults it states, prints
-them with every table, and ends with the regime map: OPPO's speedup over PPO epochs × median
-response length. ``--engine`` picks what the kernels compute (``built``: this engine as it
-runs now, with the token-proportional engine changes that have landed; ``active``:
-token-proportional; ``fixed``: the fixed-shape engine before those changes; ``padded``: the
-one before the decode stopped at the cut); ``--with`` switches the remaining changes on (a
-what-if).
+them with every table, and ends with a regime map: OPPO's speedup over PPO epochs × median
+response length, or, for a run of groups (G > 1: the GRPO family), the group map: intra, inter
+and oppo's speedups over Δ groups × median response length. ``--engine`` picks what the kernels
+compute (``built``: this engine as it runs now, with the token-proportional engine changes that
+have landed; ``active``: token-proportional; ``fixed``: the fixed-shape engine before those
+changes; ``padded``: the one before the decode stopped at the cut); ``--with`` switches the
+remaining changes on (a what-if).
 Lengths come from a file (JSON list, or numbers separated by spaces, commas or newlines),
 ``bench`` (the measured batches of the bench's sync schedule, in order), ``demo`` (the demo
 task's long-tailed mixture) or ``longtail`` (log-normal, median 103, σ 0.94, capped at R).
@@ -33,6 +34,7 @@ from oppo_jax.base.help_text import plain
 from oppo_tools.sim.engines import ACTIVE, BUILT, ENGINES, FEATURES, Engine, recorded_engine
 from oppo_tools.sim.events import PLACEMENTS, SCHEDULES, Workload, compare, recommend
 from oppo_tools.sim.fitting import bench_records, calibrate, calibrate_from_bench
+from oppo_tools.sim.group_map import format_group_map, group_regime_map
 from oppo_tools.sim.lengths import LogNormal, demo_lengths, describe, longtail_lengths, read_lengths
 from oppo_tools.sim.model import CostModel
 from oppo_tools.sim.project import build_projection, format_regime_map, regime_map
@@ -101,6 +103,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--minibatches", type=int, default=None, help="--project: per epoch")
     p.add_argument("--trained", default=None, help="--project: trained models, e.g. actor,critic")
     p.add_argument("--lora-rank", type=int, default=None, help="--project: LoRA rank (0: none)")
+    p.add_argument(
+        "--group-size", type=int, default=None, help="--project: G responses per prompt (1)"
+    )
+    p.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--project: the reference scores (β > 0); --no-reference: β = 0",
+    )
+    p.add_argument(
+        "--reward-model",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--project: a reward model scores; --no-reward-model: reward functions only",
+    )
+    p.add_argument(
+        "--regime-map",
+        choices=("epochs", "groups"),
+        default=None,
+        help="--project: PPO epochs × median, or Δ groups × median (default: groups when G > 1)",
+    )
     p.add_argument("--steps", type=int, default=None, help="simulated steps per schedule (200)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-deferrals", type=int, default=None)
@@ -173,6 +196,9 @@ def _project(args) -> dict:
         "seed": args.seed,
         "lengths": lengths,
         "lora_rank": args.lora_rank,
+        "group_size": args.group_size,
+        "reference": args.reference,
+        "reward_model": args.reward_model,
     }
     proj = build_projection(args.project, args.config, args.set, given)
     cost = proj.cost_model()
@@ -189,8 +215,13 @@ def _project(args) -> dict:
     out = {"projection": True, "settings": _settings_json(proj), "cost_model": cost.to_dict()}
     out["engines"] = _tables(cost, engines, w, lengths, args)
     if not args.no_regime_map:
-        out["regime_map"] = regime_map(proj, engines)
-        print("\n".join(format_regime_map(out["regime_map"])))
+        kind = args.regime_map or ("groups" if w.group_size > 1 else "epochs")
+        if kind == "groups":
+            out["regime_map"] = group_regime_map(proj, engines)
+            print("\n".join(format_group_map(out["regime_map"])))
+        else:
+            out["regime_map"] = regime_map(proj, engines)
+            print("\n".join(format_regime_map(out["regime_map"])))
     return out
 
 

@@ -15,10 +15,13 @@ that the rollout may stop (not streamed), the build and the update.
 
 Lockstep decode and the cut (DESIGN.md §3): all slots advance together; slot i finishes at
 decode position f_i (its remaining length). Without carrying (sync, intra: B slots) the cut is
-max f_i; with carrying (inter, oppo: B+Δ slots) it is the B-th smallest f_i, or later if a
-slot carried ``max_deferrals`` times is still running (``pipeline.carry.select_batch``, the
-engine's own rule). The batch is B finished slots ordered by (must-finish first, f_i,
-admission order); the others are carried (FIFO) with the tokens they had at the cut. What each
+max f_i; with carrying (inter, oppo: B + Δ·G slots, Δ counting groups of G) it is the
+(B/G)-th smallest group finish, a group finishing with its longest member, or later if a
+group carried ``max_deferrals`` times is still running (``pipeline.carry.select_batch``, the
+engine's own rule). The batch is B/G finished groups ordered by (must-finish first, finish,
+admission order); the other groups are carried whole (FIFO), each member with the tokens it
+had at the cut. G = 1 is PPO: every sequence its own group. A new prompt's G responses draw
+their lengths independently (no correlation within a group: the widest spread). What each
 stage computes (chunks, slots, widths, re-prefills) is the engine's (``engines``, ``work``).
 """
 
@@ -74,7 +77,7 @@ class Workload:
 
     batch: int  # B, sequences per PPO batch
     chunk_size: int = 128  # C, tokens per decode chunk
-    delta: int = 0  # Δ, sequences started beyond B (carrying schedules only)
+    delta: int = 0  # Δ, groups of G sequences started beyond B (carrying schedules only)
     prompt_len: int = 0  # P, prompt width, tokens
     capacity: int | None = None  # R, response capacity, tokens (None: the longest length)
     placement: str = "disaggregated"  # colocated | disaggregated
@@ -83,6 +86,12 @@ class Workload:
     seed: int | None = 0  # sampling of new prompts' lengths; None: in order, cycled
     # the packed update's microbatches (PPO epochs, minibatches x accumulation, batch shards)
     update_groups: UpdateGroups = UpdateGroups()
+    group_size: int = 1  # G, responses per prompt, admitted, cut and carried as one group
+
+    @property
+    def slots(self) -> int:
+        """B + Δ·G: the sequences a carrying step starts."""
+        return self.batch + self.delta * self.group_size
 
     def check(self) -> None:
         """Raise ValueError on settings no engine runs."""
@@ -90,6 +99,8 @@ class Workload:
             raise ValueError(f"placement {self.placement!r}: expected one of {PLACEMENTS}")
         if self.batch < 1 or self.chunk_size < 1 or self.delta < 0 or self.steps < 1:
             raise ValueError("need batch >= 1, chunk_size >= 1, delta >= 0, steps >= 1")
+        if self.group_size < 1 or self.batch % self.group_size:
+            raise ValueError(f"batch {self.batch}: not a multiple of the group size G")
         if self.batch % self.update_groups.microbatches:
             raise ValueError(
                 f"batch {self.batch} does not split into {self.update_groups.microbatches} "
@@ -151,7 +162,7 @@ def _step(run: _Run, seqs: list[_Seq]):
     must = np.array([not run.carrying or s.deferrals >= w.max_deferrals for s in seqs])
     # Every slot's finish position is known here, so the engine's own cut rule gives the cut
     # (the first position at which B have finished, must-finish ones included) and the batch.
-    selection = select_batch(f, np.ones(f.size, bool), must, w.batch)
+    selection = select_batch(f, np.ones(f.size, bool), must, w.batch, w.group_size)
     cut, batch = selection.cut, selection.batch.tolist()
     bucket = prefix_bucket(int(prefix.max()), run.capacity) if run.carrying else 0
     chunks = decode_chunks(engine, cut, w.chunk_size)
@@ -278,10 +289,9 @@ def simulate(
         raise ValueError(f"lengths up to {source.lengths.max()} exceed the capacity {capacity}")
     run = _Run(cost, engine, plan, w, capacity, plan.carry and w.delta > 0)
     records, events, finished = [], [], []
-    slots = w.batch + w.delta
     for step in range(w.steps):
-        seqs, buffer = buffer[:slots], buffer[slots:]  # carried first, FIFO
-        while len(seqs) < slots:
+        seqs, buffer = buffer[: w.slots], buffer[w.slots :]  # carried first, FIFO, whole groups
+        while len(seqs) < w.slots:  # a new prompt's G responses, each its own length
             seqs.append(_Seq(next_id, source.next(), step))
             next_id += 1
         ev, done, carried, record = _step(run, seqs)
@@ -320,9 +330,10 @@ def recommend(
     candidates_delta=(0, 2, 4, 8, 16),
     schedule: str = "oppo",
 ) -> dict:
-    """The (C, Δ) with the lowest simulated mean step time (Δ ≤ B; ties: smaller Δ, then C);
+    """The (C, Δ) with the lowest simulated mean step time (Δ·G ≤ B; ties: smaller Δ, then C);
     ``workload``'s own C and Δ are replaced by each candidate."""
-    deltas = sorted(d for d in set(candidates_delta) if 0 <= d <= workload.batch) or [0]
+    groups = workload.batch // workload.group_size
+    deltas = sorted(d for d in set(candidates_delta) if 0 <= d <= groups) or [0]
     grid = []
     for d in deltas:
         for c in sorted(set(candidates_c)):

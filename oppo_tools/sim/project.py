@@ -1,13 +1,16 @@
 """Projections with their settings stated: from a run config or from flags, and the regime map.
 
 A projection's numbers depend on the run as much as on the hardware: the PPO epochs and the
-trained models set the update's cost, the prompt and response widths what a fixed-shape
-engine computes, B, C, Δ and the placement what overlaps. ``Projection`` holds all of them,
+trained models set the update's cost (a critic-free run of the GRPO family trains the actor
+alone), the scorers (reference when β > 0, critic, reward model) the scoring work, the prompt
+and response widths what a fixed-shape engine computes, B, G, C, Δ and the placement what
+overlaps. ``Projection`` holds all of them,
 says where each came from (the config, ``--set``, a flag, or a stated default) and prints
 them with every table. ``regime_map`` projects OPPO's speedup over sync across PPO epochs
 {1, 2, 4} × median response {128, 512, 2048} tokens (log-normal, σ 0.94, capped at
 R = 8 × the median, so about 1.3% of responses hit R), holding everything else, so a user sees
-where OPPO pays before renting hardware.
+where OPPO pays before renting hardware. A run of groups (G > 1) gets the group regime map
+instead (``group_map``: the schedules' speedups over Δ groups × median response).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ DEFAULTS = {
     "seed": 0,
     "lengths": LONGTAIL,
     "lora_rank": 0,
+    "group_size": 1,
+    "reference": True,
+    "reward_model": True,
 }
 # Which printed setting each value belongs to.
 _SETTING = {
@@ -70,10 +76,14 @@ _SETTING = {
     "seed": "steps",
     "lengths": "lengths",
     "lora_rank": "trained",
+    "group_size": "batch",
+    "reference": "trained",
+    "reward_model": "trained",
 }
 # Config keys (of --set) and the printed setting they change.
 _CONFIG_KEYS = {
     "rollout.batch_size": "batch",
+    "rollout.group_size": "batch",
     "rollout.max_prompt_len": "prompt",
     "rollout.max_response_len": "capacity",
     "rollout.length": "lengths",
@@ -86,6 +96,10 @@ _CONFIG_KEYS = {
     "mesh.fsdp": "model",
     "mesh.tensor": "model",
     "model.lora_rank": "trained",
+    "ppo.advantage": "trained",
+    "ppo.kl_coef": "trained",
+    "ppo.adaptive_kl": "trained",
+    "reward.model_weight": "trained",
 }
 
 
@@ -124,9 +138,15 @@ class Projection:
         model, hardware = parse_spec(self.spec)
         w, t = self.workload, self.train
         lora = f" (LoRA rank {t.lora_rank} on frozen bases)" if t.lora_rank else ""
+        g = w.group_size
+        groups = f" = {w.batch // g} prompts × G = {g}" if g > 1 else ""
+        free = "" if "critic" in t.trained else " (critic-free)"
+        scorers = ", ".join(t.scorers) or "none"
+        beta = "" if t.reference else " (β = 0: no reference)"
+        delta = f"Δ = {w.delta} groups ({w.delta * g} sequences)" if g > 1 else f"Δ = {w.delta}"
         rows = [
             ("model", f"{model.name} on {self.chips}× {hardware.name}, mfu {self.mfu:g}"),
-            ("batch", f"B = {w.batch} sequences per PPO batch"),
+            ("batch", f"B = {w.batch} sequences per PPO batch{groups}"),
             ("prompt", f"P = {w.prompt_len} prompt tokens (one width for all prompts)"),
             ("capacity", f"R = {w.capacity} tokens of response capacity"),
             ("lengths", f"responses {self.lengths.describe()}"),
@@ -136,11 +156,14 @@ class Projection:
                 f"{w.update_groups.chunks} accumulation step(s), packed rows "
                 f"{w.update_groups.width_factor} × (P + R)",
             ),
-            ("trained", f"trained: {' + '.join(t.trained)}{lora}; {t.n_scorers} scorers"),
+            (
+                "trained",
+                f"trained: {' + '.join(t.trained)}{free}{lora}; {t.n_scorers} scorers: "
+                f"{scorers}{beta}",
+            ),
             (
                 "schedule",
-                f"C = {w.chunk_size}, Δ = {w.delta}, {w.placement}, "
-                f"max deferrals {w.max_deferrals}",
+                f"C = {w.chunk_size}, {delta}, {w.placement}, max deferrals {w.max_deferrals}",
             ),
             ("steps", f"{w.steps} simulated steps per schedule, seed {w.seed}"),
         ]
@@ -247,13 +270,16 @@ def build_projection(spec: str, config=None, overrides=(), given: dict | None = 
             values["minibatches"],
             values["width_factor"],
         ),
+        group_size=values["group_size"],
     )
     workload.check()
     train = TrainSettings(
         values["epochs"],
         values["minibatches"],
         tuple(values["trained"]),
+        reward_model=bool(values["reward_model"]),
         lora_rank=int(values.get("lora_rank") or 0),
+        reference=bool(values["reference"]),
     )
     if "actor" not in train.trained or not set(train.trained) <= {"actor", "critic"}:
         raise ValueError(f"--trained {','.join(train.trained)}: expected actor or actor,critic")
@@ -278,9 +304,11 @@ def _config_values(cfg, spec: str) -> dict:
         "grad_accum": cfg.ppo.grad_accum_steps,
         "width_factor": getattr(cfg.ppo, "pack_width_factor", 1),
         "row_multiple": m.data * m.fsdp,  # the batch shards the packed rows split over
-        # Every run of this schema trains a critic beside the actor (LoRA and critic-free
-        # runs will say so here once the schema has them).
-        "trained": ("actor", "critic"),
+        # GAE trains a critic beside the actor; the GRPO family is critic-free
+        "trained": ("actor", "critic") if cfg.ppo.uses_critic else ("actor",),
+        "reference": cfg.ppo.uses_reference,  # a KL term reads it (β > 0)
+        "reward_model": cfg.reward.model_weight > 0,  # else reward functions on host threads
+        "group_size": r.group_size,
         "chunk": p.chunk_size,
         "delta": p.overcommit,
         "placement": p.placement,

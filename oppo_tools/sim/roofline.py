@@ -3,17 +3,18 @@
 Decode is memory-bound until the batch reaches the ridge: a step reads every weight once
 (bytes / HBM bandwidth) and each slot reads its KV cache; past the ridge it is compute-bound.
 Prefills and the update run at ``mfu`` of peak: 2·params FLOPs per token forward, 3× that
-forward + backward, per PPO epoch and per trained model (the critic has the actor's size, as
-in every config here); each optimizer step also moves parameters, gradients and two Adam
-moments through HBM. With LoRA (``lora_rank`` > 0) the frozen base needs no weight gradient:
-2× the forward per token (forward + the activations' backward), and the optimizer and the
-parameter copy move only the adapters (taken as free). The update's attention is priced
-per query-key pair its kernel computes (4 · layers · heads · head_dim FLOPs forward, the same
-backward factor): every key of a row for XLA's attention, the causal blocks for splash on a
-TPU, each sequence's own causal pairs for the token-proportional engine; at the matmul rate,
-so XLA's unfused attention (scores through HBM) costs more than this says. Not modelled:
-attention FLOPs of prefill and scoring (a few percent at contexts of ~1k tokens, more at
-8k+), memory limits, host delays (0) and contention (ρ = 1).
+forward + backward, per PPO epoch and per trained model (the critic has the actor's size, as in
+every config here; a critic-free run of the GRPO family trains the actor alone); each optimizer
+step also moves parameters, gradients and two Adam moments through HBM. With LoRA
+(``lora_rank`` > 0) the frozen base needs no weight gradient: 2× the forward per token (forward
++ the activations' backward), and the optimizer and the parameter copy move only the adapters
+(taken as free). The update's attention is priced per query-key pair its kernel computes (4 ·
+layers · heads · head_dim FLOPs forward, the same backward factor): every key of a row for
+XLA's attention, the causal blocks for splash on a TPU, each sequence's own causal pairs for
+the token-proportional engine; at the matmul rate, so XLA's unfused attention (scores through
+HBM) costs more than this says. Not modelled: attention FLOPs of prefill and scoring (a few
+percent at contexts of ~1k tokens, more at 8k+), memory limits, host delays (0) and contention
+(ρ = 1).
 Every cost model from here is labelled PROJECTION.
 """
 
@@ -56,20 +57,30 @@ class TrainSettings:
 
     ppo_epochs: int = 4  # passes over each batch (TRL's default)
     num_minibatches: int = 1  # optimizer updates per epoch
-    trained: tuple[str, ...] = ("actor", "critic")  # models the update trains
+    # models the update trains: actor + critic (PPO's GAE), or the actor alone (critic-free)
+    trained: tuple[str, ...] = ("actor", "critic")
     reward_model: bool = True  # a reward model scores; False: a rule-based reward
     lora_rank: int = 0  # LoRA adapters on frozen bases (model.lora_rank); 0: full parameters
+    reference: bool = True  # the reference scores (a KL term, β > 0); False: β = 0, none
+
+    @property
+    def scorers(self) -> tuple[str, ...]:
+        """Prefill-only consumers of the actor's tokens (``compile_plan.scorer_roles``'s
+        rule): the reference when β > 0, the critic when trained, the reward model if any."""
+        present = (self.reference, "critic" in self.trained, self.reward_model)
+        roles = ("reference", "critic", "reward")
+        return tuple(r for r, on in zip(roles, present, strict=True) if on)
 
     @property
     def n_scorers(self) -> int:
-        """Prefill-only consumers of the actor's tokens: reference, critic, reward model."""
-        return 1 + ("critic" in self.trained) + self.reward_model
+        return len(self.scorers)
 
     def describe(self) -> str:
         lora = f" (LoRA rank {self.lora_rank})" if self.lora_rank else ""
+        scorers = ", ".join(self.scorers) or "none"
         return (
             f"{self.ppo_epochs} PPO epoch(s) × {self.num_minibatches} minibatch(es), "
-            f"trained: {' + '.join(self.trained)}{lora}, {self.n_scorers} scorers"
+            f"trained: {' + '.join(self.trained)}{lora}, scorers: {scorers}"
         )
 
 

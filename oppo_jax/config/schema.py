@@ -22,7 +22,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class ModelConfig:
     """Where the actor, reference, critic and reward model start from, and their numerics."""
 
-    # actor and reference weights: local HF directory | demo | random (model.preset, eos 1, pad 0)
+    # actor and reference weights: local HF directory | demo | demo_arith (the addition task's
+    # SFT actor, built on first use) | random (model.preset, eos 1, pad 0)
     actor_path: str = "demo"
     # reward-model weights: a local Hugging Face directory | demo | random (as model.actor_path)
     reward_path: str = "demo"
@@ -201,7 +202,8 @@ class TrainConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    # JSONL/parquet file | `datasets` save_to_disk dir | Hub-cache dataset name | demo | random
+    # JSONL/parquet file | `datasets` save_to_disk dir | Hub-cache dataset name | demo | random |
+    # arith (built-in two-digit addition with answers; splits train, test)
     prompts: str = "demo"
     prompt_field: str = "prompt"  # field of each record that holds the prompt text
     split: str | None = None  # split of a saved DatasetDict or Hub dataset (None: its only one)

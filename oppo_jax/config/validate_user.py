@@ -51,6 +51,11 @@ def _reward_problems(cfg: Config) -> list[str]:
         )
     if not all(math.isfinite(w) for w in rw.weights):
         problems.append(f"reward.weights={rw.weights!r}: must be finite")
+    if rw.model_weight and cfg.model.reward_path == "demo_arith":
+        problems.append(
+            f"reward.model_weight={rw.model_weight!r}: model.reward_path='demo_arith' names no "
+            "reward model (the addition task is scored by its rule reward); set it to 0"
+        )
     if rw.model_weight < 0:
         problems.append(f"reward.model_weight={rw.model_weight!r}: must be >= 0")
     if rw.model_weight == 0 and not rw.functions:

@@ -22,7 +22,7 @@ With the defaults the response length (words + eos) has median 7–8 and p99 ≈
 import dataclasses
 import json
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 from jaxtyping import Float, Int
@@ -37,6 +37,23 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<sep>")  # in id order
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 
 TokenIds = Int[np.ndarray, " _"]  # one variable-length token sequence
+
+
+@runtime_checkable
+class WordTask(Protocol):
+    """A built-in task over a word-level vocabulary: this demo's, or the addition task's."""
+
+    @property
+    def words(self) -> tuple[str, ...]: ...  # ordinary tokens, in id order after the specials
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_prompt_len(self) -> int: ...
+
+    @property
+    def max_response_len(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +83,11 @@ class DemoTaskSpec:
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"DemoTaskSpec.{key} has an invalid value: {getattr(self, key)}")
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """The ordinary tokens, in id order after the special ones."""
+        return tuple(word_token(i) for i in range(self.num_words))
 
     @property
     def vocab_size(self) -> int:
@@ -98,10 +120,11 @@ def word_token(i: int) -> str:
     return f"w{i}"
 
 
-def build_tokenizer(spec: DemoTaskSpec) -> Tokenizer:
-    """A WordLevel tokenizer over the demo vocabulary, splitting on whitespace."""
+def build_tokenizer(spec: WordTask) -> Tokenizer:
+    """A WordLevel tokenizer over ``spec.words`` (the demo's, or another built-in task's),
+    splitting on whitespace."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({word_token(i): NUM_SPECIAL + i for i in range(spec.num_words)})
+    vocab.update({word: NUM_SPECIAL + i for i, word in enumerate(spec.words)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Registered as special so they are matched in text and skipped by skip_special_tokens.
@@ -111,8 +134,8 @@ def build_tokenizer(spec: DemoTaskSpec) -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(spec: DemoTaskSpec, directory: str | os.PathLike) -> None:
-    """Write the demo tokenizer in Hugging Face format (tokenizer.json + two config files)."""
+def save_tokenizer(spec: WordTask, directory: str | os.PathLike) -> None:
+    """Write the task's tokenizer in Hugging Face format (tokenizer.json + two config files)."""
     os.makedirs(directory, exist_ok=True)
     build_tokenizer(spec).save(os.path.join(directory, "tokenizer.json"))
     special = {

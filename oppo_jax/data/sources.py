@@ -1,5 +1,6 @@
 """Record sources behind ``data.prompts``: JSONL and parquet files, directories saved by
-Hugging Face ``datasets`` (``save_to_disk``) and datasets already in the local Hub cache.
+Hugging Face ``datasets`` (``save_to_disk``), datasets already in the local Hub cache, and the
+built-in addition task (``arith``).
 
 Every source streams: ``records()`` yields one record (a dict) at a time and ``record(i)`` reads
 record ``i`` alone (a byte offset into a JSONL file, a row group of a parquet file, a row of a
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from oppo_jax.base.errors import PromptError
+from oppo_jax.data.arith_task import ARITH_SOURCE, ArithRecords, ArithSpec
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
@@ -207,8 +209,11 @@ def _hub_dataset(name: str, split: str | None) -> ArrowRecords:
 
 
 def open_source(spec: str, split: str | None = None):
-    """The record source named by ``data.prompts`` (a file, a saved dataset, a Hub name)."""
+    """The record source named by ``data.prompts`` (a file, a saved dataset, a Hub name, or
+    the built-in ``arith`` task's ``split``)."""
     path = os.fspath(spec)
+    if path == ARITH_SOURCE:
+        return ArithRecords(ArithSpec(), split)
     if os.path.isdir(path):
         return _saved_dataset(path, split)
     if os.path.isfile(path):

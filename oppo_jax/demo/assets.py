@@ -89,12 +89,12 @@ def ensure_demo_assets(
     cache = Path(cache_dir)
     configs = [demo_model_config(spec, head, **(model_sizes or {})) for head in ("lm", "score")]
     recipe = _recipe(spec, sft_steps, rm_steps, seed, configs)
-    with _build_lock(cache):
+    with build_lock(cache):
         return _ensure_built(cache, recipe, spec, sft_steps, rm_steps, seed, progress, configs)
 
 
 @contextlib.contextmanager
-def _build_lock(cache: Path):
+def build_lock(cache: Path):
     """Hold an exclusive lock on ``<cache>/.lock`` while the cache is checked and built: two
     processes sharing a cache directory (two runs, or parallel test workers) would otherwise
     delete each other's half-built models; the second waits and then finds them built."""

@@ -17,7 +17,7 @@ import optax
 from jaxtyping import Array, Float, Int
 from tqdm.auto import tqdm
 
-from oppo_jax.data.demo_task import BOS_ID, EOS_ID, PAD_ID, DemoTaskSpec, pad_batch, save_tokenizer
+from oppo_jax.data.demo_task import BOS_ID, EOS_ID, PAD_ID, WordTask, pad_batch, save_tokenizer
 from oppo_jax.models.hf_export import export_hf, hf_config_for
 from oppo_jax.models.model_config import HeadKind, ModelConfig
 from oppo_jax.models.transformer import Transformer, init_params
@@ -28,7 +28,7 @@ SHORT_WIDTH = 32  # pad width of a batch's short part, in tokens, when its rows 
 
 
 def demo_model_config(
-    spec: DemoTaskSpec,
+    spec: WordTask,
     head: HeadKind = "lm",
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -56,7 +56,7 @@ def demo_model_config(
     )
 
 
-def sequence_width(spec: DemoTaskSpec) -> int:
+def sequence_width(spec: WordTask) -> int:
     """Longest prompt + response in tokens."""
     return spec.max_prompt_len + spec.max_response_len
 
@@ -212,7 +212,7 @@ def run_training(
     return state.params, stats
 
 
-def save_checkpoint(params, cfg: ModelConfig, spec: DemoTaskSpec, out_dir: str | os.PathLike):
+def save_checkpoint(params, cfg: ModelConfig, spec: WordTask, out_dir: str | os.PathLike):
     """Write weights, config.json (with the demo's special ids) and the demo tokenizer."""
     out = Path(out_dir)
     save_tokenizer(spec, out)

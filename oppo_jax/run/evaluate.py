@@ -1,6 +1,7 @@
 """Held-out evaluation (``eval.*``): decode held-out prompts with the current actor, without
 training, through the run's own rollout and scorer kernels, and report the reward (and each
-reward function), the demo's gold score, the KL to the reference and the lengths.
+reward function), the demo's gold score, the KL to the reference, the lengths and, where the
+prompts' records carry an answer (``data.prompts: arith``), the exact-match accuracy.
 
 An evaluation at step N reads the parameters after N steps and nothing else that changes, and
 its randomness comes from (seed, prompt, sample index, position) under its own key, so it is
@@ -24,6 +25,7 @@ from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import make_scorer_chunk
 from oppo_jax.pipeline.step import device_admission
+from oppo_jax.rewards.arith import exact_match
 from oppo_jax.rollout.decode import CutRule
 
 EVAL_KEY = 0xE7A1  # folded into the run's sampling key: eval samples never repeat training's
@@ -132,8 +134,8 @@ def _decode_all(ctx, k, actor, admission):
     raise RuntimeError("evaluation decode did not finish within the response length")
 
 
-def _score(ctx, k, admission, decoding) -> tuple[np.ndarray, np.ndarray | None]:
-    """(reference log-probs [S, R], reward-model scores [S] or None), sync-style."""
+def _score(ctx, k, admission, decoding) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(reference log-probs [S, R] or None, reward-model scores [S] or None), sync-style."""
     engine, place = ctx.engine, ctx.engine.placement
     chunk = place.to_scoring(k.responses(decoding, admission.prefix_len))
     on_scoring = place.to_scoring(admission)
@@ -145,7 +147,8 @@ def _score(ctx, k, admission, decoding) -> tuple[np.ndarray, np.ndarray | None]:
         # Every slot's whole response in one call over every slot: an evaluation is not timed.
         state, _ = make_scorer_chunk(getattr(k.scorer_specs, role))(params, state, chunk)
         out[role] = state
-    ref = np.asarray(to_host(out["reference"].per_token))
+    # β = 0: no reference is loaded, and the evaluation reports no KL
+    ref = np.asarray(to_host(out["reference"].per_token)) if "reference" in out else None
     rm = np.asarray(to_host(out["reward"].score)) if "reward" in out else None
     return ref, rm
 
@@ -170,7 +173,7 @@ def evaluate(ctx, train_state, prompts, records) -> tuple[list[dict], dict]:
     )
     rows = np.arange(len(items))
     mask = np.arange(r.max_response_len)[None, :] < lengths[rows, None]
-    kl = np.where(mask, logp[rows] - ref[rows], 0.0).sum(axis=1)
+    kl = None if ref is None else np.where(mask, logp[rows] - ref[rows], 0.0).sum(axis=1)
     return _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records)
 
 
@@ -199,11 +202,12 @@ def _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records):
         reward = reward + fns.weighted(raw)
     record = {
         "reward": float(np.mean(reward)),
-        "kl": float(np.mean(kl)),
         "response_len_mean": float(np.mean(lengths[rows])),
         "response_len_max": int(np.max(lengths[rows])),
         "num_samples": len(rows),
     }
+    if kl is not None:
+        record["kl"] = float(np.mean(kl))
     if rm is not None:
         record["reward_model"] = float(np.mean(rm[rows]))
     for i, f in enumerate(fns.functions if raw.shape[1] else []):
@@ -222,6 +226,12 @@ def _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records):
         }
         for j, s in enumerate(rows)
     ]
+    answers = [records[row["prompt_index"]].get("answer") for row in samples]
+    if all(isinstance(a, str) for a in answers):  # records with answers (data.prompts: arith)
+        for row, answer in zip(samples, answers, strict=True):
+            row["answer"] = answer
+        hits = [exact_match(row["prompt"], row["response"], row) for row in samples]
+        record["exact_match"] = float(np.mean(hits))  # the share of exactly right responses
     return samples, record
 
 

@@ -1,4 +1,5 @@
-"""Plots of a run (reward, gold, KL, lengths and step time against the step) and of benchmark
+"""Plots of a run (reward, gold, KL, lengths and step time against the step; the held-out
+exact match of its evaluations) and of benchmark
 results (reward against wall time, step times, step Gantt charts)."""
 
 from __future__ import annotations
@@ -27,18 +28,32 @@ RUN_PLOTS = {
 }
 
 
+# plots/<name>.png of a run's held-out evaluations: (title, y label, eval.jsonl keys drawn)
+EVAL_PLOTS = {
+    "eval_exact_match": ("held-out exact match (eval)", "share exactly right", ("exact_match",)),
+}
+
+
 def plot_run(metrics_path: Path, out: Path) -> list[Path]:
     """Write one ``<name>.png`` per ``RUN_PLOTS`` entry that the records hold into ``out``
-    (a run without a gold score gets no gold plot); returns the files written."""
+    (a run without a gold score gets no gold plot), and per ``EVAL_PLOTS`` entry that the
+    ``eval.jsonl`` beside the metrics holds; returns the files written."""
     from oppo_jax.run.log import read_metrics
 
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
+    eval_path = Path(metrics_path).parent / "eval.jsonl"
+    evals = read_metrics(eval_path) if records and eval_path.exists() else []
+    return _draw(records, RUN_PLOTS, out) + _draw(evals, EVAL_PLOTS, out)
+
+
+def _draw(records: list[dict], plots: dict, out: Path) -> list[Path]:
+    """One figure per ``plots`` entry whose keys some record holds, against the step."""
     if not records:
         return []
     plt, written = pyplot(), []
     out.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in records]
-    for name, (title, ylabel, keys) in RUN_PLOTS.items():
+    for name, (title, ylabel, keys) in plots.items():
         present = [k for k in keys if any(r.get(k) is not None for r in records)]
         if not present:
             continue

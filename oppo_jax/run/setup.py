@@ -155,6 +155,10 @@ def _load_models(cfg: Config, mesh, progress: bool):
     actor_dir, reward_dir = Path(m.actor_path), Path(m.reward_path)
     if m.actor_path == "demo":
         actor_dir, reward_dir, prompts, gold_fn = _demo_assets(cfg, progress)
+    if m.actor_path == "demo_arith":  # the addition task's SFT actor, built on first use
+        from oppo_jax.demo.arith import ensure_arith_actor
+
+        actor_dir = ensure_arith_actor(cache_dir() / "demo_arith", cfg.train.sft_steps, 0, progress)
     options = {"dtype": m.dtype, "param_dtype": m.param_dtype, "placement": placed_on(mesh)}
     actor = load_hf_model(actor_dir, trust_remote_code=m.trust_remote_code, **options)
     reward = None  # reward.model_weight=0: reward functions alone score; no model is loaded

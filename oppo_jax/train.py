@@ -34,6 +34,7 @@ _UPDATE_KEYS = (
     "entropy",
     "actor_grad_norm",
     "critic_grad_norm",
+    "is_weight_mean",  # ppo.importance_correction's mean weight
     "nonfinite_batch",
     "nonfinite_update",
     "skipped_steps",

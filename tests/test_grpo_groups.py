@@ -132,12 +132,15 @@ def _run(tmp_path, name, *extra, resume=False):
 
 
 def test_a_grpo_run_has_no_critic_and_no_reference(demo_cache, tmp_path):
-    records = _run(tmp_path, "a", *GRPO_OPPO)
+    records = _run(tmp_path, "a", *GRPO_OPPO, "ppo.importance_correction=true")
     stages = set(read_metrics(tmp_path / "a" / "metrics.jsonl")[0]["stage_time_s"])
     assert not {s for s in stages if "critic" in s or "reference" in s}
     assert "value_loss" not in records[0] and "critic_grad_norm" not in records[0]
     assert all(r["kl"] == 0.0 for r in records)
     assert any(r["carried"] > 0 for r in records) and all(r["carried"] % 4 == 0 for r in records)
+    # Members sampled by an older policy (carried groups) are weighted; fresh tokens weigh 1.
+    for r in records:
+        assert (r["is_weight_mean"] != 1.0) == (r["stale_token_frac"] > 0), r
 
 
 @pytest.mark.slow  # four demo runs

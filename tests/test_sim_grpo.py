@@ -142,3 +142,36 @@ def test_sim_of_a_grpo_config_stays_jax_free():
         "assert rc == 0 and 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
+
+def test_calibration_reads_a_timeline_without_scorers():
+    """A critic-free bench at β = 0 with reward functions records no scorer stage: the fit
+    prices none (and no trained scorer), and recovers the costs its steps were made with."""
+    import copy
+
+    from oppo_tools.sim import BUILT
+    from oppo_tools.sim.fitting import calibrate_traces
+    from oppo_tools.sim.validation import settings
+
+    cost = CostModel(decode_a=2e-3, decode_b=1e-5, decode_c=1e-8, admit_p0=1e-3, admit_p1=1e-6,
+                     update_u0=1e-2, update_u1=2e-6, n_scorers=0, trained_scorers=0)  # fmt: skip
+    w = Workload(16, 32, 2, 16, 512, "colocated", steps=12, group_size=4)
+    lengths = LogNormal(56, 0.9, 512).sample()
+    records = []
+    for schedule in ("sync", "intra", "inter", "oppo"):
+        for r in simulate(cost, schedule, w, lengths, BUILT).records:
+            r = copy.deepcopy(r)  # as a measured timeline: no stamps, no scorer stage
+            t = r["trace"]
+            del t["n_scorers"], t["trained_scorers"]
+            t["events"] = [e for e in t["events"] if not e[0].startswith(("prefill s", "score"))]
+            records.append(r)
+    fit = calibrate_traces(records)
+    assert (fit.n_scorers, fit.trained_scorers) == (0, 0)
+    for name in ("decode_a", "decode_b", "admit_p1", "update_u1"):
+        assert getattr(fit, name) == pytest.approx(getattr(cost, name), rel=1e-3), name
+    bench = {"workload": {"config": {
+        "rollout": {"batch_size": 16, "group_size": 4, "max_prompt_len": 16,
+                    "max_response_len": 512},
+        "pipeline": {"chunk_size": 32, "overcommit": 2, "placement": "colocated",
+                     "max_deferrals": 2}}}}  # fmt: skip
+    assert settings(bench).slots == 24  # the bench's Δ counts groups

@@ -278,6 +278,7 @@ def _measured(args, bench: dict | None) -> dict:
         max_deferrals=given(args.max_deferrals, "max_deferrals", 2),
         steps=args.steps or 200,
         seed=args.seed or 0,
+        group_size=int(rollout.get("group_size", 1)),
     )
     print(f"cost model: {cost.label}")
     print(

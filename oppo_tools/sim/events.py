@@ -202,6 +202,7 @@ def _step(run: _Run, seqs: list[_Seq]):
         "lengths": facts.batch_lengths.tolist(),
         "cut": cut,
         "n_scorers": run.cost.n_scorers,
+        "trained_scorers": run.cost.trained_scorers,
         "events": [[e.stage, e.group, e.start, e.end] for e in events],
         "engine": engine.to_dict(),
     }

@@ -92,8 +92,13 @@ def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
         t, obs = r["trace"], observe(r["trace"])
         n = len(obs["decode"])
         facts = StepFacts.of_trace(t, r["chunk_size"], n)
-        k = t.get("n_scorers") or len(scorer_names(t)) or 3
-        work = step_work(engine, facts, k, min(k - 1, 1))
+        # A measured timeline names its scorers (none: a critic-free run at β = 0 with reward
+        # functions); a simulated one counts them.
+        names = scorer_names(t)
+        k = t["n_scorers"] if "n_scorers" in t else len(names)
+        trained = int("critic" in names)  # older simulated traces: the critic among k
+        trained = t.get("trained_scorers", trained if names else max(min(k - 1, 1), 0))
+        work = step_work(engine, facts, k, trained)
         st = bool(r.get("streamed", streamed))
         decode = np.sum(work.decode, axis=0) if work.decode else np.zeros(3)
         calls = len(work.score_chunks) if st else 1  # per scorer, after its admission
@@ -108,6 +113,7 @@ def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
                 "obs": obs,
                 "streamed": st,
                 "n_scorers": k,
+                "trained_scorers": trained,
                 "build_own": build[1] - max(build[0], obs["scoring_end"]),
                 "tail": r["step_time_s"] - obs["last"]["update"][1],
                 "decode": [n, *decode],
@@ -149,9 +155,13 @@ def _host(rows: list[dict]) -> dict:
 
     for r in (r for r in rows if r["streamed"]):
         o = r["obs"]
-        actor, dec, scorers = o["first"]["prefill actor"], o["decode"], o["first"]["scorer"][0]
-        note("setup", scorers - actor[0])
-        note("stream", dec[0][0] - scorers, dec[0][0] - actor[1] > _EPS)
+        actor, dec = o["first"]["prefill actor"], o["decode"]
+        if "scorer" in o["first"]:  # the scorers' admission is dispatched between the two
+            scorers = o["first"]["scorer"][0]
+            note("setup", scorers - actor[0])
+            note("stream", dec[0][0] - scorers, dec[0][0] - actor[1] > _EPS)
+        else:
+            note("setup", dec[0][0] - actor[0], dec[0][0] - actor[1] > _EPS)
         note("finish", o["first"]["build batch"][0] - dec[-1][1])
     finish = _km_median(*h["finish"]) if h["finish"][0] else None
     for r in rows:
@@ -164,9 +174,11 @@ def _host(rows: list[dict]) -> dict:
             continue
         note("setup", dec[0][0] - actor[0], dec[0][0] - actor[1] > _EPS)
         seen = dec[-2][1] if len(dec) > 1 else actor[1]  # the host read the cut after it
-        note("collect", o["first"]["scorer"][0] - seen)
+        collect = o["first"]["scorer"][0] - seen if "scorer" in o["first"] else None
+        if collect is not None:
+            note("collect", collect)
         if finish is None:  # not streamed only: the dispatches and the finish in one delay
-            ready = max(dec[-1][1], seen + h["collect"][0][-1])
+            ready = max(dec[-1][1], seen + (collect or 0.0))
             note("finish", build[0] - ready)
         else:
             dispatched = build[0] - finish
@@ -189,7 +201,7 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
     pre = _fit(np.array([r["scorer"] for r in rows], float), own["scorer"])
     adm = _fit(np.array([r["actor"] for r in rows], float), own["prefill actor"])
     upd = _fit(np.array([r["update"] for r in rows], float), own["update"])
-    k = int(rows[0]["n_scorers"])
+    k, trained = int(rows[0]["n_scorers"]), int(rows[0]["trained_scorers"])
     return CostModel(
         decode_chunk_s=float(dec[0]),
         decode_a=float(dec[1]),
@@ -198,7 +210,7 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
         prefill_p0=float(pre[0]),
         prefill_p1=float(pre[1]),
         n_scorers=k,
-        trained_scorers=min(k - 1, 1),
+        trained_scorers=trained,
         admit_p0=float(adm[0]),
         admit_p1=float(adm[1]),
         build_s=_median(r["build_own"] for r in rows),

@@ -45,7 +45,7 @@ def split(records: list[dict], how: str = "alternate") -> tuple[list[dict], list
 
 
 def settings(bench: dict) -> Workload:
-    """The bench's workload (B, C, Δ, P, R, placement, deferral cap) for ``simulate``."""
+    """The bench's workload (B, G, C, Δ, P, R, placement, deferral cap) for ``simulate``."""
     cfg = bench["workload"]["config"]
     rollout, pipe = cfg["rollout"], cfg["pipeline"]
     return Workload(
@@ -57,6 +57,7 @@ def settings(bench: dict) -> Workload:
         placement=pipe["placement"],
         max_deferrals=int(pipe["max_deferrals"]),
         seed=None,  # the test steps' lengths, in order
+        group_size=int(rollout.get("group_size", 1)),
     )
 
 

@@ -1,8 +1,9 @@
-"""The addition task's actor (``model.actor_path: demo_arith``): a short SFT on the train
-split, cached on disk, and its held-out exact-match accuracy.
+"""The addition task's actor (``model.actor_path: demo_arith``): an SFT on the train split,
+cached on disk, and its held-out exact-match accuracy.
 
-The SFT is kept short on purpose: the actor writes most sums in the right shape but gets
-many carries wrong, which leaves RL with exact-match rewards room to improve it.
+The SFT teacher writes the carry-less sum 60% of the time (``ArithSpec.carry_drop``): greedy,
+the actor gets the sums without a carry right and few others; sampled, it sometimes carries.
+That leaves RL on the exact answer the carries to learn.
 """
 
 from __future__ import annotations

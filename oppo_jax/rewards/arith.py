@@ -1,9 +1,9 @@
 """Rule reward of the built-in addition task (``reward.functions``).
 
 ``exact_match`` compares the response text with the record's ``answer``, character for
-character. Reward functions see text decoded with special tokens skipped, so the closing
-``<eos>`` is the one thing a right response may add; a missing, wrong or extra digit, a space
-or a sign more, scores 0.
+character: a missing, wrong or extra digit, a space or a sign more, scores 0. Reward functions
+see text decoded with special tokens skipped, so a right response may end with ``<eos>`` (it
+may also hold ``<pad>``, ``<bos>`` or ``<sep>``, which the actor is never taught to write).
 """
 
 from __future__ import annotations

@@ -379,23 +379,7 @@ def test_loss_parity_across_lengths(trl, agg, seed):
     compare(trl, agg, beta=0.04, eps_high=None, accum=2, on_policy=False, seed=seed)
 
 
-ENTROPY_DISCREPANCY = pytest.mark.xfail(
-    strict=True,
-    reason="TRL 1.9.0's entropy bonus is the per-token mean of every loss type (accumulated "
-    "as its policy term is); ours aggregates the entropy with ppo.loss_agg, which for "
-    "seq_mean (per-sequence means) and dr_grpo (Σ / (m·R)) is not a token mean",
-)
-
-
-@pytest.mark.parametrize(
-    "agg",
-    [
-        "token_mean",
-        "dapo",
-        pytest.param("seq_mean", marks=ENTROPY_DISCREPANCY),
-        pytest.param("dr_grpo", marks=ENTROPY_DISCREPANCY),
-    ],
-)
+@pytest.mark.parametrize("agg", ["token_mean", "dapo", "seq_mean", "dr_grpo"])
 def test_entropy_bonus_matches_trl(trl, agg):
     """ppo.entropy_coef against TRL's entropy_coef (loss − coef · H)."""
     compare(trl, agg, 0.04, 0.28, 2, on_policy=False, seed=5, entropy_coef=0.01)

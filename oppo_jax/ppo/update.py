@@ -149,7 +149,11 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
         importance=(mb.behaviour_logp, is_clip) if is_clip else None,
         weights=weights,
     )
-    mean_entropy = aggregate(entropy, mb.mask, ppo.loss_agg, weights)
+    # The entropy is a token mean whatever the loss's aggregation (TRL's GRPO); dapo's
+    # normalizer is the minibatch's tokens, as its loss's.
+    agg = "dapo" if ppo.loss_agg == "dapo" else "token_mean"
+    by_token = None if weights is None or agg == "dapo" else weights.replace(loss=weights.mean)
+    mean_entropy = aggregate(entropy, mb.mask, agg, weights if agg == "dapo" else by_token)
     loss = pg - ppo.entropy_coef * mean_entropy
     if not ppo.kl_in_reward:
         kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)

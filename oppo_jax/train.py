@@ -224,6 +224,11 @@ def summarize(metrics_path: Path, window: int = 5) -> dict:
             last = [r[key] for r in records[-window:] if r[key] is not None]
             summary[f"{key}_start"] = float(np.mean(first)) if first else float("nan")
             summary[f"{key}_end"] = float(np.mean(last)) if last else float("nan")
+    evals = metrics_path.parent / "eval.jsonl"  # a verifiable task's held-out accuracy
+    evals = read_metrics(evals) if evals.exists() else []
+    if evals and "exact_match" in evals[0]:
+        first, last = (f"{e['exact_match']:.3f} (step {e['step']})" for e in (evals[0], evals[-1]))
+        summary["held_out_exact_match"] = f"{first} -> {last}"
     return summary
 
 

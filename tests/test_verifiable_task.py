@@ -131,3 +131,10 @@ def test_eval_exact_match_is_the_share_of_exact_answers(demo_cache, tmp_path):
         assert 0 < right < len(rows)  # both kinds present: the count can tell them apart
         assert e["exact_match"] == pytest.approx(e["reward_fn/exact_match"], abs=1e-12)
     assert (tmp_path / "plots" / "eval_exact_match.png").is_file()
+    # The run's printed summary ends with the held-out accuracy, first and last evaluation.
+    from oppo_jax.train import summarize
+
+    first, last = evals[0], evals[-1]
+    assert summarize(tmp_path / "metrics.jsonl")["held_out_exact_match"] == (
+        f"{first['exact_match']:.3f} (step 0) -> {last['exact_match']:.3f} (step 2)"
+    )

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from oppo_jax.base.errors import InputError
 from oppo_jax.config import load_config
 from oppo_jax.models import lora
 from oppo_jax.models.hf_export import export_hf
@@ -28,6 +29,8 @@ def export_run(
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml")
+    if critic and not cfg.ppo.uses_critic:
+        raise InputError(f"{run}: ppo.advantage={cfg.ppo.advantage} trains no critic to export")
     ctx, initial = prepare_run(cfg, progress=False)
     with RunCheckpointer(run / "checkpoints") as ckpt:
         if ckpt.latest_step() is None:

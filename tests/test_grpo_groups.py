@@ -2,11 +2,15 @@
 keep their finished members, and the invariances of PPO (chunk size, Δ = 0 oppo = sync,
 resume) hold for a critic-free step."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oppo_jax.base.errors import InputError
+from oppo_jax.export import export_run
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, HostRollout, admit, carry_out
 from oppo_jax.pipeline.carry import select_batch as host_select
 from oppo_jax.rollout.decode import CutRule
@@ -141,6 +145,10 @@ def test_a_grpo_run_has_no_critic_and_no_reference(demo_cache, tmp_path):
     # Members sampled by an older policy (carried groups) are weighted; fresh tokens weigh 1.
     for r in records:
         assert (r["is_weight_mean"] != 1.0) == (r["stale_token_frac"] > 0), r
+    # The trained actor exports as any run's; there is no critic to export.
+    with pytest.raises(InputError, match="trains no critic"):
+        export_run(tmp_path / "a", tmp_path / "critic", critic=True)
+    assert (Path(export_run(tmp_path / "a", tmp_path / "hf")) / "config.json").is_file()
 
 
 @pytest.mark.slow  # four demo runs
@@ -160,10 +168,12 @@ def test_grpo_chunk_size_invariance_and_delta_zero_oppo_equals_sync(demo_cache, 
 
 @pytest.mark.slow  # three demo runs
 def test_grpo_resume_with_groups_in_flight_is_bit_identical(demo_cache, tmp_path):
-    full = _run(tmp_path, "full", *GRPO_OPPO)
+    # β > 0: the streamed reference keeps its rows of the carried members (checkpointed too)
+    with_reference = (*GRPO_OPPO, "ppo.kl_coef=0.04", "ppo.kl_estimator=k3")
+    full = _run(tmp_path, "full", *with_reference)
     assert full[1]["carried"] > 0  # the checkpoint at step 2 holds groups in flight
-    _run(tmp_path, "half", *GRPO_OPPO, "train.steps=2")
-    assert _run(tmp_path, "half", *GRPO_OPPO, resume=True) == full
+    _run(tmp_path, "half", *with_reference, "train.steps=2")
+    assert _run(tmp_path, "half", *with_reference, resume=True) == full
 
 
 @pytest.mark.parametrize(

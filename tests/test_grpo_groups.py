@@ -182,6 +182,15 @@ def test_grpo_resume_with_groups_in_flight_is_bit_identical(demo_cache, tmp_path
         # β > 0: the reference is loaded and run, its k3 KL in the loss
         ("ppo.advantage=rloo", "ppo.kl_coef=0.05", "ppo.kl_estimator=k3", "ppo.loss_agg=dr_grpo"),
         ("ppo.advantage=reinforce_pp", "ppo.loss_agg=dapo", "pipeline.mode=intra"),
+        # LoRA: the actor's adapters alone are trained; its base serves the reference
+        (
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
+            "optim.actor_lr=1e-3",
+            "ppo.kl_coef=0.05",
+            "ppo.kl_estimator=k3",
+            *GRPO_OPPO,
+        ),  # fmt: skip
     ],
 )
 def test_every_group_estimator_trains_without_a_critic(demo_cache, tmp_path, extra):

@@ -13,7 +13,6 @@ critic's base is the reward model's (``critic_init=reward``) or the actor's (``a
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -57,27 +56,19 @@ def initial_params(spec, actor_params, critic_params, critic_base, mesh, key, dt
     ``critic_base`` the tree a LoRA critic sits on (the reward model's or the actor's
     parameters, shared, not copied). ``dtype`` is ``optim.master_dtype``.
     """
-    a_cfg, c_cfg = spec.actor, spec.critic
-    if c_cfg is None and not a_cfg.lora_rank:  # critic-free: the actor alone is trained
-        return master_copy(actor_params, dtype), None, None
-    if c_cfg is None:  # LoRA: the actor's adapters and base (the critic's part is dropped)
-        actor_trained, _, frozen = initial_params(
-            dataclasses.replace(spec, critic=spec.actor), actor_params, actor_params,
-            actor_params, mesh, key, dtype,
-        )  # fmt: skip
-        return actor_trained, None, frozen and {"actor": frozen["actor"]}
+    a_cfg, c_cfg = spec.actor, spec.critic  # c_cfg None: critic-free, the actor alone
     if not a_cfg.lora_rank:
-        return master_copy(actor_params, dtype), master_copy(critic_params, dtype), None
+        critic = None if c_cfg is None else master_copy(critic_params, dtype)
+        return master_copy(actor_params, dtype), critic, None
     a_key, c_key = jax.random.split(key)
+    frozen = {"actor": pick(actor_params, lora.split(param_shardings(a_cfg, mesh), a_cfg)[1])}
+    actor_trained = master_copy(fresh_trained(a_cfg, a_key, mesh), dtype)
+    if c_cfg is None:
+        return actor_trained, None, frozen
     c_fresh = fresh_trained(c_cfg, c_key, mesh)
-    c_frozen_like = lora.split(param_shardings(c_cfg, mesh), c_cfg)[1]
     if "score" in critic_base:  # the reward model's head starts the value head (as without LoRA)
         c_fresh = {**c_fresh, "score": master_copy(critic_base["score"], dtype)}
-    frozen = {
-        "actor": pick(actor_params, lora.split(param_shardings(a_cfg, mesh), a_cfg)[1]),
-        "critic": pick(critic_base, c_frozen_like),
-    }
-    actor_trained = master_copy(fresh_trained(a_cfg, a_key, mesh), dtype)
+    frozen["critic"] = pick(critic_base, lora.split(param_shardings(c_cfg, mesh), c_cfg)[1])
     return actor_trained, master_copy(c_fresh, dtype), frozen
 
 

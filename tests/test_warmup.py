@@ -66,6 +66,7 @@ def test_a_step_compacts_into_buckets_no_smaller_than_the_floor_on_unsplit_slots
     assert compaction_floor(True, True, 1, 1, 4) is None  # the ragged decode skips finished slots
     assert compaction_floor(True, False, 2, 1, 4) is None  # the generation mesh splits the slots
     assert compaction_floor(True, False, 1, 2, 4) is None  # the scoring mesh does
+    assert compaction_floor(True, False, 1, 1, 4, group_size=4) is None  # it would split groups
 
 
 def _tuned_cfg(*extra):

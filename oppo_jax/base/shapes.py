@@ -114,7 +114,12 @@ def live_widths_pay(capacity: int, reads_lengths: bool) -> bool:
 
 
 def compaction_floor(
-    compact: bool, reads_lengths: bool, batch_shards: int, scoring_shards: int, minimum: int
+    compact: bool,
+    reads_lengths: bool,
+    batch_shards: int,
+    scoring_shards: int,
+    minimum: int,
+    group_size: int = 1,
 ):
     """The smallest slot bucket a run's decode compacts into (``pipeline.slot_map``), or None
     when it does not. One mechanism makes finished slots cost nothing: where the decode's
@@ -122,8 +127,9 @@ def compaction_floor(
     and TPU) it reads no key of a finished slot, so nothing compacts; elsewhere (the CPU)
     ``compact`` decides. It compacts only where neither the generation mesh nor the scoring
     mesh splits the slots over batch shards: the chunks' consumers then pack each chunk over
-    the admission's slots, and the moved rows never cross devices."""
-    single = batch_shards == 1 and scoring_shards == 1
+    the admission's slots, and the moved rows never cross devices; and only without groups
+    (``group_size`` 1): the cut counts a group's members, which a move would split."""
+    single = batch_shards == 1 and scoring_shards == 1 and group_size == 1
     return max(minimum, 1) if compact and not reads_lengths and single else None
 
 

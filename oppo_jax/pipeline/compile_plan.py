@@ -82,14 +82,15 @@ def run_shapes(
     slots = -(-(r.batch_size + extra) // shards) * shards
     sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
-    compact = compact and r.group_size == 1  # it would split groups
     scoring_shards = cfg.mesh.scoring_devices if p.placement == "disaggregated" else shards
     if head_dim is None:
         head_dim = PRESETS[cfg.model.preset].head_dim if cfg.model.preset in PRESETS else 128
     capacity = r.max_prompt_len + r.max_response_len
     reads = reads_lengths(cfg.model.attention, head_dim, capacity, backend)
     live = live_widths_pay(capacity, reads)
-    floor = compaction_floor(compact, reads, shards, scoring_shards, p.compact_min_slots)
+    floor = compaction_floor(
+        compact, reads, shards, scoring_shards, p.compact_min_slots, r.group_size
+    )
     m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
     update = packed_shapes(
         m,

@@ -154,12 +154,11 @@ class Kernels:
         if jax.process_count() > 1:
             return None
         compact = compaction_default() if self.compact_slots is None else self.compact_slots
-        compact = compact and self.rollout.group_size == 1  # it would split groups
         gen = 1 if self.rollout.mesh is None else batch_shards(self.rollout.mesh)
         scoring = 1 if self.packs_chunks else 2
         actor, r = self.spec.actor, self.rollout
         reads = reads_lengths(actor.attention, actor.head_dim, r.prompt_width + r.max_response_len)
-        return compaction_floor(compact, reads, gen, scoring, self.compact_min_slots)
+        return compaction_floor(compact, reads, gen, scoring, self.compact_min_slots, r.group_size)
 
     @functools.cached_property
     def actor_spec(self) -> ScorerSpec:

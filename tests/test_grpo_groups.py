@@ -201,3 +201,33 @@ def test_every_group_estimator_trains_without_a_critic(demo_cache, tmp_path, ext
     assert any("reference" in s for s in stages) == with_reference
     assert all(np.isfinite(r["policy_loss"]) and r["skipped_steps"] == 0 for r in records)
     assert (records[-1]["kl"] != 0.0) == with_reference  # the updated policy left the reference
+
+
+def test_kl_in_the_reward_leaves_each_score_before_the_group_baseline():
+    """ppo.kl_in_reward with a group estimator (TRL's RLOO): r = score − β·Σ_t KL_t, then the
+    leave-one-out baseline; against a NumPy computation of the same."""
+    import jax.numpy as jnp
+
+    from oppo_jax.config import load_config
+    from oppo_jax.ppo.experience import ScoredRollout, build_batch
+
+    cfg = load_config(None, ["ppo.advantage=rloo", "rollout.group_size=2", "ppo.kl_coef=0.1",
+                             "ppo.kl_in_reward=true", "ppo.kl_estimator=k1"])  # fmt: skip
+    rng = np.random.default_rng(0)
+    mask = np.arange(5)[None, :] < np.array([3, 5, 1, 4])[:, None]
+    old, ref = (
+        rng.normal(size=(4, 5)).astype(np.float32),
+        rng.normal(size=(4, 5)).astype(np.float32),
+    )
+    scores = np.array([1.0, 0.0, 0.5, 2.0], np.float32)
+    rollout = ScoredRollout(
+        tokens=jnp.zeros((4, 8), jnp.int32), prompt_len=jnp.full(4, 3), mask=jnp.asarray(mask),
+        scores=jnp.asarray(scores), ended_with_eos=jnp.ones(4, bool), old_logp=jnp.asarray(old),
+        behaviour_logp=jnp.asarray(old), ref_logp=jnp.asarray(ref), values=jnp.zeros((4, 5)),
+    )  # fmt: skip
+    batch, _ = build_batch(cfg.ppo, rollout, jnp.float32(0.1), group_size=2)
+    r = scores - 0.1 * np.where(mask, old - ref, 0.0).sum(axis=1)
+    groups = r.reshape(2, 2)
+    want = (groups - groups[:, ::-1]).reshape(-1)  # G = 2: the other member is the baseline
+    np.testing.assert_allclose(np.asarray(batch.advantages), np.where(mask, want[:, None], 0.0),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip

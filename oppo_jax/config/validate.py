@@ -252,11 +252,6 @@ def _group_problems(cfg: Config) -> list[str]:
             f"rollout.group_size={r.group_size}: ppo.advantage={ppo.advantage} needs groups of "
             "at least 2 responses per prompt (its baseline is the group's other scores)"
         )
-    if ppo.advantage != "gae" and ppo.kl_in_reward and ppo.kl_coef > 0:
-        problems.append(
-            f"ppo.kl_in_reward=true: ppo.advantage={ppo.advantage} has no per-token reward; "
-            "set ppo.kl_in_reward=false (the KL goes into the loss) or ppo.kl_coef=0"
-        )
     if ppo.advantage != "gae" and ppo.adaptive_kl:
         problems.append(f"ppo.adaptive_kl=true: not supported with ppo.advantage={ppo.advantage}")
     if ppo.cliprange_high is not None and ppo.cliprange_high <= 0:

@@ -90,15 +90,15 @@ def select_batch(
     [2, 0], cut 3 (slot 3 also finished at 3 but was admitted after slot 0, so it is carried).
     """
     g = group_size
-    groups = len(finish_step) // g
-    member_active = active[: groups * g].reshape(groups, g)
-    running = (member_active & (finish_step[: groups * g].reshape(groups, g) < 0)).any(axis=1)
-    done = member_active.any(axis=1) & ~running
-    urgent = (must_finish[: groups * g].reshape(groups, g) & member_active).any(axis=1)
+    # [groups, G] views; slots past the last whole group are empty (S is rounded up to shard)
+    whole = len(finish_step) // g * g
+    finish, member, must = (x[:whole].reshape(-1, g) for x in (finish_step, active, must_finish))
+    done = member.any(axis=1) & ~(member & (finish < 0)).any(axis=1)
+    urgent = (must & member).any(axis=1)
     if np.any(urgent & ~done) or done.sum() < batch_size // g:
         return None
     ids = np.flatnonzero(done)
-    finish = finish_step[: groups * g].reshape(groups, g).max(axis=1)
+    finish = finish.max(axis=1)  # a group completes with its last member
     # Lexicographic: must-finish first, then completion position, then admission order.
     order = np.lexsort((ids, finish[ids], ~urgent[ids]))
     taken = ids[order[: batch_size // g]]

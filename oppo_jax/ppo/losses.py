@@ -110,8 +110,9 @@ def policy_loss(
 
     loss = aggregate(per_token, mask, agg, weights)
     ratio_sg = jax.lax.stop_gradient(ratio)
-    outside = (ratio_sg < 1.0 - low) | (ratio_sg > 1.0 + high)
-    if not isinstance(cliprange, tuple):  # PPO's symmetric range, as it always read
+    if isinstance(cliprange, tuple):
+        outside = (ratio_sg < 1.0 - low) | (ratio_sg > 1.0 + high)
+    else:  # PPO's symmetric range, as it always read
         outside = jnp.abs(ratio_sg - 1.0) > low
     clipped = outside.astype(jnp.float32)
     aux["clipfrac"] = _mean(clipped, mask, weights)

@@ -287,12 +287,11 @@ def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT
         return params_sh, opt_sh, frozen_sh
 
     actor_sh, actor_opt_sh, actor_frozen = model_and_opt(spec.actor, spec.actor_tx)
-    critic_sh = critic_opt_sh = critic_frozen = None
+    critic_sh = critic_opt_sh = critic_frozen = None  # critic-free: no critic at all
     if spec.critic is not None:
         critic_sh, critic_opt_sh, critic_frozen = model_and_opt(spec.critic, spec.critic_tx)
-    frozen = None if actor_frozen is None else {"actor": actor_frozen, "critic": critic_frozen}
-    if frozen is not None and critic_frozen is None:
-        del frozen["critic"]
+    bases = {"actor": actor_frozen, "critic": critic_frozen}
+    frozen = None if actor_frozen is None else {k: v for k, v in bases.items() if v is not None}
     return TrainState(actor_sh, critic_sh, actor_opt_sh, critic_opt_sh, step=repl, frozen=frozen)
 
 

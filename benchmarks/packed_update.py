@@ -36,7 +36,7 @@ from oppo_jax.models import init_params  # noqa: E402
 from oppo_jax.ppo.experience import ScoredRollout, build_batch  # noqa: E402
 from oppo_jax.ppo.packed_update import make_update  # noqa: E402
 from oppo_jax.ppo.update import init_train_state  # noqa: E402
-from oppo_jax.run.setup import update_spec  # noqa: E402
+from oppo_jax.run.specs import update_spec  # noqa: E402
 from tests.padded_update import make_padded_update  # noqa: E402
 
 # (median, p99) of the response lengths per config, tokens (see the module docstring).

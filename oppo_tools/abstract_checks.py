@@ -15,7 +15,7 @@ from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
 from oppo_jax.ppo.update import batch_shardings, train_state_shardings
-from oppo_jax.run.setup import update_spec
+from oppo_jax.run.specs import update_spec
 from oppo_jax.run.trained_params import abstract_train_state
 from oppo_tools.memory.abstract import per_device_bytes
 

@@ -422,7 +422,7 @@ def test_every_schedule_is_a_mode():
 
 
 def test_remat_reaches_the_update_models_only():
-    from oppo_jax.run.setup import update_spec
+    from oppo_jax.run.specs import update_spec
     from tests.ppo_fixtures import ACTOR, CRITIC
 
     spec = update_spec(load_config(None, ["model.remat=dots"]), ACTOR, CRITIC)

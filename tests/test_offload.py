@@ -19,7 +19,7 @@ from oppo_jax.parallel import offload
 from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import make_sharded_init
-from oppo_jax.run.setup import update_spec
+from oppo_jax.run.specs import update_spec
 from tests.ppo_fixtures import ACTOR, CRITIC, make_spec, random_batch, tiny_params
 
 

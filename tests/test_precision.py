@@ -16,7 +16,7 @@ import pytest
 from oppo_jax.config import OptimConfig, PPOConfig, load_config
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import UpdateSpec, init_train_state
-from oppo_jax.run.setup import update_spec
+from oppo_jax.run.specs import update_spec
 from oppo_jax.run.trained_params import initial_params
 from tests.padded_update import ppo_update
 from tests.ppo_fixtures import ACTOR, CRITIC, random_batch, tiny_params

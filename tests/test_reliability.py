@@ -15,7 +15,7 @@ import pytest
 import oppo_jax.train as train_module
 from oppo_jax.base.errors import EXIT_BAD_INPUT, InputError, NonFiniteError, Preempted, PromptError
 from oppo_jax.cli import main as cli_main
-from oppo_jax.config import PPOConfig
+from oppo_jax.config import ConfigError, PPOConfig
 from oppo_jax.data.demo_task import DemoTaskSpec
 from oppo_jax.demo.assets import ensure_demo_assets
 from oppo_jax.models.hf_io import CheckpointError
@@ -278,6 +278,26 @@ def test_empty_and_missing_prompt_sources_are_named(demo_dirs, tmp_path):
         prepare_run(_user_cfg(demo_dirs, empty), progress=False)
     with pytest.raises(PromptError, match=r"nope\.jsonl: prompt file does not exist"):
         prepare_run(_user_cfg(demo_dirs, tmp_path / "nope.jsonl"), progress=False)
+
+
+def test_the_demo_actor_reads_the_prompts_file_it_is_given(demo_cache, tmp_path):
+    """model.actor_path=demo with data.prompts=FILE trains on the file's prompts (it once
+    trained on the built-in ones and recorded the file as used); a missing or empty file is
+    named, as with any actor."""
+    path = _prompt_file(tmp_path, "w1 w2", "w3")
+    ctx, _ = prepare_run(small_demo_config(f"data.prompts={path}"), progress=False)
+    assert [list(p) for p in ctx.prompts] == [ctx.tokenizer.encode(t) for t in ("w1 w2", "w3")]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PromptError, match=r"empty\.jsonl: no prompts found"):
+        prepare_run(small_demo_config(f"data.prompts={empty}"), progress=False)
+    with pytest.raises(PromptError, match=r"nope\.jsonl: prompt file does not exist"):
+        prepare_run(small_demo_config(f"data.prompts={tmp_path / 'nope.jsonl'}"), False)
+
+
+def test_the_demo_prompts_need_the_demo_actor(demo_dirs):
+    with pytest.raises(ConfigError, match=r"data.prompts='demo': the demo task's prompts need"):
+        _user_cfg(demo_dirs, "demo")
 
 
 def test_prompt_over_the_limit_is_rejected_with_file_index_and_key(demo_dirs, tmp_path):

@@ -29,6 +29,12 @@ def _data_problems(cfg: Config) -> list[str]:
             f"data.chat_template=true: data.prompts={d.prompts!r} has no records to render "
             "(use a prompt file or dataset)"
         )
+    if d.prompts == "demo" and cfg.model.actor_path != "demo":
+        problems.append(
+            f"data.prompts='demo': the demo task's prompts need the demo actor "
+            f"(model.actor_path={cfg.model.actor_path!r}); set data.prompts to a prompt file "
+            "or dataset"
+        )
     for key in ("prompt_field", "messages_field", "split"):
         value = getattr(d, key)
         if value is not None and not value.strip():

@@ -149,6 +149,8 @@ def _load_models(cfg: Config, mesh, progress: bool):
     actor_dir, reward_dir = Path(m.actor_path), Path(m.reward_path)
     if m.actor_path == "demo":
         actor_dir, reward_dir, prompts, gold_fn = _demo_assets(cfg, progress)
+        if cfg.data.prompts != "demo":  # the user's prompts, read with the demo's tokenizer
+            prompts = None
     if m.actor_path == "demo_arith":  # the addition task's SFT actor, built on first use
         from oppo_jax.demo.arith import ensure_arith_actor
 

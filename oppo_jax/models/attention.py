@@ -37,9 +37,9 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from oppo_jax.models import kernel_check
-from oppo_jax.models import ragged_decode as ragged_decode_kernel
-from oppo_jax.models import segment_attention as segment_kernel
+import oppo_jax.models.kernel_check as kernel_check
+import oppo_jax.models.ragged_decode as ragged_decode_kernel
+import oppo_jax.models.segment_attention as segment_kernel
 from oppo_jax.models.query_blocks import attention as blocked_xla_attention
 
 Implementation = Literal["auto", "xla", "cudnn", "splash", "ragged"]

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oppo_jax.models import ragged_decode as ragged_decode_kernel
-from oppo_jax.models import segment_attention as segment_kernel
+import oppo_jax.models.ragged_decode as ragged_decode_kernel
+import oppo_jax.models.segment_attention as segment_kernel
 from oppo_jax.models.query_blocks import attention as xla_attention
 
 TOLERANCE = 2e-3  # float32 heads at the check's small shape; a wrong kernel is off by O(1)

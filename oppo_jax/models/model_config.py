@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from oppo_jax.models import lora
+import oppo_jax.models.lora as lora
 
 # Which head sits on the backbone: next-token logits (actor, reference) or a linear
 # "score" layer (critic: applied at every token; reward model: read at the last valid token).

@@ -37,8 +37,8 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+import oppo_jax.models.ragged_decode_tpu as ragged_decode_tpu
 from oppo_jax.base import shapes
-from oppo_jax.models import ragged_decode_tpu
 
 KEY_BLOCK = shapes.RAGGED_KEY_BLOCK  # keys per block at most
 MIN_GROUP = 16  # query rows per program at least: Triton's smallest dot

@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Int
 
+import oppo_jax.models.ragged_decode as ragged_decode
 from oppo_jax.base import shapes
-from oppo_jax.models import ragged_decode
 
 BLOCK = shapes.SEGMENT_BLOCK  # queries and keys per block at most
 MIN_BLOCK = 16  # Triton's smallest dot

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 import oppo_jax.models.kernel_check as kernel_check
+import oppo_jax.models.platform as platform
 import oppo_jax.models.ragged_decode as ragged_decode_kernel
 import oppo_jax.models.segment_attention as segment_kernel
 from oppo_jax.models.query_blocks import attention as blocked_xla_attention
@@ -56,7 +57,7 @@ def resolve(implementation: Implementation, dtype, head_dim: int, backend: str |
     """
     if implementation != "auto":
         return implementation
-    backend = backend or jax.default_backend()
+    backend = backend or platform.current()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if backend == "gpu" and half and head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0:
         return "cudnn"
@@ -80,7 +81,7 @@ def reads_lengths(implementation: Implementation, head_dim: int, width: int, bac
     more keys read."""
     if implementation == "ragged":
         return True
-    backend = backend or jax.default_backend()
+    backend = backend or platform.current()
     return implementation == "auto" and ragged_decode_kernel.fits(head_dim, width, backend)
 
 
@@ -126,7 +127,7 @@ def attend(
     if kernel == "cudnn" and segment_ids is None and (causal or decode_step):
         return fused_arguments_attention(q, k, v, causal, kv_lengths, "cudnn")
     if kernel == "splash" and causal and t == tc and t % SPLASH_BLOCK == 0:
-        return splash_attention(q, k, v, segment_ids, interpret=jax.default_backend() != "tpu")
+        return splash_attention(q, k, v, segment_ids, interpret=platform.current() != "tpu")
     if kernel not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {kernel!r}: expected one of {IMPLEMENTATIONS}")
     if segment_ids is not None:  # segments restrict the causal mask further

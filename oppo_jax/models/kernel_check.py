@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import oppo_jax.models.platform as platform
 import oppo_jax.models.ragged_decode as ragged_decode_kernel
 import oppo_jax.models.segment_attention as segment_kernel
 from oppo_jax.models.query_blocks import attention as xla_attention
@@ -32,7 +33,9 @@ _results: dict[tuple[str, str], bool] = {}  # (kernel, backend) -> trusted
 def trusted(kernel: str, backend: str | None = None) -> bool:
     """Whether ``kernel`` ("ragged_decode" | "segment") may run on ``backend`` (default:
     JAX's): its check's result, the check run now if this process has not run it yet."""
-    backend = backend or jax.default_backend()
+    if platform.deviceless():  # compiled for a target absent here: checked on first use there
+        return True
+    backend = backend or platform.current()
     key = (kernel, backend)
     if key not in _results:
         _results[key] = _check(kernel, backend)

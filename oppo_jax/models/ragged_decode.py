@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+import oppo_jax.models.platform as platform
 import oppo_jax.models.ragged_decode_tpu as ragged_decode_tpu
 from oppo_jax.base import shapes
 
@@ -75,7 +76,7 @@ def block_for(width: int, lowering: str | None = None) -> int:
     """The keys a row reads at a time (whole blocks) in ``lowering`` (default: the backend's)
     at live ``width``: what the work ledger counts. Example: 2048 -> 128 (Triton), 512
     (Mosaic)."""
-    if (lowering or lowering_for(jax.default_backend())) == "mosaic":
+    if (lowering or lowering_for(platform.current())) == "mosaic":
         return ragged_decode_tpu.key_block(width)
     return key_block(width)
 
@@ -104,7 +105,7 @@ def ragged_decode_attention(
     its own backend unless ``interpret`` says (False: lower it for its backend, to inspect
     on another one). Under a mesh each device runs the kernel on its own slots and kv heads
     (``shard_map``: a Pallas call is not partitioned by the compiler)."""
-    backend = jax.default_backend()
+    backend = platform.current()
     lowering = lowering or lowering_for(backend)
     if lowering not in ("triton", "mosaic"):
         raise ValueError(f"ragged decode lowering {lowering!r}: expected 'triton' or 'mosaic'")

@@ -99,6 +99,14 @@ def attend(
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, grouped, k_cache, v_cache)
 
 
+def _precision(dtype) -> jax.lax.Precision:
+    """The kernel's matmul precision, whatever ``jax_default_matmul_precision`` says: float32
+    operands at full precision, narrower ones as they are (Mosaic refuses a float32
+    contraction of bfloat16 operands: "Bad lhs type", caught by compiling for a v5p)."""
+    full = jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+    return jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
+
+
 def cache_block_index(slot, step, layer_ref, lengths_ref, *, block: int):
     """The cache block grid step (``slot``, ``step``) reads: layer, slot, every kv head, key
     block min(step, last) with ``last`` the slot's last block holding a key (0 for a slot
@@ -134,8 +142,9 @@ def _kernel(
             q, keys, values = q_ref[head], k_ref[head], v_ref[head]
             nt = (((1,), (1,)), ((), ()))  # q · keysᵀ without a transpose: [G, block]
             logits = jax.lax.dot_general(
-                q, keys.astype(q.dtype), nt, preferred_element_type=jnp.float32
-            )
+                q, keys.astype(q.dtype), nt, preferred_element_type=jnp.float32,
+                precision=_precision(q.dtype),
+            )  # fmt: skip
             logits = logits * scale
             key = first + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             logits = jnp.where(key < length, logits, lowest)
@@ -144,7 +153,10 @@ def _kernel(
             correction = jnp.exp(m_prev - m_next)
             p = jnp.exp(logits - m_next[:, :1])
             l_ref[head] = correction * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
-            update = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+            update = jnp.dot(
+                p.astype(values.dtype), values, preferred_element_type=jnp.float32,
+                precision=_precision(values.dtype),
+            )  # fmt: skip
             acc_ref[head] = correction[:, :1] * acc_ref[head] + update
             m_ref[head] = m_next
 

@@ -39,8 +39,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+import oppo_jax.models.platform as platform
 import oppo_jax.models.ragged_decode as ragged_decode
 from oppo_jax.base import shapes
 
@@ -94,7 +96,7 @@ def segment_attention(
     ``block_for`` the width (tests take smaller ones). Under a mesh each device runs the
     kernel on its own rows and heads (``shard_map``)."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = platform.current() != "gpu"
     block = block or block_for(q.shape[1])
     if q.shape[1] % block:
         raise ValueError(f"segment attention: width {q.shape[1]} is not a multiple of {block}")
@@ -111,6 +113,11 @@ def segment_attention(
             f"split into whole groups over {heads[2]} ({split} devices); use "
             "model.attention=xla for this mesh"
         )
+    if q.shape[0] % ragged_decode.mesh_size(mesh, rows[0]):
+        # fewer rows than the batch axes' devices (sync scoring's packed call of a small
+        # batch, laid out replicated): every device takes every row, its own heads
+        rows = PartitionSpec(None, None)
+        heads = PartitionSpec(None, None, heads[2], None)
     specs = (heads, heads, heads, rows)
     shard = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
     return shard(q, k, v, segment_ids)

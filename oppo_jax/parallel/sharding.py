@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+import oppo_jax.models.platform as platform
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.models.transformer import init_params
 
@@ -89,11 +90,13 @@ DEFAULT_RULES = ShardingRules()
 def tracing_rules(mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> Iterator[None]:
     """While tracing a jitted kernel: make the model's ``nn.with_logical_constraint`` act on
     ``mesh`` (a no-op context for None). ``jax.set_mesh`` is refused inside jit; flax reads the
-    abstract mesh, and explicit NamedShardings carry the concrete one."""
+    abstract mesh, and explicit NamedShardings carry the concrete one. Kernel choices follow
+    the mesh's platform (``models.platform``)."""
     if mesh is None:
         yield
         return
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules.rules):
+    abstract = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    with abstract, nn.logical_axis_rules(rules.rules), platform.tracing_for(mesh):
         yield
 
 

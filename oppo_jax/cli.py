@@ -100,12 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="directory to write")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     export.add_argument("--critic", action="store_true", help="also write the critic")
-    plan = sub.add_parser("compile-plan", help="the programs a run compiles before step 0")
-    _config_args(plan)
-    plan.add_argument("--mode", default=None, help="schedule (default: pipeline.mode)")
-    backends = ("cpu", "gpu", "tpu")
-    plan.add_argument("--backend", choices=backends, help="target (default: this machine's)")
-    plan.add_argument("--json", action="store_true", help="print the report as JSON")
+    _plan_parser(sub.add_parser("compile-plan", help="a run's programs, compiled for a target"))
     sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
     sub.add_parser(
         "memory", add_help=False, help="bytes per device of a config's state and kernels"
@@ -115,6 +110,20 @@ def _parser() -> argparse.ArgumentParser:
         _config_args(p)
         p.add_argument("--out", default=None, help="directory to write the model to")
     return parser
+
+
+def _plan_parser(plan) -> None:
+    _config_args(plan)
+    plan.add_argument("--mode", default=None, help="schedule (default: pipeline.mode)")
+    plan.add_argument(
+        "--target",
+        help="compile for: host, tpu-v5p[:2x2x1], tpu-v6e, h100[:1x1x8], h200, gh200[:1x4x1] "
+        "(default: mesh.target, else the hardware the config's name names, else this host)",
+    )
+    plan.add_argument(
+        "--plan-only", action="store_true", help="list the plan's programs without compiling"
+    )
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _demo_build(args, which: str) -> int:
@@ -273,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         from oppo_tools.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] in (["memory"], ["compile-plan"]):  # before JAX starts: the deviceless GPU
+        # compiler's plugin registers on a host without a driver only with this set, and
+        # libtpu skips the cloud metadata query (parallel.targets)
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     if argv[:1] == ["memory"]:  # its own parser; sets the CPU device count before JAX starts
         from oppo_tools.memory.cli import main as memory_main
 

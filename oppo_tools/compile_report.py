@@ -1,6 +1,8 @@
-"""``oppo-jax compile-plan``: a run's compiled programs by family, from its config alone
-(``oppo_jax.pipeline.compile_plan``, what the warm-up compiles), with a projected compile
-time from seconds per program measured on XLA:CPU.
+"""``oppo-jax compile-plan``: a run's programs, from its config alone. By default every
+program of the compile plan compiled for the config's target (``oppo_tools.aot``: the
+registry, by the target's own compiler, deviceless for a TPU or GPU) with its seconds, bytes
+and costs; with ``--plan-only`` the plan's families (``oppo_jax.pipeline.compile_plan``) and a
+projected compile time from seconds per program measured on XLA:CPU, without compiling.
 """
 
 from __future__ import annotations
@@ -93,9 +95,84 @@ def plan_report(cfg, mode: str | None = None, backend: str | None = None) -> dic
     }
 
 
+def registry_report(cfg, config_name: str | None, mode: str | None, target: str | None) -> dict:
+    """``oppo-jax compile-plan``'s report of a registry: every planned program compiled for
+    ``target`` (default: the config's own, ``aot.default_target``), with its compile seconds,
+    per-device bytes and compiler-counted costs, and the run's peak per device against the
+    target's HBM."""
+    from oppo_jax.parallel.targets import Target
+    from oppo_tools.aot import build_registry, default_target, peak_bytes
+    from oppo_tools.memory.cli import config_memory_report
+
+    described = Target.parse(target or default_target(cfg, config_name))
+    schedule = Schedule.named(mode or cfg.pipeline.mode)
+    registry, run = build_registry(cfg, described, schedule)
+    planned = {f.name: f.programs for f in plan_programs(run.shapes)}
+    built = {f: len(ps) for f, ps in registry.by_family().items()}
+    if built != planned:  # a bug: the walk must compile exactly the plan's programs
+        raise RuntimeError(f"registry drifted from the compile plan: {planned} planned, {built}")
+    state = config_memory_report(cfg, kernels=(), target=described.name, schedule=schedule)
+    peak, worst = peak_bytes(registry, state["resident"])
+    hbm = described.hbm_bytes
+    return {
+        "target": described.name,
+        "compiler": registry.compiler,
+        "mode": schedule.name,
+        "programs": [p.row() for p in registry.programs],
+        "families": {
+            f: {"programs": len(ps), "compile_s": round(sum(p.compile_s for p in ps), 1)}
+            for f, ps in registry.by_family().items()
+        },  # fmt: skip
+        "compile_s": round(registry.compile_s, 1),
+        "resident_bytes_per_device": state["resident"],
+        "peak_bytes_per_device": peak,
+        "peak_program": worst,
+        "hbm_bytes_per_device": hbm,
+        "fits": None if hbm is None else peak <= hbm,
+        "note": "peak: everything resident plus the worst program's new outputs and "
+        "temporaries (an upper bound); costs per device, loop trip counts multiplied in",
+    }
+
+
+def format_registry(report: dict) -> str:
+    """The registry report as text: one line per program, then the run's totals."""
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    lines = [
+        f"{len(report['programs'])} programs ({report['mode']}) compiled for "
+        f"{report['target']} by {report['compiler']} in {report['compile_s']:.1f} s:",
+    ]
+    for p in report["programs"]:
+        lines.append(
+            f"  {p['family']:<18} {str(tuple(p['shape'])):<22} {p['role']:<9} "
+            f"{p['compile_s']:>7.1f} s  temp {gib(p['temp_bytes']):>11}  "
+            f"{p['flops'] / 1e12:>9.3f} TFLOP"
+        )
+    hbm = report["hbm_bytes_per_device"]
+    verdict = (
+        ""
+        if hbm is None
+        else (f" of {gib(hbm)} HBM: " + ("fits" if report["fits"] else "DOES NOT FIT"))
+    )
+    lines.append(
+        f"peak per device {gib(report['peak_bytes_per_device'])} (resident "
+        f"{gib(report['resident_bytes_per_device'])} + {report['peak_program']}){verdict}"
+    )
+    return "\n".join(lines)
+
+
 def main(args) -> int:
-    """Print ``oppo-jax compile-plan``'s report (``--json``: as JSON)."""
-    report = plan_report(load_config(args.config, args.overrides), args.mode, args.backend)
+    """Print ``oppo-jax compile-plan``'s report (``--json``: as JSON): the registry compiled
+    for the target, or with ``--plan-only`` the plan's families without compiling."""
+    from oppo_jax.parallel.targets import Target
+    from oppo_tools.aot import default_target
+
+    cfg = load_config(args.config, args.overrides)
+    if not args.plan_only:
+        report = registry_report(cfg, args.config, args.mode, args.target)
+        print(json.dumps(report, indent=1) if args.json else format_registry(report))
+        return 0
+    backend = Target.parse(args.target or default_target(cfg, args.config)).platform
+    report = plan_report(cfg, args.mode, backend)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

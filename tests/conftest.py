@@ -11,7 +11,8 @@ from tests.xla_flags import TEST_XLA_FLAGS
 
 # Must happen before jax is imported anywhere in the test process (tests/xla_flags.py: why).
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also lets the deviceless GPU compiler register
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu (the TPU compiler): no cloud metadata
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OPPO_JAX_COMPILATION_CACHE", "off")  # see below; the CLI reads it
 # No warm-up unless a test asks for it (tests/test_warmup.py): each module's runs meet a few

@@ -36,17 +36,20 @@ def test_scorer_roles_follow_the_config(name, sets, roles):
     assert run_shapes(cfg, backend="gpu").scorers == roles
 
 
-# PPO configs: as at a194689 (BENCHMARKS.md, "Few programs"); the GRPO configs below them.
+# PPO configs: as at a194689 (BENCHMARKS.md, "Few programs"), but for the bf16 configs
+# without LoRA, whose float32 master copy of the actor is another parameter tree than the
+# bf16 reference, so the reference's admission and replay are programs of their own (3 more
+# under oppo; counted since the deviceless registry compiled them); the GRPO configs below.
 COUNTS = [
     ("qwen2.5-7b_gh200x1_lora", "gpu", 10, 27),
-    ("qwen2.5-7b_gh200x4", "gpu", 10, 24),
-    ("qwen2.5-7b_tpu-v5p-8", "tpu", 10, 24),
+    ("qwen2.5-7b_gh200x4", "gpu", 10, 27),
+    ("qwen2.5-7b_tpu-v5p-8", "tpu", 10, 27),
     # no scorer at all: admission, decode start, 4 replay row buckets, 3 decodes, experience,
     # update (sync: 3 decodes, no scoring)
     ("qwen2.5-7b_gh200x1_lora_grpo", "gpu", 7, 11),
-    # the reference, colocated without LoRA, runs the actor's admission and replay programs;
-    # its streamed chunks are 3 more (one per chunk size), its sync scoring 1
-    ("qwen2.5-7b_tpu-v5p-8_grpo", "tpu", 8, 14),
+    # the reference (bf16) beside the float32 master actor: its own admission and 4 replay
+    # row buckets, its streamed chunks 3 more (one per chunk size), its sync scoring 1
+    ("qwen2.5-7b_tpu-v5p-8_grpo", "tpu", 8, 19),
 ]
 
 

@@ -151,6 +151,10 @@ class MeshConfig:
     tensor: int = 1  # tensor-parallel axis, devices (heads and hidden units sharded)
     scoring_devices: int = 0  # extra devices for the scorers when placement is disaggregated
     multihost: bool = False  # call jax.distributed.initialize() (GPU clusters, TPU pods)
+    # what `oppo-jax compile-plan` and `memory` compile for (oppo_jax.parallel.targets: host,
+    # tpu-v5p[:2x2x1], gh200[:1x4x1], h100[:1x4x8]...); None: the hardware the config's file
+    # name names, else this host
+    target: str | None = None
 
 
 @dataclass(frozen=True)

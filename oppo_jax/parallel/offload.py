@@ -29,9 +29,13 @@ def offloaded(tx: optax.GradientTransformation) -> Offloaded:
     """``tx`` with its state streamed to the device for each update and back to the host."""
 
     def update(updates, state, params=None):
+        # Back to where each leaf rested: the host in a run. A deviceless GPU compile drops
+        # host memory from a program's arguments (its compile-only devices have none), so
+        # there the state rests, and stays, on the device (parallel.targets).
+        rests = jax.tree.map(lambda x: jax.typeof(x).memory_space, state)
         on_device = jax.device_put(state, jax.memory.Space.Device)
         updates, new_state = tx.update(updates, on_device, params)
-        return updates, jax.device_put(new_state, jax.memory.Space.Host)
+        return updates, jax.tree.map(jax.device_put, new_state, rests)
 
     return Offloaded(tx.init, update)
 

@@ -41,8 +41,10 @@ class RunShapes:
     # decode, streamed scoring and replay read power-of-two live widths (``Kernels.live_prefix``);
     # False: the whole cache, where the decode's attention takes lengths as data
     live_prefix: bool = True
-    # the reference is the actor as a scorer: colocated without LoRA it runs the actor's own
-    # admission and replay programs (same model, mesh and parameter tree)
+    # the reference is the actor as a scorer: colocated without LoRA, and with the trained
+    # master copy in the frozen weights' dtype, it runs the actor's own admission and replay
+    # programs (same model, mesh and parameter tree; a float32 master of bfloat16 weights is
+    # another tree, and so other programs)
     reference_is_actor: bool = False
 
     @property
@@ -114,7 +116,9 @@ def run_shapes(
         compaction_floor=floor,
         update=update,
         live_prefix=live,
-        reference_is_actor=p.placement == "colocated" and not cfg.model.lora_rank,
+        reference_is_actor=p.placement == "colocated"
+        and not cfg.model.lora_rank
+        and cfg.optim.master_dtype == cfg.model.param_dtype,
     )
 
 

@@ -32,6 +32,7 @@ def config_memory_report(
     layers: int | None = None,
     remat: str | None = None,
     target: str = "cpu",
+    schedule=None,
 ) -> dict:
     """``memory_report`` of a run config with ``model.preset`` set: its mesh, placement and
     ``model.remat`` (unless ``remat``), its scorers (``compile_plan.scorer_roles``: no critic
@@ -57,7 +58,8 @@ def config_memory_report(
     actor, critic = actor.replace(**adapters), critic.replace(**adapters)
     r, p, m = cfg.rollout, cfg.pipeline, cfg.mesh
     delta = p.overcommit_max if p.adaptive_overcommit else p.overcommit
-    carried = (delta if Schedule.named(p.mode).carry else 0) * r.group_size  # Δ counts groups
+    schedule = schedule or Schedule.named(p.mode)
+    carried = (delta if schedule.carry else 0) * r.group_size  # Δ counts groups
     chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
     slots = r.batch_size + carried
     shapes = RunShapes(

@@ -1,0 +1,264 @@
+"""One step's programs walked in the step's own data-flow order, from abstract arguments: the
+way the registry (``pipeline.registry``) lowers every program the compile plan lists.
+
+The walk follows DESIGN §3 with shapes instead of arrays: the admission (the actor's prompt
+prefill, its replays of carried prefixes, the decode state), each decode chunk, the scorers
+that stream it (or, without streaming, the packed scoring of the batch), the batch and the
+update. Each program's arguments are the abstract outputs of the program before it
+(``compiled.out_info``: shapes, dtypes and the shardings the compiler chose), so a chunk's
+tokens are followed from the decode into the scorers and the batch; what the step builds on
+the host (the admission, the plans of packed calls, the update's indices) enters as the
+host's arrays do, uncommitted (no sharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from oppo_jax.base.shapes import chunk_budget, score_rows_per_call, score_width
+from oppo_jax.pipeline.compile_plan import RunShapes, plan_programs
+from oppo_jax.pipeline.kernels import (
+    Kernels,
+    make_actor_start,
+    make_replay,
+    make_scorer_admit,
+)
+from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.registry import abstract_like
+from oppo_jax.pipeline.scoring_kernels import make_packed_scorer
+from oppo_jax.ppo.packed_update import make_update
+from oppo_jax.ppo.packing import padding_indices
+from oppo_jax.ppo.update import batch_shardings
+from oppo_jax.rollout.admission import Admission
+from oppo_jax.rollout.decode import CutRule
+from oppo_jax.scoring.packed import PackedBatch
+from oppo_jax.scoring.packed_chunks import padding_plan
+from oppo_jax.scoring.replay import REPLAY_CHUNK
+from oppo_jax.scoring.stream import ScorerOutputs
+
+# (family, shape, role, jitted function, abstract arguments) -> the compiled program's
+# abstract outputs (``Registry`` compiles it, or finds it compiled already)
+Build = Callable[[str, tuple, str, Callable, tuple], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """What a run's programs are lowered at: its kernels, placement and planned shapes, and
+    the abstract (ShapeDtypeStruct) parameters and train state, with their shardings."""
+
+    kernels: Kernels
+    placement: Placement
+    shapes: RunShapes  # ``compile_plan.run_shapes`` of the run's config
+    # role -> parameters where that model runs: "actor" (the rollout's tree: adapters over
+    # the frozen base with LoRA), "reference", "critic" (this step's, where the scorers run),
+    # "reward"
+    params: dict
+    train_state: Any  # the update's state (``ppo.update.TrainState`` of ShapeDtypeStructs)
+
+
+def sds(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def host_array(array) -> jax.ShapeDtypeStruct:
+    """A host array as a program argument: its shape and dtype, placed by the program."""
+    array = np.asarray(array)
+    return sds(array.shape, array.dtype)
+
+
+def _admission(slots: int, prompt: int, response: int) -> Admission:
+    """The step's admission as the host hands it over (``step.device_admission``)."""
+    i32, flag = sds((slots,), jnp.int32), sds((slots,), jnp.bool_)
+    context = sds((slots, prompt + response), jnp.int32)
+    behaviour = sds((slots, response), jnp.float32)
+    return Admission(context, i32, i32, flag, behaviour, i32, i32, flag, flag)
+
+
+def _prompts(admission: Admission, prompt_width: int) -> Admission:
+    """``kernels.prompts_only`` of an abstract admission: its context cut to P columns."""
+    context = admission.context
+    return admission.replace(context=sds((context.shape[0], prompt_width), context.dtype))
+
+
+def _replicated_on(mesh, tree):
+    return jax.tree.map(lambda x: sds(x.shape, x.dtype, NamedSharding(mesh, PartitionSpec())), tree)
+
+
+def walk_programs(run: AbstractRun, build: Build) -> None:
+    """Lower every program of ``run``'s compile plan through ``build``, in a step's order."""
+    k, s = run.kernels, run.shapes
+    planned = {f.name: f.shapes for f in plan_programs(s)}
+    admission = _admission(s.slots, s.prompt_width, s.response_len)
+    decoding = _actor_admission(run, build, admission, planned.get("replay", ()))
+    chunks = _decode(run, build, admission, decoding, planned["decode"])
+    if s.stream:
+        scored = _streamed(run, build, admission, chunks, planned.get("replay", ()))
+    else:
+        scored = _sync_scoring(run, build)
+    scored = _on_generation(run, scored)
+    rows = sds((s.batch_size,), jnp.int32)
+    kl_coef = sds((), jnp.float32)
+    prompts = _prompts(admission, s.prompt_width)
+    fn = k.experience
+    batch, _ = build(
+        "experience", ("batch",), "actor", fn, (decoding, rows, prompts, scored, kl_coef)
+    )
+    _update(run, build, batch, planned["update"][0])
+
+
+def _actor_admission(run: AbstractRun, build: Build, admission: Admission, replays) -> Any:
+    """The actor's prompt prefill, its replays of carried prefixes, the decode state."""
+    k, s, actor = run.kernels, run.shapes, run.params["actor"]
+    prefill = make_scorer_admit(k.actor_spec, s.prompt_width)
+    prompts = _prompts(admission, s.prompt_width)
+    prefilled, _ = build("admission prefill", ("prompts",), "actor", prefill, (actor, prompts))
+    _replays(build, "actor", k.actor_spec, actor, prefilled, replays)
+    start = make_actor_start(k.actor_spec.model, k.rollout)
+    key = sds((), jax.random.key(0).dtype)
+    made = (prefilled.cache, prefilled.last_hidden, prefilled.per_token)
+    decoding, _ = build("decode start", ("slots",), "actor", start, (actor, admission, key, *made))
+    return decoding
+
+
+def _replays(build: Build, role: str, spec, params, state, replays) -> None:
+    for rows, width in replays:
+        tokens, count = sds((rows, REPLAY_CHUNK), jnp.int32), sds((rows,), jnp.int32)
+        build(
+            "replay", (rows, width), role, make_replay(spec, width), (params, state, tokens, count)
+        )
+
+
+def _decode(run: AbstractRun, build: Build, admission: Admission, decoding, shapes) -> dict:
+    """Every decode chunk of the plan: (C, width) -> its abstract ChunkTokens (at S slots)."""
+    k, s = run.kernels, run.shapes
+    group = None
+    if k.rollout.group_size > 1:
+        group = sds((s.slots,), jnp.int32)
+    rule = CutRule(admission.active, admission.must_finish, sds((), jnp.int32), group)
+    chunks = {}
+    for rows, size, width in shapes:
+        state, cut = decoding, rule
+        if rows != s.slots:  # a compacted bucket: the first ``rows`` slots, gathered
+            state, cut = _bucket(decoding, s.slots, rows), _bucket(rule, s.slots, rows)
+        kernel = k.decode(size, width if s.live_prefix else None)
+        _, chunk = build(
+            "decode", (rows, size, width), "actor", kernel, (run.params["actor"], state, cut)
+        )
+        if rows == s.slots:
+            chunks[(size, width)] = chunk
+    return chunks
+
+
+def _bucket(tree, slots: int, rows: int):
+    """``tree`` with its slot axis cut to ``rows`` (slot compaction's gathered state)."""
+
+    def cut(x):
+        shape = (rows, *x.shape[1:]) if x.shape and x.shape[0] == slots else x.shape
+        if len(x.shape) > 1 and x.shape[1] == slots and x.shape[0] != slots:  # [L, S, ...] caches
+            shape = (x.shape[0], rows, *x.shape[2:])
+        return sds(shape, x.dtype, getattr(x, "sharding", None))
+
+    return jax.tree.map(cut, tree)
+
+
+def _streamed(run: AbstractRun, build: Build, admission: Admission, chunks: dict, replays):
+    """Each scorer admitted (prompts, replays) and fed every planned chunk; their outputs."""
+    k, s, place = run.kernels, run.shapes, run.placement
+    on_scoring = _scoring_copy(place, admission)
+    prompts = _prompts(on_scoring, s.prompt_width)
+    states = {}
+    for role in s.scorers:
+        spec, params = getattr(k.scorer_specs, role), run.params[role]
+        prefill = make_scorer_admit(spec, s.prompt_width)
+        state, _ = build("admission prefill", ("prompts",), role, prefill, (params, prompts))
+        _replays(build, role, spec, params, state, replays)
+        for (size, width), chunk in chunks.items():
+            kernel = k.scorer_chunk(role, width if s.live_prefix else None)
+            args = (params, state, _scoring_copy(place, chunk))
+            if k.packs_chunks:
+                args += (
+                    jax.tree.map(host_array, padding_plan(chunk_budget(s.slots, size), s.slots)),
+                )
+            state, _ = build("streamed scoring", (size, width), role, kernel, args)
+        states[role] = state
+    get = lambda role, field: getattr(states[role], field) if role in states else None  # noqa: E731
+    return ScorerOutputs(
+        get("reference", "per_token"), get("critic", "per_token"), get("reward", "score")
+    )
+
+
+def _scoring_copy(place: Placement, tree):
+    """``tree`` as ``Placement.to_scoring`` hands it to the scorers."""
+    return _replicated_on(place.scoring_mesh, tree) if place.disaggregated else tree
+
+
+def _on_generation(run: AbstractRun, scored: ScorerOutputs) -> ScorerOutputs:
+    """The scorers' outputs as ``Placement.to_generation`` and the reward functions hand them
+    to the batch (functions' scores: a host array)."""
+    place = run.placement
+    if place.disaggregated:
+        scored = _replicated_on(place.groups.generation, scored)
+    if run.kernels.reward_model is None:  # reward functions alone score
+        scored = scored.replace(scores=sds((run.shapes.slots,), jnp.float32))
+    return scored
+
+
+def _sync_scoring(run: AbstractRun, build: Build) -> ScorerOutputs:
+    """Each scorer's packed call over the batch after the cut (``scoring.packed``)."""
+    k, s = run.kernels, run.shapes
+    repl = NamedSharding(run.placement.scoring_mesh, PartitionSpec())
+    b, full = s.batch_size, s.prompt_width + s.response_len
+    n, t = score_rows_per_call(b), score_width(full)
+    i32 = jnp.int32
+    batch = PackedBatch(
+        sds((b, full), i32, repl), sds((b,), i32, repl), sds((b,), i32, repl),
+        sds((n, t), i32, repl), sds((n, t), i32, repl), sds((b,), i32, repl), sds((b,), i32, repl),
+    )  # fmt: skip
+    out = {}
+    for role in s.scorers:
+        spec = getattr(k.scorer_specs, role)
+        shape = (s.slots,) if spec.kind == "score" else (s.slots, s.response_len)
+        kernel = make_packed_scorer(spec, k.rollout.pad_id, s.slots)
+        args = (run.params[role], sds(shape, jnp.float32, repl), batch, sds((b,), i32, repl))
+        out[role], _ = build("sync scoring", ("packed",), role, kernel, args)
+    return ScorerOutputs(out.get("reference"), out.get("critic"), out.get("reward"))
+
+
+def _update(run: AbstractRun, build: Build, batch, shape) -> None:
+    """The packed update at the plan's one shape (``ppo.packed_update``)."""
+    k = run.kernels
+    mesh = run.placement.groups.training
+    update, ppo = make_update(k.spec, mesh), k.spec.ppo
+    _, chunks = update.shape(run.shapes.batch_size, run.shapes.capacity, run.shapes.response_len)
+    outer = (ppo.ppo_epochs, ppo.num_minibatches, chunks)
+    indices = padding_indices(outer, shape, run.shapes.batch_size // ppo.num_minibatches)
+    on_mesh = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), batch, batch_shardings(mesh))
+    args = (run.train_state, on_mesh, jax.tree.map(host_array, indices), sds((), jnp.float32))
+    build("update", (shape,), "actor", update.jitted, args)
+
+
+def registry_build(compile_one: Callable) -> Build:
+    """A ``Build`` that compiles each program once (``compile_one(family, shape, role, fn,
+    args)`` -> Program) and hands its abstract outputs on. A program asked for twice with
+    the same function and arguments (the reference served by the actor's own programs) is
+    compiled once."""
+    seen: dict = {}
+
+    def build(family, shape, role, fn, args):
+        key = (id(fn), jax.tree.structure(args), tuple(_aval_key(x) for x in jax.tree.leaves(args)))
+        if key not in seen:
+            seen[key] = compile_one(family, shape, role, fn, args)
+        return abstract_like(seen[key].compiled.out_info)
+
+    return build
+
+
+def _aval_key(x) -> tuple:
+    return (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None)))

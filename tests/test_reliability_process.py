@@ -74,7 +74,8 @@ def test_sigterm_checkpoints_exits_75_and_resume_equals_uninterrupted(demo_cache
     assert child.returncode == EXIT_PREEMPTED, stderr[-4000:]
     assert "SIGTERM received" in stderr
     args = small_demo_args(f"train.steps={STEPS}", "train.checkpoint_every=0", *OPPO_WITH_CARRYING)
-    assert resume_command(None, args, str(out), ["--quiet"]) in stderr  # the exact command
+    program = [sys.executable, "-m", "oppo_jax.cli"]  # as _command started it
+    assert resume_command(None, args, str(out), ["--quiet"], program) in stderr  # the exact command
     assert "Traceback" not in stderr
     stopped_at = len(metric_values(metrics))
     assert 2 <= stopped_at < STEPS

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from oppo_jax.base.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, Preempted
 from oppo_jax.cli import main
 from oppo_jax.run.log import read_metrics
-from oppo_jax.run.preemption import resume_command
+from oppo_jax.run.preemption import invoked_program, resume_command
 from tests.run_fixtures import TIMING_KEYS, sigterm_in_first_step
 
 # Random tiny models and prompts: no files, one step in seconds.
@@ -119,14 +120,43 @@ def test_preempted_says_which_steps_are_done():
 
 
 def test_resume_command_repeats_config_overrides_and_out_shell_quoted():
-    command = resume_command("demo_cpu", ["seed=1", "data.prompts=my prompts.jsonl"], "runs/x y")
+    command = resume_command(
+        "demo_cpu", ["seed=1", "data.prompts=my prompts.jsonl"], "runs/x y", program=["oppo-jax"]
+    )
     assert command == (
         "oppo-jax train demo_cpu --set seed=1 'data.prompts=my prompts.jsonl' "
         "--out 'runs/x y' --resume"
     )
-    assert resume_command(None, [], "r", ["--quiet"]) == "oppo-jax train --quiet --out r --resume"
+    assert resume_command(None, [], "r", ["--quiet"], [".venv/bin/oppo-jax"]) == (
+        ".venv/bin/oppo-jax train --quiet --out r --resume"
+    )
     stop = Preempted(3, "SIGINT", "r/checkpoints").with_command("oppo-jax train --out r --resume")
     assert str(stop).endswith("to continue at step 3, run:\n  oppo-jax train --out r --resume")
+
+
+def test_the_resume_command_names_the_program_as_it_was_invoked(tmp_path):
+    """The README's venv puts oppo-jax in .venv/bin, not on PATH: a bare `oppo-jax` in the
+    printed command was `command not found` there."""
+    venv = tmp_path / ".venv" / "bin" / "oppo-jax"
+    venv.parent.mkdir(parents=True)
+    venv.write_text("")
+    python = ["/usr/bin/python3", "-m", "oppo_jax.cli", "train"]
+
+    def program(argv0, on_path=None, orig=None):
+        return invoked_program(argv0, orig or ["/usr/bin/python3", argv0], lambda _: on_path)
+
+    assert program(".venv/bin/oppo-jax") == [".venv/bin/oppo-jax"]  # typed as a path
+    assert program(str(venv)) == [str(venv)]  # none on PATH
+    assert program(str(venv), on_path="/usr/local/bin/oppo-jax") == [str(venv)]  # another one
+    assert program(str(venv), on_path=str(venv)) == ["oppo-jax"]  # the shell found it on PATH
+    assert program("/x/oppo_jax/cli.py", orig=python) == python[:3]  # python -m oppo_jax.cli
+    options = ["python", "-X", "dev", "-m", "oppo_jax.cli"]
+    assert program("/x/oppo_jax/cli.py", orig=options) == options  # with its own options
+    pytest_run = ["python", "-m", "pytest", "-m", "oppo_jax.cli"]  # another module
+    assert program("/x/pytest", orig=pytest_run) == [sys.executable, "-m", "oppo_jax.cli"]
+    assert resume_command(None, [], "r", program=program(".venv/bin/oppo-jax")).startswith(
+        ".venv/bin/oppo-jax train --out r"
+    )
 
 
 def test_a_stopped_run_prints_the_command_that_resumes_it(tmp_path, monkeypatch, capsys):
@@ -139,7 +169,9 @@ def test_a_stopped_run_prints_the_command_that_resumes_it(tmp_path, monkeypatch,
     assert err.endswith(f"to continue at step 1, run:\n  {command}\n")
     monkeypatch.undo()
     words = shlex.split(command)
-    assert words[:2] == ["oppo-jax", "train"] and main(words[1:]) == 0  # the command as printed
+    # main() called from Python (here pytest): the interpreter that runs it, from any shell
+    assert words[:4] == [sys.executable, "-m", "oppo_jax.cli", "train"]
+    assert main(words[3:]) == 0  # the command as printed
     assert (
         f"Resuming at step 1 from {out.resolve() / 'checkpoints' / '1'}" in capsys.readouterr().out
     )

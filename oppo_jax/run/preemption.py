@@ -5,16 +5,19 @@ checkpoint (carried sequences included) and exits with ``EXIT_PREEMPTED``. The s
 flight is finished, not abandoned: its prompts were already taken from the stream, so
 finishing it is the only way to checkpoint a consistent state. A second signal stops at once
 (``KeyboardInterrupt``); checkpoints already on disk are complete either way, because orbax
-commits a step atomically. ``resume_command`` spells out the command that continues the run.
+commits a step atomically. ``resume_command`` spells out the command that continues the run,
+with the program as it was invoked (``invoked_program``).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -53,16 +56,54 @@ class StopOnSignal:
         )
 
 
+def invoked_program(
+    argv0: str | None = None,
+    orig_argv: Sequence[str] | None = None,
+    which: Callable[[str], str | None] = shutil.which,
+) -> list[str]:
+    """The words that started this ``oppo-jax`` (defaults: ``sys.argv[0]``, ``sys.orig_argv``),
+    so that a printed command runs as typed: a bare ``oppo-jax`` only when that is the one on
+    ``PATH``, a venv's ``.venv/bin/oppo-jax`` when typed so, ``python -m oppo_jax.cli`` as run.
+
+    Examples: ``.venv/bin/oppo-jax`` gives ``[".venv/bin/oppo-jax"]``; ``/usr/bin/oppo-jax``
+    (the shell found it on PATH) gives ``["oppo-jax"]``; ``python3 -m oppo_jax.cli`` gives
+    ``["python3", "-m", "oppo_jax.cli"]``; a call of ``cli.main`` from Python (a notebook, a
+    test) gives ``[sys.executable, "-m", "oppo_jax.cli"]``, which runs from any shell.
+    """
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    orig = list(getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv)
+    if "-m" in orig[1:]:
+        at = orig.index("-m", 1)
+        if orig[at + 1 : at + 2] == ["oppo_jax.cli"]:  # the interpreter's own options kept
+            return orig[: at + 2]
+    if os.path.basename(argv0) == "oppo-jax":  # the console script
+        on_path = which("oppo-jax")  # a shell's PATH lookup hands Python the full path
+        if os.sep not in argv0 or (on_path and _same(on_path, argv0)):
+            return ["oppo-jax"]
+        return [argv0]
+    return [sys.executable, "-m", "oppo_jax.cli"]
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def resume_command(
-    config: str | None, overrides: Sequence[str], out: str, options: Sequence[str] = ()
+    config: str | None,
+    overrides: Sequence[str],
+    out: str,
+    options: Sequence[str] = (),
+    program: Sequence[str] | None = None,
 ) -> str:
     """The command that continues a stopped run, shell-quoted, from what it was started with.
 
-    Example: ``resume_command("demo_cpu", ["seed=1"], "runs/demo_cpu-20261206-101500")`` is
-    ``oppo-jax train demo_cpu --set seed=1 --out runs/demo_cpu-20261206-101500 --resume``.
-    ``options`` are further flags given to the first run (``--quiet``, ``--no-warmup``).
+    Example: ``resume_command("demo_cpu", ["seed=1"], "runs/demo_cpu-20261206-101500",
+    program=[".venv/bin/oppo-jax"])`` is ``.venv/bin/oppo-jax train demo_cpu --set seed=1
+    --out runs/demo_cpu-20261206-101500 --resume``. ``options`` are further flags given to the
+    first run (``--quiet``, ``--no-warmup``); ``program`` defaults to ``invoked_program()``.
     """
-    words = ["oppo-jax", "train"] + ([config] if config is not None else [])
+    words = [*(invoked_program() if program is None else program), "train"]
+    words += [config] if config is not None else []
     words += ["--set", *overrides] if overrides else []
     words += [*options, "--out", out, "--resume"]
     return shlex.join(words)

@@ -97,9 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     export = sub.add_parser("export", help="a run's actor in Hugging Face format")
     export.add_argument("run", help="run directory (holds config.yaml and checkpoints/)")
-    export.add_argument("--out", required=True, help="directory to write")
+    export.add_argument("--out", required=True, help="new or empty directory to write")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    export.add_argument("--critic", action="store_true", help="also write the critic")
+    _export_flags(export)
     _plan_parser(sub.add_parser("compile-plan", help="a run's programs, compiled for a target"))
     sub.add_parser("sim", add_help=False, help="predict step times of the four schedules")
     sub.add_parser(
@@ -110,6 +110,16 @@ def _parser() -> argparse.ArgumentParser:
         _config_args(p)
         p.add_argument("--out", default=None, help="directory to write the model to")
     return parser
+
+
+def _export_flags(export) -> None:
+    export.add_argument("--critic", action="store_true", help="also write the critic")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out, replacing an earlier export's files (never into a "
+        "run directory)",
+    )
 
 
 def _plan_parser(plan) -> None:
@@ -306,7 +316,7 @@ def _command(args) -> int:
     if args.command == "export":
         from oppo_jax.export import export_run
 
-        print(f"wrote {export_run(args.run, args.out, args.step, args.critic)}")
+        print(f"wrote {export_run(args.run, args.out, args.step, args.critic, args.overwrite)}")
         return 0
     return _demo_build(args, args.command)
 

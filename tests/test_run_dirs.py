@@ -113,6 +113,41 @@ def test_overwrite_leaves_a_directory_that_holds_other_files(run, capsys):
     _refused(capsys, run, "--overwrite", says=r"files no run writes \(notes\.txt\)")
 
 
+def _export_refused(capsys, *argv: str, says: str) -> None:
+    assert main(["export", *argv]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and re.search(says, err), err
+
+
+def test_export_of_what_is_not_a_run_or_a_step_it_lacks_names_them(run, tmp_path, capsys):
+    before, hf = _snapshot(run), str(tmp_path / "hf")
+    _export_refused(capsys, str(tmp_path / "nothing"), "--out", hf, says="nothing: not a run")
+    (tmp_path / "not-a-run").mkdir()
+    _export_refused(capsys, str(tmp_path / "not-a-run"), "--out", hf, says="no config.yaml")
+    (tmp_path / "fresh").mkdir()
+    shutil.copy(run / "config.yaml", tmp_path / "fresh")
+    _export_refused(capsys, str(tmp_path / "fresh"), "--out", hf, says="fresh: no checkpoint")
+    assert not (tmp_path / "fresh" / "checkpoints").exists()  # looking created nothing
+    says = "run: no checkpoint at step 55; available steps: 1$"
+    _export_refused(capsys, str(run), "--step", "55", "--out", hf, says=says)
+    assert _snapshot(run) == before and not (tmp_path / "hf").exists()
+
+
+def test_export_never_writes_into_a_run_and_overwrites_only_when_asked(run, tmp_path, capsys):
+    before = _snapshot(run)
+    for out in (run, run / "checkpoints", run / "hf"):
+        for flags in ([], ["--overwrite"]):
+            _export_refused(capsys, str(run), "--out", str(out), *flags, says="a run directory")
+    assert _snapshot(run) == before  # nothing written, nothing lost
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _export_refused(capsys, str(run), "--out", str(out), says=r"not empty \(holds notes\.txt\)")
+    assert main(["export", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"
+    assert _snapshot(run) == before
+
+
 def test_preempted_says_which_steps_are_done():
     assert "steps 0-0 are done and saved in ck/1; rerun with --resume to continue at step 1" in str(
         Preempted(1, "SIGTERM", "ck")

@@ -75,6 +75,15 @@ def _check_json(value: Any, path: str = "extra") -> None:
         )
 
 
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """The committed steps of a checkpoint directory, ascending ([] when it is missing); reads
+    only (opening a ``RunCheckpointer`` creates the directory)."""
+    path = epath.Path(os.path.abspath(os.fspath(directory)))
+    if not path.is_dir():
+        return []
+    return sorted(m.step for m in ocp.step.standard_name_format().find_all(path))
+
+
 class RunCheckpointer:
     """An orbax ``CheckpointManager`` for (train state, JSON host state), with corruption fallback.
 
@@ -155,9 +164,7 @@ class RunCheckpointer:
         """Committed steps on disk, ascending."""
         # Read from disk, not the manager's cache: orbax lists a step as soon as its async save
         # starts, while the name format skips folders that are still temporary.
-        if not self.directory.exists():
-            return []
-        return sorted(m.step for m in self._name_format.find_all(self.directory))
+        return committed_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""

@@ -275,7 +275,7 @@ def _bench(args) -> int:
     _ensure_cpu_devices(cfg)
     from oppo_tools.bench import bench_summary_lines, run_bench
 
-    steps = args.steps or cfg.train.steps
+    steps = cfg.train.steps if args.steps is None else args.steps  # 0 is refused, not "default"
     result = run_bench(
         cfg, args.out, steps, args.seeds, args.warmup, args.target_gold, precompile=args.precompile
     )

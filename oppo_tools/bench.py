@@ -14,6 +14,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from oppo_jax.base.errors import InputError
 from oppo_jax.config import Config, to_dict
 from oppo_jax.pipeline import warmup as warm
 from oppo_jax.pipeline.host_state import HostState, sampling_key
@@ -134,13 +136,13 @@ def run_bench(
     inside measured steps (each record's ``compiles`` says which), which saves start-up time
     where compiling is slow."""
 
+    check_counts(steps, seeds, warmup)  # before anything is built or written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx, state = prepare_run(cfg, progress)
     lanes, timeline = _lanes(cfg, ctx, state, seeds), Timeline()
     if precompile:  # every shape of every schedule (one seed's lanes): ``train``'s warm-up
-        for lane in lanes[: len(SCHEDULES)]:
-            _, lane.state = warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
+        _warm_up(lanes[: len(SCHEDULES)], progress)
     compiles = warm.CompileCounter()
     bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
     for step in range(warmup + steps):
@@ -162,6 +164,29 @@ def run_bench(
             bar.update(1)
     bar.close()
     return _write(cfg, out, lanes, steps, seeds, target_gold)
+
+
+def _warm_up(lanes: list, progress: bool) -> None:
+    """``train``'s warm-up for each lane (``_Lane``), each bar under a line naming its schedule (the
+    warm-up's own bar names none)."""
+    for i, lane in enumerate(lanes, 1):
+        if progress:
+            print(
+                f"warm-up of {lane.schedule.name} ({i}/{len(lanes)}):", file=sys.stderr, flush=True
+            )
+        _, lane.state = warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
+
+
+def check_counts(steps: int, seeds: int, warmup: int) -> None:
+    """Refuse counts a bench cannot run: ``InputError`` naming the option (``--steps 0`` is
+    no default: it ran the config's train.steps)."""
+    for flag, value, least in (
+        ("--steps", steps, 1),
+        ("--seeds", seeds, 1),
+        ("--warmup", warmup, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InputError(f"bench {flag} {value}: must be an integer >= {least}")
 
 
 def _paired_ratio(base: list[list[float]], other: list[list[float]]) -> float:
@@ -279,14 +304,39 @@ def bench_summary_lines(result: dict) -> list[str]:
             f"{bound['ideal_step_s']:.3f}s, measured/ideal {_fmt(bound['measured_over_ideal'])}, "
             f"{gold}, time to target {reach}"
         )
-    speed = {n: _fmt(v) for n, v in result["speedup_vs_sync"].items()}
-    paired = {n: _fmt(v) for n, v in result["speedup_vs_sync_paired"].items()}
-    reach = {n: _fmt(v) for n, v in result["time_to_target_speedup_vs_sync"].items()}
-    shares = {k: round(v, 3) for k, v in result["sync_stage_shares"].items()}
-    lines += [f"  speedup vs sync (median step time): {speed}",
-              f"  speedup vs sync (median of per-round ratios): {paired}",
-              f"  speedup vs sync (time to target gold): {reach}"]  # fmt: skip
+    lines += _speedup_lines(result)
     if no_gold:
         lines.append(f"  time to target: {no_gold}")
+    shares = ", ".join(
+        f"{k.replace('_plus_', ' + ')} {v:.1%}" for k, v in result["sync_stage_shares"].items()
+    )
     lines.append(f"  sync stage shares: {shares}")
+    return lines
+
+
+# The speedup table's columns: (heading, the result's key)
+SPEEDUPS = (
+    ("median step", "speedup_vs_sync"),
+    ("per-round ratio", "speedup_vs_sync_paired"),
+    ("time to target", "time_to_target_speedup_vs_sync"),
+)
+
+
+def _speedup_lines(result: dict) -> list[str]:
+    """Each schedule's speedups over sync, aligned under a heading per measure (``-``: none).
+
+    Example::
+
+          speedup vs sync:      median step  per-round ratio   time to target
+                     oppo:       1.23x sync       1.20x sync                -
+    """
+    width = 17  # "per-round ratio" and "1.23x sync" with room between them
+
+    def times(x: float | None) -> str:
+        return _fmt(x, ".2f") + ("" if x is None else "x sync")
+
+    lines = ["  speedup vs sync: " + "".join(f"{title:>{width}}" for title, _ in SPEEDUPS)]
+    for name in result["speedup_vs_sync"]:
+        cells = "".join(f"{times(result[key][name]):>{width}}" for _, key in SPEEDUPS)
+        lines.append(f"  {name:>15}: {cells}")
     return lines

@@ -1,4 +1,4 @@
-"""The oppo-jax command: train, bench, export, sim, memory, sft, rm."""
+"""The oppo-jax command: train, bench, export, compile-plan, sim, memory, sft, rm."""
 
 from __future__ import annotations
 

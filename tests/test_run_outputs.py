@@ -3,6 +3,8 @@ ETA, help texts, and the command's switches (compilation cache, transformers' to
 
 import json
 import logging
+import os
+import re
 
 import matplotlib.image
 import pytest
@@ -94,6 +96,24 @@ def test_help_texts_are_plain_and_bench_states_its_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for default in ("(default: runs/bench)", "(default: 1)", "(default: 2)", "train.steps"):
         assert default in text
+
+
+def test_the_top_level_help_names_every_command_and_each_has_its_help(capsys, monkeypatch):
+    # compile-plan was listed among the choices but left out of the description line
+    for name in ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "TPU_SKIP_MDS_QUERY"):  # compile-plan sets
+        monkeypatch.setenv(name, os.environ.get(name, "1"))  # them; restored after the test
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    verbs = re.search(r"\{([a-z,-]+)\}", text)[1].split(",")
+    description = text.split("\n\n")[1]
+    assert {"compile-plan", "sim", "memory"} <= set(verbs)
+    for verb in verbs:
+        assert re.search(rf"(^|\s){verb}[,.]", description, re.M), (verb, description)
+        assert re.search(rf"^    {verb} +\S", text, re.M), verb  # its one-line help
+        with pytest.raises(SystemExit) as done:
+            cli.main([verb, "--help"])
+        assert done.value.code == 0 and f"usage: oppo-jax {verb}" in capsys.readouterr().out
 
 
 def test_transformers_torch_notice_is_dropped_and_other_warnings_kept(caplog):

@@ -261,7 +261,12 @@ def test_python_tags_are_rejected_and_never_executed(tmp_path):
 
 def test_missing_file(tmp_path):
     _raises(["nope.yaml", "not found"], path=tmp_path / "nope.yaml")
-    _raises(["no_such_config", "not found"], path="no_such_config")
+    # an unknown name lists the names there are (those of configs/), on the same line
+    names = ", ".join(sorted(p.stem for p in YAML_FILES))
+    message = _raises(
+        ["no_such_config", "not found", f"{CONFIG_DIR}: {names}"], path="no_such_config"
+    )
+    assert "demo_cpu, grpo_demo_cpu" in message and "\n" not in message
 
 
 def test_round_trip_through_yaml(tmp_path):

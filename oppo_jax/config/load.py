@@ -86,7 +86,7 @@ def _read_yaml(file: Path) -> DictConfig:
     try:
         raw = OmegaConf.load(file)
     except FileNotFoundError:
-        raise ConfigError(f"{file}: config file not found") from None
+        raise ConfigError(f"{file}: config file not found; {_shipped()}") from None
     except OSError as e:
         raise ConfigError(f"{file}: cannot read the config file ({e.strerror})") from None
     except UnicodeDecodeError:
@@ -98,6 +98,14 @@ def _read_yaml(file: Path) -> DictConfig:
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{file}: the top level must be a mapping of sections, not a list")
     return raw
+
+
+def _shipped() -> str:
+    """The config names a bare name may give (the YAML files in configs/)."""
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    if not names:
+        return f"give a YAML path ({CONFIG_DIR} holds no config)"
+    return f"give a YAML path or one of the names in {CONFIG_DIR}: {', '.join(names)}"
 
 
 def _parse_override(item: str) -> DictConfig:

@@ -123,7 +123,16 @@ def test_command_reports_the_7b_update_per_device(capsys, remat):
     # temporaries stay far below the no-remat activations (CPU float32 upper bound).
     # Moments on the device here (the config rests them on the host): the whole state is
     # donated and updated in place.
-    args = ["--kernels", "update", "--remat", remat, "--set", "optim.offload=false"]
+    args = [
+        "--kernels",
+        "update",
+        "--remat",
+        remat,
+        "--target",
+        "cpu",
+        "--set",
+        "optim.offload=false",
+    ]
     main(["qwen2.5-7b_gh200x4", "--json", *args])
     report = json.loads(capsys.readouterr().out)
     b, update = report["bytes"], report["kernels"]["update"]

@@ -137,3 +137,32 @@ def test_compile_plan_reports_the_registry_against_hbm(tmp_path, capsys):
         assert p["compile_s"] > 0 and p["argument_bytes"] > 0 and p["flops"] > 0
     assert report["resident_bytes_per_device"] < report["peak_bytes_per_device"]
     assert report["hbm_bytes_per_device"] == int(95.74 * 2**30) and report["fits"]
+
+
+@needs_gpu
+def test_memory_compiles_for_the_configs_own_hardware(capsys):
+    """``oppo-jax memory`` of a GH200 config compiles with XLA:GPU for a GH200 by default."""
+    from oppo_tools.memory.cli import main
+
+    main(["qwen2.5-7b_gh200x1_lora_grpo", "--json", "--kernels", "decode_chunk", "--layers", "1"])
+    report = json.loads(capsys.readouterr().out)
+    assert "by XLA:GPU sm_90a" in report["note"] and "for gh200" in report["note"]
+
+
+def test_memory_falls_back_to_labelled_cpu_bounds(monkeypatch, capsys):
+    """Without the target's compiler the report is XLA:CPU's, labelled an upper bound, and
+    one line says why."""
+    from oppo_tools.memory.cli import main
+
+    devices = Target.devices
+
+    def missing(self, count):
+        if self.deviceless:
+            raise TargetError("the GPU compiler is not installed (gpu-aot)")
+        return devices(self, count)
+
+    monkeypatch.setattr(Target, "devices", missing)
+    main(["qwen2.5-7b_gh200x1_lora_grpo", "--json", "--kernels", "update", "--layers", "1"])
+    out = capsys.readouterr()
+    assert json.loads(out.out)["note"].startswith("CPU upper bound")
+    assert "CPU upper bounds instead of gh200: the GPU compiler is not installed" in out.err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -178,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=list(KERNELS))
     parser.add_argument(
         "--target",
-        choices=TARGETS,
-        default="cpu",
-        help="compile for XLA:CPU (bf16 computed in f32: upper bounds) or TPU v5p (needs libtpu)",
+        help=f"compile for one of {', '.join(TARGETS)} (a topology may follow: tpu-v5p:2x2x2); "
+        "default: the config's own (mesh.target, else the hardware its name names), else cpu "
+        "(XLA:CPU on fake devices: bf16 computed in f32, upper bounds)",
     )
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -188,9 +189,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", devices_needed(cfg))
     except RuntimeError:
         pass
-    report = config_memory_report(cfg, args.kernels, args.layers, args.remat, args.target)
+    target = args.target or _own_target(cfg, args.config)
+    report = config_memory_report(cfg, args.kernels, args.layers, args.remat, target)
     print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
+
+
+def _own_target(cfg, name: str) -> str:
+    """The config's own target (``aot.default_target``) when its compiler is installed here;
+    else "cpu", whose upper bounds are labelled as such, with one line on stderr saying why."""
+    from oppo_jax.parallel.targets import Target, TargetError
+    from oppo_tools.aot import default_target
+
+    own = default_target(cfg, name)
+    described = Target.parse(own)
+    if not described.deviceless:
+        return "cpu"
+    try:
+        described.devices(1)
+    except TargetError as err:
+        print(f"oppo-jax memory: CPU upper bounds instead of {own}: {err}", file=sys.stderr)
+        return "cpu"
+    return own
 
 
 if __name__ == "__main__":

@@ -165,6 +165,21 @@ def test_wrong_type_in_yaml(tmp_path):
     _raises(["run.yaml", "train.steps", "many"], path=path)
 
 
+def test_a_list_key_given_one_value_names_the_key_and_the_list_it_takes(tmp_path):
+    """A single value is refused, not taken as a one-element list (OmegaConf's message named
+    AnyNode and ListConfig, and a mapping gave 'Cannot merge incompatible container types')."""
+    fn = "oppo_jax.rewards.demo:sentiment"
+    hint = f"reward.functions takes a list, e.g. --set 'reward.functions=[{fn}]'"
+    _raises([f"--set reward.functions={fn}: {hint}"], overrides=[f"reward.functions={fn}"])
+    _raises(["pipeline.chunk_candidates=[16]'"], overrides=["pipeline.chunk_candidates=16"])
+    for value in ("null", "{a: 1}"):
+        _raises(["reward.functions takes a list"], overrides=[f"reward.functions={value}"])
+    path = _write(tmp_path, f"reward:\n  functions: {fn}\n")
+    _raises([f"run.yaml: reward.functions='{fn}': reward.functions takes a list, e.g. "
+             f"functions: [{fn}]"], path=path)  # fmt: skip
+    assert load_config(None, [f"reward.functions=[{fn}]"]).reward.functions == [fn]
+
+
 def test_override_without_equals_sign():
     _raises(["rollout.batch_size", "key=value"], overrides=["rollout.batch_size"])
 

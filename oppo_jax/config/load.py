@@ -11,6 +11,7 @@ import difflib
 import functools
 import os
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ def _parse_override(item: str) -> DictConfig:
 
 def _merge(base: DictConfig, update: DictConfig, origin: str) -> DictConfig:
     """OmegaConf's merge, with its errors restated as `origin: key=value: problem`."""
+    _check_lists(update, origin)
     try:
         return OmegaConf.merge(base, update)
     except OmegaConfBaseException as e:
@@ -139,6 +141,33 @@ def _merge(base: DictConfig, update: DictConfig, origin: str) -> DictConfig:
         raise ConfigError(f"{where}: {_first_line(e)}") from None
     except _PLAIN_ERRORS as e:  # some OmegaConf merge paths raise these undecorated
         raise ConfigError(f"{origin}: {_first_line(e)}") from None
+
+
+def _check_lists(update: DictConfig, origin: str) -> None:
+    """A list key given one value (``--set reward.functions=pkg.mod:fn``) is an error that
+    names the key and the list it takes; a single value is not taken as a one-element list,
+    and OmegaConf's own message names its internals (AnyNode, ListConfig)."""
+    tree = OmegaConf.to_container(update, resolve=False)
+    for key in _list_keys():
+        section, _, name = key.rpartition(".")
+        parent = _lookup(tree, section)
+        if not isinstance(parent, dict) or name not in parent:
+            continue
+        value = parent[name]
+        if isinstance(value, list) or (isinstance(value, str) and "${" in value):
+            continue
+        item = "..." if value is None or isinstance(value, dict) else value
+        if origin.startswith("--set"):
+            where, example = origin, f"--set '{key}=[{item}]'"
+        else:
+            where, example = f"{origin}: {key}={value!r}", f"{name}: [{item}]"
+        raise ConfigError(f"{where}: {key} takes a list, e.g. {example}")
+
+
+@functools.cache
+def _list_keys() -> tuple[str, ...]:
+    """The dotted keys whose type is a list."""
+    return tuple(k for k, hint, *_ in leaves(Config) if typing.get_origin(hint) is list)
 
 
 def _first_line(e: Exception) -> str:

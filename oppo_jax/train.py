@@ -145,20 +145,20 @@ def train(
         ckpt.wait()
         ckpt.close()
         log.close()
-        _plot(out)  # at the end and on preemption alike
+        _plot(out, cfg.ppo.uses_reference)  # at the end and on preemption alike
     summary = summarize(out / "metrics.jsonl")
     summary.update(nonfinite_skipped=host.nonfinite_total, prompts_truncated=ctx.prompts_truncated)
     summary.update({k: v for k, v in report.items() if k in ("warmup_s", "warmup_compiles")})
     return summary
 
 
-def _plot(out: Path) -> None:
-    """``plots/`` from metrics.jsonl; a plot that fails warns and never hides the run's own
-    outcome (this runs in a ``finally``)."""
+def _plot(out: Path, reference: bool) -> None:
+    """``plots/`` from metrics.jsonl (a KL plot only with a reference); a plot that fails warns
+    and never hides the run's own outcome (this runs in a ``finally``)."""
     from oppo_jax.run.plots import plot_run
 
     try:
-        plot_run(out / "metrics.jsonl", out / "plots")
+        plot_run(out / "metrics.jsonl", out / "plots", reference)
     except Exception as e:  # plots are a convenience; metrics.jsonl is the record
         warnings.warn(f"could not write {out / 'plots'}: {e}", stacklevel=2)
 

@@ -11,7 +11,8 @@ import pytest
 
 from oppo_jax import cli
 from oppo_jax.base.errors import InputError, Preempted
-from oppo_jax.run.log import RunLog
+from oppo_jax.config import load_config
+from oppo_jax.run.log import RunLog, read_metrics
 from oppo_jax.run.plots import RUN_PLOTS, plot_run
 from oppo_jax.train import summarize, summary_lines, train
 from tests.run_fixtures import sigterm_in_first_step, small_demo_config
@@ -41,6 +42,31 @@ def test_run_plots_one_png_per_quantity_present(tmp_path):
     written = plot_run(_write_metrics(tmp_path / "m2.jsonl", rows), tmp_path / "p2")
     assert {p.stem for p in written} == set(RUN_PLOTS)
     assert plot_run(tmp_path / "missing.jsonl", tmp_path / "p3") == []
+
+
+# A critic-free run without a reference (β = 0) of random tiny models: no files, seconds.
+NO_REFERENCE = [
+    "model.actor_path=random", "model.reward_path=random", "model.preset=tiny",
+    "data.prompts=random", "data.random_prompt_len=[2,8]", "rollout.max_prompt_len=8",
+    "rollout.max_response_len=8", "rollout.batch_size=4", "rollout.group_size=2",
+    "ppo.advantage=grpo", "ppo.kl_coef=0.0", "ppo.kl_in_reward=false", "ppo.ppo_epochs=1",
+    "pipeline.mode=sync", "pipeline.overcommit=0", "pipeline.adaptive_overcommit=false",
+    "train.checkpoint_every=0",
+    "train.steps=2",
+]  # fmt: skip
+
+
+def test_a_run_without_a_reference_draws_no_kl_plot(tmp_path):
+    # Its KL is 0 at every step: a flat line read as a policy that never left the reference.
+    cfg = load_config(None, NO_REFERENCE)
+    assert not cfg.ppo.uses_reference
+    train(cfg, tmp_path / "run", progress=False, warmup=False)
+    assert all(r["kl"] == 0.0 for r in read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    plots = sorted(p.name for p in (tmp_path / "run" / "plots").iterdir())
+    assert plots == ["lengths.png", "reward.png", "step_time.png"]
+    rows = [_record(i) for i in range(3)]
+    written = plot_run(_write_metrics(tmp_path / "m.jsonl", rows), tmp_path / "p", reference=False)
+    assert "kl.png" not in {p.name for p in written} and len(written) == 3
 
 
 def test_summary_start_and_end_never_share_a_step(tmp_path):

@@ -34,16 +34,19 @@ EVAL_PLOTS = {
 }
 
 
-def plot_run(metrics_path: Path, out: Path) -> list[Path]:
+def plot_run(metrics_path: Path, out: Path, reference: bool = True) -> list[Path]:
     """Write one ``<name>.png`` per ``RUN_PLOTS`` entry that the records hold into ``out``
-    (a run without a gold score gets no gold plot), and per ``EVAL_PLOTS`` entry that the
-    ``eval.jsonl`` beside the metrics holds; returns the files written."""
+    (a run without a gold score gets no gold plot; one without a reference, ``reference``
+    false (``ppo.uses_reference``: β = 0), no KL plot, whose zeros would read as a policy that
+    never moved), and per ``EVAL_PLOTS`` entry that the ``eval.jsonl`` beside the metrics
+    holds; returns the files written."""
     from oppo_jax.run.log import read_metrics
 
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     eval_path = Path(metrics_path).parent / "eval.jsonl"
     evals = read_metrics(eval_path) if records and eval_path.exists() else []
-    return _draw(records, RUN_PLOTS, out) + _draw(evals, EVAL_PLOTS, out)
+    plots = RUN_PLOTS if reference else {k: v for k, v in RUN_PLOTS.items() if k != "kl"}
+    return _draw(records, plots, out) + _draw(evals, EVAL_PLOTS, out)
 
 
 def _draw(records: list[dict], plots: dict, out: Path) -> list[Path]:

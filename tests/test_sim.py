@@ -4,6 +4,8 @@ that recorded it)."""
 
 import dataclasses
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -412,12 +414,35 @@ def test_roofline_projection():
 
 
 def test_recommend_picks_from_the_candidates():
-    w = Workload(2, steps=20)
+    w = Workload(2, chunk_size=16, steps=20)  # its own C and Δ are candidates too
     rec = recommend(COST, w, demo_lengths(500, seed=1), ACTIVE, (8, 16, 32), (0, 1, 4, 16))
     assert rec["chunk_size"] in (8, 16, 32) and 0 <= rec["delta"] <= 2
     assert rec["step_time_s"] == min(g["step_time_s"] for g in rec["grid"])
     assert {g["delta"] for g in rec["grid"]} == {0, 1}
     assert rec["speedup_vs_sync"] >= 1.0
+
+
+def test_the_recommendation_never_loses_to_the_row_it_stands_beside(tmp_path, capsys):
+    """A demo run's metrics (C=16, Δ=4): the recommendation searched C in 64..512 only and
+    printed C=64 at a mean above the table's own oppo row; now the row's (C, Δ) is a candidate,
+    both print the same quantity (the mean), and the speedup's sync is at the best C."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _synthetic_records(COST)))
+    shutil.copy(Path(__file__).parent.parent / "configs" / "demo_cpu.yaml", run / "config.yaml")
+    out = tmp_path / "sim.json"
+    assert main(["--metrics", str(run / "metrics.jsonl"), "--steps", "50", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "C=16, Δ=4" in printed  # the run's own settings, read from its config
+    table = json.loads(out.read_text())["engines"]["built"]
+    rec, oppo = table["recommendation"], table["schedules"]["oppo"]["step_time_mean_s"]
+    assert (16, 4) in {(g["chunk_size"], g["delta"]) for g in rec["grid"]}
+    assert rec["step_time_s"] <= oppo
+    row = float(re.search(r"^ +oppo +(\S+)", printed, re.M)[1])  # the table's mean column
+    best = re.search(r"best .*: C=(\d+) Δ=(\d+): (\S+) s/step mean, (\S+)× vs sync", printed)
+    assert float(best[3]) <= row
+    if (int(best[1]), int(best[2])) == (16, 4):  # the row itself: the same numbers
+        assert best[3] == f"{oppo:.4g}" and best[4] == f"{table['speedup_vs_sync']['oppo']:.2f}"
 
 
 def test_cli(tmp_path, capsys):

@@ -95,8 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=PLACEMENTS, default=None)
     p.add_argument("--chunk", type=int, default=None, help="C to compare at")
     p.add_argument("--delta", type=int, default=None, help="Δ to compare at (groups when G > 1)")
-    p.add_argument("--candidates-c", default="64,128,256,512")
-    p.add_argument("--candidates-delta", default="0,2,4,8,16", help="Δs tried (at most B/G)")
+    p.add_argument("--candidates-c", default="64,128,256,512", help="Cs tried, and its own")
+    p.add_argument("--candidates-delta", default="0,2,4,8,16", help="Δs tried (≤ B/G), and its own")
     p.add_argument("--prompt-len", type=int, default=None, help="P, prompt tokens")
     p.add_argument("--capacity", type=int, default=None, help="R, response capacity")
     p.add_argument("--epochs", type=int, default=None, help="--project: PPO epochs")
@@ -156,10 +156,16 @@ def _print_table(cost: CostModel, engine: Engine, table: dict, rec: dict, tag: s
             f"{tag}{name:>8}  {s['step_time_mean_s']:>12.4g}  {s['step_time_median_s']:>10.4g}"
             f"  {speed:>7.2f}×  {busy}"
         )
-    print(
-        f"{tag}best (C, Δ) for {rec['schedule']}: C={rec['chunk_size']} Δ={rec['delta']}: "
-        f"{rec['step_time_s']:.4g} s/step, {rec['speedup_vs_sync']:.2f}× vs sync"
+    cs, ds = (sorted({g[k] for g in rec["grid"]}) for k in ("chunk_size", "delta"))
+    print(  # the table's mean (its row's C and Δ are among the candidates), sync at the best C
+        f"{tag}best (C, Δ) for {rec['schedule']} of C {_csv(cs)} × Δ {_csv(ds)}: "
+        f"C={rec['chunk_size']} Δ={rec['delta']}: {rec['step_time_s']:.4g} s/step mean, "
+        f"{rec['speedup_vs_sync']:.2f}× vs sync at C={rec['chunk_size']}"
     )
+
+
+def _csv(xs) -> str:
+    return ",".join(str(x) for x in xs)
 
 
 def _tables(cost: CostModel, engines, workload: Workload, lengths, args) -> dict:

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -94,6 +95,28 @@ def test_cli_prints_the_settings_with_every_projection(tmp_path, capsys):
     assert "engine: built+packed_update" in capsys.readouterr().out
     assert main(["--bench", "x.json", "--config", CONFIG]) == 2
     assert main(["--project", "qwen2.5-7b:gh200", "--with", "warp_drive"]) == 2
+
+
+@pytest.mark.parametrize("group_size", [1, 2], ids=["epochs map", "group map"])
+def test_a_projection_says_on_stderr_what_it_is_doing(capsys, group_size):
+    """`sim --project` was silent for minutes (200 steps a schedule, a regime map of 36 more
+    runs): each table and each cell of the map now announces itself on stderr."""
+    argv = ["--project", "qwen2.5-3b:gh200", "--batch", "4", "--lengths", "demo", "--steps",
+            "3", "--candidates-c", "8", "--candidates-delta", "0", "--group-size",
+            str(group_size)]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert all(re.fullmatch(r"oppo-jax sim: .* \(\d+ s\)", line) for line in lines), lines
+    assert "oppo-jax sim" not in out  # the tables stay on stdout, as they were
+    assert "projecting qwen2.5-3b:gh200: 2 engine(s), 3 steps a schedule" in lines[0]
+    tables = [x for x in lines if ": the four schedules, then the best (C, Δ)" in x]
+    assert ["engine built" in tables[0], "engine active" in tables[1], len(tables)] == [1, 1, 2]
+    cells = [x for x in lines if "regime map, engine" in x]
+    total = 2 * (9 if group_size == 1 else 3)  # epochs x medians, or medians, per engine
+    assert len(cells) == total
+    assert all(f"({i}/{total})" in x for i, x in enumerate(cells, 1))
+    assert lines[-1].startswith("oppo-jax sim: done")
 
 
 def _small(epochs=4) -> Projection:

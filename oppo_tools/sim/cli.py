@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -168,12 +169,26 @@ def _csv(xs) -> str:
     return ",".join(str(x) for x in xs)
 
 
-def _tables(cost: CostModel, engines, workload: Workload, lengths, args) -> dict:
+class _Progress:
+    """Progress lines on stderr while a projection works (with its regime map it takes
+    minutes, silent before): what starts now, and the seconds since the start."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        seconds = time.perf_counter() - self.start
+        print(f"oppo-jax sim: {what} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
+
+def _tables(cost: CostModel, engines, workload: Workload, lengths, args, progress=None) -> dict:
     """Per engine: the four schedules at the workload's (C, Δ) and the best (C, Δ)."""
     tag = "PROJECTION " if cost.label.startswith("PROJECTION") else ""
     out = {}
     for engine in engines:
         cands = (_ints(args.candidates_c), _ints(args.candidates_delta))
+        if progress:
+            progress(f"engine {engine.name}: the four schedules, then the best (C, Δ)")
         rec = recommend(cost, workload, lengths, engine, *cands)
         table = compare(cost, workload, lengths, engine)
         _print_table(cost, engine, table, rec, tag)
@@ -206,12 +221,14 @@ def _project(args) -> dict:
         "reference": args.reference,
         "reward_model": args.reward_model,
     }
+    progress = _Progress()
     proj = build_projection(args.project, args.config, args.set, given)
     cost = proj.cost_model()
     # "built" is the engine as built on the projection's hardware (engines.built_for)
     built = proj.built_engine
     engines = [_engine(args, built, built)] + ([] if args.engine else [ACTIVE])
     w = proj.workload
+    progress(f"projecting {args.project}: {len(engines)} engine(s), {w.steps} steps a schedule")
     drawn = proj.lengths.sample(seed=w.seed or 0)
     lengths = drawn if args.lengths is None else read_lengths(args.lengths, w.seed or 0)
     print(f"cost model: {cost.label}")
@@ -219,15 +236,16 @@ def _project(args) -> dict:
     print("\n".join(proj.lines()))
     print(f"PROJECTION lengths simulated: {describe(lengths)}")
     out = {"projection": True, "settings": _settings_json(proj), "cost_model": cost.to_dict()}
-    out["engines"] = _tables(cost, engines, w, lengths, args)
+    out["engines"] = _tables(cost, engines, w, lengths, args, progress)
     if not args.no_regime_map:
         kind = args.regime_map or ("groups" if w.group_size > 1 else "epochs")
         if kind == "groups":
-            out["regime_map"] = group_regime_map(proj, engines)
+            out["regime_map"] = group_regime_map(proj, engines, progress=progress)
             print("\n".join(format_group_map(out["regime_map"])))
         else:
-            out["regime_map"] = regime_map(proj, engines)
+            out["regime_map"] = regime_map(proj, engines, progress=progress)
             print("\n".join(format_regime_map(out["regime_map"])))
+    progress("done")
     return out
 
 

@@ -52,16 +52,23 @@ def group_length_median(projection, median: int | float, draws: int = 20_000) ->
     return float(np.median(lengths.reshape(-1, g).max(axis=1)))
 
 
-def group_regime_map(projection, engines=None, deltas=DELTAS, medians=MEDIANS) -> dict:
+def group_regime_map(
+    projection, engines=None, deltas=DELTAS, medians=MEDIANS, progress=None
+) -> dict:
     """The speedups over sync of intra, inter and oppo per engine (default: as built on the
     projection's hardware, and active), Δ (rows) and median length (columns), everything
-    else as ``projection`` says."""
+    else as ``projection`` says. ``progress`` (a callable) hears of each column as it starts."""
     engines = engines or (projection.built_engine, ACTIVE)
     w = projection.workload
     deltas = [d for d in deltas if d * w.group_size <= w.batch]
-    cells = {}
+    cells, total, done = {}, len(engines) * len(medians), 0
     for engine in engines:
-        columns = [_column(projection, engine, m, deltas) for m in medians]
+        columns = []
+        for m in medians:
+            done += 1
+            if progress:
+                progress(f"group regime map, engine {engine.name}: median {m} ({done}/{total})")
+            columns.append(_column(projection, engine, m, deltas))
         cells[engine.name] = [list(row) for row in zip(*columns, strict=True)]
     return {
         "kind": "groups",

@@ -190,15 +190,26 @@ def sync_vs_oppo(projection: Projection, engine: Engine) -> dict:
     return {"sync_s": sync, "oppo_s": oppo, "speedup": sync / oppo}
 
 
-def regime_map(projection: Projection, engines=None, epochs=EPOCHS, medians=MEDIANS) -> dict:
+def regime_map(
+    projection: Projection, engines=None, epochs=EPOCHS, medians=MEDIANS, progress=None
+) -> dict:
     """OPPO's projected speedup over sync per engine (default: as built on the projection's
     hardware, and active), PPO epochs and median length (rows: epochs, columns: medians),
-    everything else as ``projection`` says."""
+    everything else as ``projection`` says. ``progress`` (a callable) hears of each cell as
+    it starts: a map takes minutes."""
     engines = engines or (projection.built_engine, ACTIVE)
-    cells = {
-        e.name: [[sync_vs_oppo(projection.with_regime(n, m), e) for m in medians] for n in epochs]
-        for e in engines
-    }
+    cells, total, done = {}, len(engines) * len(epochs) * len(medians), 0
+    for e in engines:
+        cells[e.name] = []
+        for n in epochs:
+            row = []
+            for m in medians:
+                done += 1
+                if progress:
+                    progress(f"regime map, engine {e.name}: {n} epoch(s), median {m} "
+                             f"({done}/{total})")  # fmt: skip
+                row.append(sync_vs_oppo(projection.with_regime(n, m), e))
+            cells[e.name].append(row)
     return {
         "epochs": list(epochs),
         "medians": list(medians),

@@ -23,6 +23,7 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec, target_lengths
+from tests import tolerances
 from tests.oracles import policy_logprobs, scan_decode, start_decode
 from tests.ppo_fixtures import (
     ACTOR,
@@ -149,12 +150,18 @@ def _steps(mode, chunk, batch, delta, steps):
     return out, state
 
 
-def _same(a, b):
+def _bounds(batch: int) -> tolerances.UpdateBounds:
+    """tests/tolerances.py's bounds of one step's update: 2 optimizer steps of minibatches of
+    batch / 2 rows of P + R columns (make_spec's lr, 1e-3)."""
+    return tolerances.update_bounds((ACTOR, CRITIC), batch // 2 * (P + R), P + R, 2, 1e-3)
+
+
+def _same(a, b, batch: int):
     np.testing.assert_array_equal(a.responses, b.responses)
     np.testing.assert_array_equal(a.response_len, b.response_len)
     assert a.selection.batch.tolist() == b.selection.batch.tolist()
-    for key in ("reward", "kl", "policy_loss", "value_loss"):
-        np.testing.assert_allclose(a.metrics[key], b.metrics[key], rtol=1e-5, atol=1e-6)
+    names, n = ("reward", "kl", "policy_loss", "value_loss"), _bounds(batch).n
+    tolerances.assert_same_metrics(a.metrics, b.metrics, names, n, 2, ACTOR.vocab_size)
 
 
 @pytest.mark.slow
@@ -163,11 +170,11 @@ def test_oppo_without_overcommit_equals_sync_and_ignores_chunk_size():
     (oppo,), oppo_state = _steps("oppo", 4, 8, 0, 1)
     (oppo32,), _ = _steps("oppo", 32, 8, 0, 1)
     assert len(set(sync[0].response_len.tolist())) > 3
-    _same(sync[0], oppo[0])
-    _same(oppo[0], oppo32[0])
-    for x, y in zip(jax.tree.leaves(sync_state.actor_params),
-                    jax.tree.leaves(oppo_state.actor_params), strict=True):  # fmt: skip
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    _same(sync[0], oppo[0], 8)
+    _same(oppo[0], oppo32[0], 8)
+    actor, critic = tiny_params(seed=5)
+    before = {"actor": actor, "critic": critic}
+    tolerances.assert_same_update(_bounds(8), before, oppo_state, sync_state)
 
 
 @pytest.mark.slow
@@ -175,7 +182,7 @@ def test_overcommit_is_chunk_size_independent_and_carried_sequences_keep_their_l
     small, _ = _steps("oppo", 4, 4, 3, 4)
     large, _ = _steps("oppo", 32, 4, 3, 4)
     for (a, carried_a), (b, carried_b) in zip(small, large, strict=True):
-        _same(a, b)
+        _same(a, b, 4)
         assert [(c["prompt_id"], c["response"]) for c in carried_a] == [
             (c["prompt_id"], c["response"]) for c in carried_b
         ]

@@ -88,7 +88,7 @@ def _rollout(kernels: Kernels, admission: Admission, targets, chunk: int):
     scorers, with the widths ``kernels.chunk_width`` picks (None without live prefix)."""
     actor, critic, reward = _params()
     params = {"reference": actor, "critic": critic, "reward": reward}
-    state, _ = kernels.admit(actor, admission, jax.random.key(0))
+    state, _ = kernels.admit(actor, admission, jax.random.key(0), ())
     state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
     scorers = {r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(len(targets)))
@@ -302,7 +302,7 @@ def _rollout_compacting(kernels: Kernels, admission: Admission, targets, chunk: 
     actor, critic, reward = _params()
     params = {"reference": actor, "critic": critic, "reward": reward}
     s = len(targets)
-    state, _ = kernels.admit(actor, admission, jax.random.key(0))
+    state, _ = kernels.admit(actor, admission, jax.random.key(0), ())
     state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
     states = {r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(s))

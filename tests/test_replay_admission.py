@@ -216,22 +216,3 @@ def test_slots_out_of_the_carried_first_order_are_refused():
     s.deferrals[[0, 3]] = s.deferrals[[3, 0]]  # a carried sequence after a new one
     with pytest.raises(AssertionError, match="must fill the leading slots"):
         device_admission(s)
-
-
-def test_kernels_admit_replays_the_admissions_own_prefixes_when_no_plan_is_given():
-    """``Kernels.admit`` without a plan reads the admission back and replays its prefixes:
-    the same decode state as the step's call with the plan made from the host arrays."""
-    from oppo_jax.pipeline.kernels import build_kernels
-    from tests.ppo_fixtures import make_spec
-
-    params = init_params(ACTOR, jax.random.key(0))
-    s = _slots()
-    kernels = build_kernels(make_spec(), RolloutSpec(SamplingConfig(temperature=T), P, R, EOS),
-                            reward_model=CRITIC)  # fmt: skip
-    plan = plan_replay(s.context, s.prompt_len, s.prefix_len, (P, R))
-    planned, _ = kernels.admit(params, device_admission(s), jax.random.key(7), plan)
-    read_back, _ = kernels.admit(params, device_admission(s), jax.random.key(7))
-    np.testing.assert_array_equal(planned.logprobs, read_back.logprobs)
-    np.testing.assert_array_equal(planned.next_logits, read_back.next_logits)
-    assert np.all(np.asarray(read_back.logprobs)[2, :17] < 0)  # the 17-token prefix replayed
-    _assert_caches_close(planned.cache, read_back.cache)

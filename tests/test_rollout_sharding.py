@@ -87,7 +87,7 @@ def _rollout(placement: Placement | None, num_sequences: int):
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(num_sequences)]
     slots = fresh_slots(pairs, P, R, extra_slots=num_slots - num_sequences)
     admission = device_admission(slots)
-    state, _ = kernels.admit(actor, admission, jax.random.key(5))
+    state, _ = kernels.admit(actor, admission, jax.random.key(5), ())
     rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish), jnp.int32(1))
     state, chunk = kernels.decode(CHUNK)(actor, state, rule)
     scorers, fed = {}, chunk if placement is None else placement.to_scoring(chunk)
@@ -316,7 +316,7 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
     rng = np.random.default_rng(1)
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(8)]
     admission = device_admission(fresh_slots(pairs, P, R))
-    state, _ = kernels.admit(on_mesh, admission, jax.random.key(5))
+    state, _ = kernels.admit(on_mesh, admission, jax.random.key(5), ())
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(8))
     state, chunk = kernels.decode(CHUNK)(on_mesh, state, rule)
     counts = np.array([6, 0, 2, 0, 0, 1, 0, 3], np.int32)  # most slots done: 12 of 48 tokens

@@ -18,9 +18,9 @@ from oppo_jax.base.shapes import compaction_floor, live_widths_pay, program_name
 from oppo_jax.models.attention import reads_lengths
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.parallel.sharding import batch_shards, to_host, with_rules
+from oppo_jax.parallel.sharding import batch_shards, with_rules
 from oppo_jax.pipeline.slot_map import compaction_default
-from oppo_jax.ppo.experience import RewardFn, batch_from_rollout
+from oppo_jax.ppo.experience import batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.admission import Admission
@@ -28,10 +28,10 @@ from oppo_jax.rollout.decode import CutRule, DecodeState, admit_decode, decode_c
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.packed_chunks import score_packed_chunk
-from oppo_jax.scoring.replay import ReplayChunk, actor_spec, plan_replay, replay_chunk
+from oppo_jax.scoring.replay import ReplayChunk, actor_spec, replay_chunk
 from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
 
-__all__ = ["Kernels", "RewardFn", "RolloutSpec", "build_kernels", "sample"]
+__all__ = ["Kernels", "RolloutSpec", "build_kernels", "sample"]
 
 
 def family_jit(family: str, fn, mesh=None, **jit_kwargs):
@@ -82,9 +82,9 @@ def make_replay(spec: ScorerSpec, kv_width: int):
 
 
 @functools.cache
-def make_experience(spec: UpdateSpec, rollout: RolloutSpec, reward_fn: RewardFn | None):
-    """``batch_from_rollout`` jitted for one (update spec, rollout, reward function)."""
-    return family_jit("experience", functools.partial(batch_from_rollout, spec, rollout, reward_fn))
+def make_experience(spec: UpdateSpec, rollout: RolloutSpec):
+    """``batch_from_rollout`` jitted for one (update spec, rollout)."""
+    return family_jit("experience", functools.partial(batch_from_rollout, spec, rollout))
 
 
 @functools.cache
@@ -126,8 +126,8 @@ class Kernels:
 
     spec: UpdateSpec
     rollout: RolloutSpec
-    reward_fn: RewardFn | None  # programmatic reward; None: the reward model scores
-    reward_model: ModelConfig | None  # the reward model's architecture (None with reward_fn)
+    # the reward model's architecture; None: reward functions alone score (oppo_jax.rewards)
+    reward_model: ModelConfig | None
     # (train state, batch, key, kl_coef, lengths=None) -> (train state, metrics); donates
     update: Callable
     # decode and streamed scoring read the cache's live prefix, a power-of-two width per program
@@ -166,8 +166,9 @@ class Kernels:
         temperature, on the generation mesh): what its admission prefill and replay run."""
         return actor_spec(self.spec.actor, self.rollout, self.spec.temperature)
 
-    def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk] | None = None):
-        """The actor's admission (``admit_actor``): (DecodeState, marker)."""
+    def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk]):
+        """The actor's admission (``admit_actor``): (DecodeState, marker); ``replay`` is the
+        plan of the admission's carried prefixes (``()`` for new prompts only)."""
         return admit_actor(self.actor_spec, self.rollout, params, admission, base_key, replay)
 
     def decode(self, chunk_size: int, kv_width: int | None = None) -> Callable:
@@ -226,20 +227,18 @@ class Kernels:
     @property
     def experience(self) -> Callable:
         """(decode state, rows, admission, scorer outputs, kl_coef) -> (PPOBatch, stats)."""
-        return make_experience(self.spec, self.rollout, self.reward_fn)
+        return make_experience(self.spec, self.rollout)
 
 
 def build_kernels(
     spec: UpdateSpec,
     rollout: RolloutSpec,
     reward_model: ModelConfig | None = None,
-    reward_fn: RewardFn | None = None,
     update: Callable | None = None,
 ) -> Kernels:
-    """Compile-once kernels. Exactly one of ``reward_model`` (a ModelConfig with a score
-    head) and ``reward_fn`` is given. ``update`` defaults to ``ppo.packed_update.make_update``."""
-    if reward_model is not None and reward_fn is not None:
-        raise ValueError("give at most one of reward_model and reward_fn")
+    """Compile-once kernels; ``reward_model`` a ModelConfig with a score head, or None when
+    reward functions alone score (host-side, ``oppo_jax.rewards``). ``update`` defaults to
+    ``ppo.packed_update.make_update``."""
     if not rollout.sampling.greedy and rollout.sampling.temperature != spec.temperature:
         # Behaviour log-probs (decode) and old/new log-probs (update) must use one temperature.
         raise ValueError(
@@ -251,20 +250,16 @@ def build_kernels(
     capacity = rollout.prompt_width + rollout.max_response_len
     reads = reads_lengths(spec.actor.attention, spec.actor.head_dim, capacity)
     live = live_widths_pay(capacity, reads)
-    return Kernels(spec, rollout, reward_fn, reward_model, update, live_prefix=live)
+    return Kernels(spec, rollout, reward_model, update, live_prefix=live)
 
 
-def admit_actor(spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_key, replay=None):
+def admit_actor(spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_key, replay):
     """The admission of the actor (``spec``: the actor as the log-prob consumer of its own
     carried prefixes, ``scoring.replay.actor_spec``): every slot's prompt prefilled, the
-    carried prefixes of ``replay`` (``scoring.replay.plan_replay`` of the same slots) fed
-    after it, and the decode state started from that cache: (DecodeState, marker). Without
-    ``replay`` the plan is made from the admission read back to the host (a step passes the
-    one it planned from its host arrays, so it reads nothing)."""
+    carried prefixes of ``replay`` (``scoring.replay.plan_replay`` of the same slots, planned
+    on the host from the step's host arrays: nothing is read back) fed after it, and the
+    decode state started from that cache: (DecodeState, marker)."""
     prompt_width = rollout.prompt_width
-    if replay is None:
-        host = to_host((admission.context, admission.prompt_len, admission.prefix_len))
-        replay = plan_replay(*host, (prompt_width, rollout.max_response_len))
     prompts = prompts_only(admission, prompt_width)
     prefilled, _ = make_scorer_admit(spec, prompt_width)(params, prompts)
     p, _ = feed_replay(spec, params, prefilled, replay)

@@ -5,10 +5,8 @@ or, for a critic-free estimator (the GRPO family), each group's scores to advant
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -29,10 +27,6 @@ from oppo_jax.rollout.decode import DecodeState
 from oppo_jax.rollout.layout import assemble_sequences, response_mask
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.stream import ScorerOutputs
-
-# reward_fn(tokens [B, L], prompt_len [B], seq_len [B]) -> scores [B]: a programmatic reward
-# (e.g. a rule-based checker), applied after generation; jittable.
-RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 @flax.struct.dataclass
@@ -101,7 +95,6 @@ def build_batch(
 def batch_from_rollout(
     spec: UpdateSpec,
     rollout: RolloutSpec,
-    reward_fn: RewardFn | None,
     decoded: DecodeState,
     rows: Int[Array, " B"],
     admission: Admission,
@@ -124,10 +117,7 @@ def batch_from_rollout(
     width = rollout.max_response_len
     prompts = take(admission.context)[:, : rollout.prompt_width]
     tokens = assemble_sequences(prompts, prompt_len, response, resp_len, rollout.pad_id)
-    if reward_fn is not None:
-        scores = reward_fn(tokens, prompt_len, prompt_len + resp_len)
-    else:
-        scores = take(scored.scores)
+    scores = take(scored.scores)  # the reward model's and the reward functions' (combined)
     last = jnp.take_along_axis(response, jnp.maximum(resp_len - 1, 0)[:, None], axis=1)
     ended_with_eos = (resp_len > 0) & jnp.isin(last[:, 0], jnp.asarray(rollout.eos_ids))
     in_prefix = jnp.arange(width)[None, :] < prefix_len[:, None]

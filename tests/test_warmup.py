@@ -171,3 +171,11 @@ def test_compile_plan_prints_the_plans_programs(capsys):
     assert cli.main(["compile-plan", "demo_cpu", "--mode", "oppo", "--plan-only"]) == 0
     text = capsys.readouterr().out
     assert "programs (oppo, backend cpu)" in text and "projected compile time" in text
+
+
+def test_the_warmup_bar_names_a_chunk_without_a_width_by_what_it_reads():
+    """A decode reading the whole cache has no live width: the bar says so, not "width None"."""
+    from oppo_jax.pipeline.warmup import _chunk_label
+
+    assert _chunk_label(16, None) == "chunk 16, whole cache"
+    assert _chunk_label(16, 128) == "chunk 16 width 128"

@@ -275,6 +275,12 @@ def _throwaway_step(ctx, schedule, state):
     return jax.device_put(*parked).replace(frozen=frozen)
 
 
+def _chunk_label(chunk_size: int, width: int | None) -> str:
+    """A chunk task's name on the warm-up bar: "chunk 16 width 128", or "chunk 16, whole
+    cache" where the decode reads every column (no live widths)."""
+    return f"chunk {chunk_size}" + (", whole cache" if width is None else f" width {width}")
+
+
 def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
     """(label, thunk) of every shape to compile; the whole step last, since its update takes
     the train state (``_throwaway_step``), and it returns the state the run goes on with."""
@@ -282,7 +288,7 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
     widths = {c: chunk_widths(k, c) for c in shapes.chunk_sizes}
     tasks = []
     tasks += [
-        (f"chunk {c} width {w}", lambda c=c, w=w: compile_chunk(ctx, schedule, host, state, c, w))
+        (_chunk_label(c, w), lambda c=c, w=w: compile_chunk(ctx, schedule, host, state, c, w))
         for c, ws in widths.items()
         for w in ws
     ]

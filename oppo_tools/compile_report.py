@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 from oppo_jax.config import load_config
 from oppo_jax.pipeline.compile_plan import Family, plan_programs, run_shapes
@@ -167,7 +168,13 @@ def main(args) -> int:
     from oppo_tools.aot import default_target
 
     cfg = load_config(args.config, args.overrides)
-    if not args.plan_only:
+    if not args.plan_only and cfg.model.preset is None:  # no architecture without weights
+        print(
+            "oppo-jax compile-plan: model.preset is not set, so the programs are listed, not "
+            "compiled (set model.preset to the checkpoint's architecture to compile them)",
+            file=sys.stderr,
+        )
+    elif not args.plan_only:
         report = registry_report(cfg, args.config, args.mode, args.target)
         print(json.dumps(report, indent=1) if args.json else format_registry(report))
         return 0

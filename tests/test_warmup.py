@@ -171,6 +171,10 @@ def test_compile_plan_prints_the_plans_programs(capsys):
     assert cli.main(["compile-plan", "demo_cpu", "--mode", "oppo", "--plan-only"]) == 0
     text = capsys.readouterr().out
     assert "programs (oppo, backend cpu)" in text and "projected compile time" in text
+    # Without model.preset there is no architecture to compile: the plan, and why on stderr.
+    assert cli.main(["compile-plan", "demo_cpu", "--mode", "oppo"]) == 0
+    out = capsys.readouterr()
+    assert "programs (oppo, backend cpu)" in out.out and "model.preset is not set" in out.err
 
 
 def test_the_warmup_bar_names_a_chunk_without_a_width_by_what_it_reads():

@@ -135,6 +135,8 @@ def test_compile_plan_reports_the_registry_against_hbm(tmp_path, capsys):
     assert {"decode", "sync scoring", "update"} <= families
     for p in report["programs"]:
         assert p["compile_s"] > 0 and p["argument_bytes"] > 0 and p["flops"] > 0
+    decode = next(p for p in report["programs"] if p["family"] == "decode")
+    assert decode["kernels"] == ["tpu_custom_call"]  # the ragged decode, by Mosaic
     assert report["resident_bytes_per_device"] < report["peak_bytes_per_device"]
     assert report["hbm_bytes_per_device"] == int(95.74 * 2**30) and report["fits"]
 

@@ -14,6 +14,7 @@ Costs: XLA counts a loop's body once (``lax.scan`` over layers, decode steps, ep
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,6 +22,9 @@ from typing import Any
 import jax
 
 from oppo_jax.pipeline.program_cost import program_cost
+
+# custom-call targets of the kernels a report names: Pallas's Triton and Mosaic calls, cuDNN's
+CUSTOM_KERNELS = ("triton", "tpu_custom_call", "mosaic", "cudnn")
 
 
 class UnplannedProgram(KeyError):
@@ -71,6 +75,14 @@ class Program:
     def key(self) -> tuple:
         return (self.family, self.shape, self.role)
 
+    @property
+    def kernels(self) -> list[str]:
+        """The custom kernels the compiled program calls: Pallas (Triton on a GPU, Mosaic on
+        a TPU) and cuDNN's, by their custom-call targets."""
+        text = self.compiled.as_text() or ""
+        calls = set(re.findall(r'custom_call_target="([^"]+)"', text))
+        return sorted(c for c in calls if any(k in c for k in CUSTOM_KERNELS))
+
     def row(self) -> dict:
         """The program as the compile report prints it."""
         return {
@@ -81,6 +93,7 @@ class Program:
             **{f"{k}_bytes": v for k, v in dataclasses.asdict(self.memory).items()},
             "peak_bytes": self.memory.peak,
             **self.cost,
+            "kernels": self.kernels,
         }
 
 

@@ -15,33 +15,15 @@ import jaxtyping
 
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel.sharding import abstract_params, param_shardings, slot_shardings
+from oppo_jax.pipeline.registry import ProgramMemory
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import batch_shardings
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelMemory:
-    """One device's bytes of a compiled kernel, from ``compiled.memory_analysis()``."""
-
-    argument: int  # inputs, donated ones included
-    output: int  # outputs, those written into donated inputs included
-    alias: int  # outputs written in place of donated inputs
-    temp: int  # XLA temporaries: activations, gathered weights, gradients...
-
-    @classmethod
-    def of(cls, compiled) -> KernelMemory:
-        m = compiled.memory_analysis()
-        return cls(
-            m.argument_size_in_bytes,
-            m.output_size_in_bytes,
-            m.alias_size_in_bytes,
-            m.temp_size_in_bytes,
-        )
-
-    @property
-    def peak(self) -> int:
-        """Inputs, new outputs and temporaries all live at once (an upper bound)."""
-        return self.argument + self.output - self.alias + self.temp
+class KernelMemory(ProgramMemory):
+    """One device's bytes of a compiled kernel (``registry.ProgramMemory``: arguments,
+    outputs, aliased, temporaries, host), extrapolated in depth where asked."""
 
     def extrapolate(self, one_more: KernelMemory, extra_layers: int) -> KernelMemory:
         """Linear in depth, from ``self`` and ``one_more`` (the same kernel one layer deeper)."""

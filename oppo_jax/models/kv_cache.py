@@ -88,9 +88,22 @@ def write_layer(
     place, where slicing out a layer and stacking the layers again would copy it twice.
     Out-of-range positions and slots are dropped (a padding row's slot is S: it writes nothing).
     """
-    rows = jnp.arange(new.shape[0])[:, None] if slots is None else slots
-    # Advanced indices (layer, rows, positions) around the K slice: the update is [S T K Dh].
-    return buffer.at[layer, rows, :, positions].set(new.astype(buffer.dtype), mode="drop")
+    n, t, k, _ = new.shape
+    rows = jnp.arange(n)[:, None] if slots is None else slots
+    # One index (layer, slot, kv head, position) per Dh values: the scatter's window is the
+    # minor axis alone, so the buffer keeps its row-major layout. With [K, Dh] windows, which
+    # straddle Tc, XLA:TPU laid the carried cache out K-minor-of-Tc for the scatter and copied
+    # it whole into the ragged kernel's row-major operand at every layer of every step.
+    parts = jnp.broadcast_arrays(layer, rows[..., None], jnp.arange(k), positions[..., None])
+    index = jnp.stack(parts, axis=-1).astype(jnp.int32)  # [N T K 4]
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(3,), inserted_window_dims=(0, 1, 2, 3),
+        scatter_dims_to_operand_dims=(0, 1, 2, 3),
+    )  # fmt: skip
+    return jax.lax.scatter(
+        buffer, index, new.astype(buffer.dtype), dims,
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )  # fmt: skip
 
 
 def read_layer(

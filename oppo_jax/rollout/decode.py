@@ -145,14 +145,18 @@ def decode_step(
     just_done = running & (is_eos | (num_generated >= state.response_capacity))
     feed = running & ~just_done
 
-    def forward(_):
+    def forward(carry):
+        _, next_logits, cache = carry
         fed = feed.astype(jnp.int32)
-        logits, cache = _apply(cfg, params, token[:, None], state.cache, fed, kv_width)
-        return jnp.where(feed[:, None], logits[:, 0].astype(jnp.float32), state.next_logits), cache
+        logits, cache = _apply(cfg, params, token[:, None], cache, fed, kv_width)
+        next_logits = jnp.where(feed[:, None], logits[:, 0].astype(jnp.float32), next_logits)
+        return jnp.asarray(False), next_logits, cache
 
-    # Once every slot is done the forward pass is wasted work; skip it.
-    next_logits, cache = jax.lax.cond(
-        jnp.any(feed), forward, lambda _: (state.next_logits, state.cache), None
+    # Once every slot is done the forward pass is wasted work; skip it. A loop run once or
+    # never, not lax.cond: XLA:GPU copied the whole cache into and out of the conditional's
+    # branches at every step, where it updates a loop's carry in place.
+    _, next_logits, cache = jax.lax.while_loop(
+        lambda carry: carry[0], forward, (jnp.any(feed), state.next_logits, state.cache)
     )
     return state.replace(
         cache=cache,

@@ -50,6 +50,12 @@ COUNTS = [
     # the reference (bf16) beside the float32 master actor: its own admission and 4 replay
     # row buckets, its streamed chunks 3 more (one per chunk size), its sync scoring 1
     ("qwen2.5-7b_tpu-v5p-8_grpo", "tpu", 8, 19),
+    # the 32B configs on 32 devices: the 7B ones' plans (the mesh and the widths change no shape
+    # family); compiled for their targets in docs/benchmarks/aot/
+    ("qwen2.5-32b_tpu-v5p-64", "tpu", 10, 27),
+    ("qwen2.5-32b_h100x32", "gpu", 10, 27),
+    ("qwen2.5-32b_tpu-v5p-64_grpo", "tpu", 8, 19),
+    ("qwen2.5-32b_h100x32_grpo", "gpu", 8, 19),
 ]
 
 
@@ -63,6 +69,8 @@ def test_grpo_configs_within_their_ppo_configs_budget():
     for grpo, ppo, backend in (
         ("qwen2.5-7b_gh200x1_lora_grpo", "qwen2.5-7b_gh200x1_lora", "gpu"),
         ("qwen2.5-7b_tpu-v5p-8_grpo", "qwen2.5-7b_tpu-v5p-8", "tpu"),
+        ("qwen2.5-32b_tpu-v5p-64_grpo", "qwen2.5-32b_tpu-v5p-64", "tpu"),
+        ("qwen2.5-32b_h100x32_grpo", "qwen2.5-32b_h100x32", "gpu"),
     ):
         for mode in ("sync", "oppo"):
             assert _programs(grpo, mode, backend) <= _programs(ppo, mode, backend)

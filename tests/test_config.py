@@ -71,6 +71,8 @@ def test_every_yaml_parses_and_validates(path):
         ("qwen2.5-7b_gh200x4", 4, "qwen2.5-7b"),
         ("qwen2.5-7b_tpu-v5p-8", 4, "qwen2.5-7b"),
         ("qwen2.5-3b_tpu-v5p-8", 4, "qwen2.5-3b"),
+        ("qwen2.5-32b_tpu-v5p-64", 32, "qwen2.5-32b"),
+        ("qwen2.5-32b_h100x32", 32, "qwen2.5-32b"),
     ],
 )
 def test_real_size_configs(name, devices, preset):

@@ -130,6 +130,10 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, qkv_bias=True,
     ),
+    "qwen2.5-32b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6, qkv_bias=True,
+    ),
 }  # fmt: skip
 
 

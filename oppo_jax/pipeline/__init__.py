@@ -4,7 +4,9 @@ with, imported lazily (``oppo_jax.pipeline.compile_plan`` stays light)."""
 import importlib
 
 _NAMES = {
-    **dict.fromkeys(("run_step", "StepEngine", "StepPlan", "device_admission"), "step"),
+    **dict.fromkeys(
+        ("run_step", "StepEngine", "StepPlan", "device_admission", "admission_replay"), "step"
+    ),
     **dict.fromkeys(("AdmitRule", "CarryBuffer", "admit", "select_batch"), "carry"),
     "SCHEDULES": "schedule",
     "Timeline": "timeline",

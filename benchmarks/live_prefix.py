@@ -90,7 +90,7 @@ def run_rollout(kernels: Kernels, params: dict, admission: Admission, args) -> d
     With ``kernels.compact_slots``, running slots move into smaller buckets as others finish
     (``SlotMap``, as ``run_step`` does), timed with the decode."""
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(args.batch))
-    state, _ = kernels.admit(params["actor"], admission, jax.random.key(0))
+    state, _ = kernels.admit(params["actor"], admission, jax.random.key(0), ())  # new prompts
     held = types.SimpleNamespace(states={r: kernels.scorer_admit(r)(params[r], admission)[0]
                                          for r in ROLES})  # fmt: skip
     jax.block_until_ready((state, held.states))

@@ -142,9 +142,12 @@ def _kernel(
             q, keys, values = q_ref[head], k_ref[head], v_ref[head]
             nt = (((1,), (1,)), ((), ()))  # q · keysᵀ without a transpose: [G, block]
             logits = jax.lax.dot_general(
-                q, keys.astype(q.dtype), nt, preferred_element_type=jnp.float32,
+                q,
+                keys.astype(q.dtype),
+                nt,
+                preferred_element_type=jnp.float32,
                 precision=_precision(q.dtype),
-            )  # fmt: skip
+            )
             logits = logits * scale
             key = first + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             logits = jnp.where(key < length, logits, lowest)
@@ -154,9 +157,11 @@ def _kernel(
             p = jnp.exp(logits - m_next[:, :1])
             l_ref[head] = correction * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
             update = jnp.dot(
-                p.astype(values.dtype), values, preferred_element_type=jnp.float32,
+                p.astype(values.dtype),
+                values,
+                preferred_element_type=jnp.float32,
                 precision=_precision(values.dtype),
-            )  # fmt: skip
+            )
             acc_ref[head] = correction[:, :1] * acc_ref[head] + update
             m_ref[head] = m_next
 

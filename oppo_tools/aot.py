@@ -8,13 +8,12 @@ them (``pipeline.program_walk``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 
 import jax
 
-from oppo_jax.config import Config, ConfigError
+from oppo_jax.config import Config, ConfigError, devices_needed
 from oppo_jax.models import lora
 from oppo_jax.parallel.sharding import abstract_params, make_device_groups, param_shardings
 from oppo_jax.parallel.targets import Target
@@ -47,9 +46,7 @@ def default_target(cfg: Config, config_name: str | None) -> str:
 def target_placement(cfg: Config, target: Target) -> Placement:
     """The config's device groups on ``target``'s devices."""
     m = cfg.mesh
-    count = m.data * m.fsdp * m.tensor
-    count += m.scoring_devices if cfg.pipeline.placement == "disaggregated" else 0
-    devices = target.devices(count)
+    devices = target.devices(devices_needed(cfg))
     groups = make_device_groups(
         cfg.pipeline.placement, m.data, m.fsdp, m.tensor, m.scoring_devices, devices
     )
@@ -132,9 +129,3 @@ def peak_bytes(registry: Registry, resident: int) -> tuple[int, str]:
         return resident, ""
     m = worst.memory
     return resident + m.temp + m.output - m.alias, worst.family
-
-
-def device_count(cfg: Config) -> int:
-    m = cfg.mesh
-    extra = m.scoring_devices if cfg.pipeline.placement == "disaggregated" else 0
-    return math.prod((m.data, m.fsdp, m.tensor)) + extra

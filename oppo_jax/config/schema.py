@@ -214,6 +214,11 @@ class DataConfig:
     messages_field: str | None = None  # field holding chat messages (needs data.chat_template)
     # render prompts with the actor tokenizer's chat template, adding the generation prompt
     chat_template: bool = False
+    system_prompt: str | None = None  # system message put before each prompt (needs chat_template)
+    # field holding the reference answer (GSM8K's 'answer' ending in '#### n', MATH's 'solution'
+    # with \boxed{}, or a bare answer): extracted once at load and handed to reward functions
+    # as the record's 'reference' (oppo_jax.rewards.math:verify reads it)
+    answer_field: str | None = None
     # data.prompts=random: [shortest, longest] prompt, tokens (uniform, inclusive)
     random_prompt_len: list[int] = field(default_factory=lambda: [4, 16])
 

@@ -35,7 +35,17 @@ def _data_problems(cfg: Config) -> list[str]:
             f"(model.actor_path={cfg.model.actor_path!r}); set data.prompts to a prompt file "
             "or dataset"
         )
-    for key in ("prompt_field", "messages_field", "split"):
+    if d.system_prompt is not None and not d.chat_template:
+        problems.append(
+            f"data.system_prompt={d.system_prompt[:40]!r}: needs data.chat_template=true (a "
+            "system message becomes prompt text through the actor tokenizer's chat template)"
+        )
+    if d.answer_field is not None and d.prompts in ("demo", "random"):
+        problems.append(
+            f"data.answer_field={d.answer_field!r}: data.prompts={d.prompts!r} has no records "
+            "with answers (use a prompt file or dataset)"
+        )
+    for key in ("prompt_field", "messages_field", "split", "answer_field"):
         value = getattr(d, key)
         if value is not None and not value.strip():
             problems.append(f"data.{key}={value!r}: must not be empty")

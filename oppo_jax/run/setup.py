@@ -176,7 +176,9 @@ def _with_attention(model: HFModel | None, kernel: str) -> HFModel | None:
 def prompt_format(cfg: Config) -> PromptFormat:
     """How records of ``data.prompts`` (and ``eval.prompts``) become prompt text."""
     d = cfg.data
-    return PromptFormat(d.prompt_field, d.messages_field, d.chat_template)
+    return PromptFormat(
+        d.prompt_field, d.messages_field, d.chat_template, d.system_prompt, d.answer_field
+    )
 
 
 def _user_prompts(cfg: Config, tokenizer) -> tuple[PromptSet, int]:

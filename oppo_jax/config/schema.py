@@ -7,6 +7,7 @@ follow TRL's PPO trainer where TRL has the knob. YAML files hold values only
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Keys promised to users (DESIGN §7): documented and kept across versions.
 STABLE_KEYS = (
@@ -231,6 +232,9 @@ class RewardConfig:
     # Python reward functions, "package.module:function" (prompt, response, record) -> float
     functions: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # one per function; empty = all 1.0
+    # keyword arguments of each function, one mapping per function (empty = none), e.g.
+    # [{extract: gsm8k}] for oppo_jax.rewards.math:verify
+    kwargs: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: str = "error"  # a function's NaN/Inf: error (names it) | skip (the step's guard)
     workers: int = 4  # host threads that run the functions while the actor decodes
 

@@ -76,6 +76,12 @@ def _matches(value: Any, hint: Any) -> bool:
         return value is None
     if origin is list:
         return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items()
+        )
+    if hint is Any:
+        return True
     if hint is float:  # an int is an exact float; bool is not a number here
         return isinstance(value, int | float) and not isinstance(value, bool)
     if hint is int:

@@ -65,6 +65,11 @@ def _reward_problems(cfg: Config) -> list[str]:
             f"reward.weights={rw.weights!r}: must give one weight per reward.functions entry "
             f"({len(rw.functions)}), or be empty (all 1.0)"
         )
+    if rw.kwargs and len(rw.kwargs) != len(rw.functions):
+        problems.append(
+            f"reward.kwargs={rw.kwargs!r}: must give one mapping per reward.functions entry "
+            f"({len(rw.functions)}), or be empty (no keyword arguments)"
+        )
     if not all(math.isfinite(w) for w in rw.weights):
         problems.append(f"reward.weights={rw.weights!r}: must be finite")
     if rw.model_weight and cfg.model.reward_path == "demo_arith":

@@ -4,7 +4,9 @@ turns every failure into an error naming the function and the record."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import math
 import numbers
 import warnings
@@ -35,9 +37,27 @@ class RewardFunction:
         return self.name.rpartition(":")[2]
 
 
-def resolve(names: list[str], weights: list[float]) -> list[RewardFunction]:
-    """Import every ``package.module:function`` of ``reward.functions``; errors name the key."""
+def _bind(fn: Callable, kwargs: dict, key: str) -> RewardCallable:
+    """``fn`` with ``reward.kwargs`` entry ``kwargs`` bound; an argument it does not take is
+    an error naming the key."""
+    if not kwargs:
+        return fn
+    try:
+        inspect.signature(fn).bind("prompt", "response", {}, **kwargs)
+    except TypeError as e:
+        raise InputError(f"{key}: {e}") from None
+    except ValueError:  # no signature to check (a builtin): the call will tell
+        pass
+    return functools.partial(fn, **kwargs)
+
+
+def resolve(
+    names: list[str], weights: list[float], kwargs: list[dict] = ()
+) -> list[RewardFunction]:
+    """Import every ``package.module:function`` of ``reward.functions``, with its keyword
+    arguments of ``reward.kwargs`` bound; errors name the key."""
     weights = list(weights) or [1.0] * len(names)
+    kwargs = list(kwargs) or [{}] * len(names)
     out = []
     for i, (name, weight) in enumerate(zip(names, weights, strict=True)):
         module_name, _, attr = name.partition(":")
@@ -49,6 +69,7 @@ def resolve(names: list[str], weights: list[float]) -> list[RewardFunction]:
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise InputError(f"{key}: module {module_name!r} has no callable {attr!r}")
+        fn = _bind(fn, dict(kwargs[i]), f"reward.kwargs[{i}]={dict(kwargs[i])!r} of {name}")
         out.append(RewardFunction(name, fn, float(weight)))
     return out
 

@@ -28,7 +28,7 @@ def reward_functions(cfg, tokenizer, prompts, eos_ids) -> RewardFunctions | None
 
         raise ConfigError("reward.functions: random models have no tokenizer to decode text")
     return RewardFunctions(
-        resolve(rw.functions, rw.weights),
+        resolve(rw.functions, rw.weights, rw.kwargs),
         rw.model_weight,
         tokenizer,
         prompt_records(prompts, tokenizer),

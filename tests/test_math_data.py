@@ -214,3 +214,82 @@ def test_the_config_keys():
     for message, overrides in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, overrides)
+
+
+def word_problems(n: int, start: int = 0) -> list[dict]:
+    """GSM8K-shaped records: a question, and a rationale ending in '#### n' (commas in n)."""
+    rows = []
+    for i in range(start, start + n):
+        a, b = 17 * i + 5, 990 + 3 * i
+        rationale = f"Ana has {a} and gets {b} more: {a}+{b}=<<{a}+{b}={a + b}>>{a + b}."
+        rows.append(
+            {"question": f"Ana has {a} apples and buys {b} more. How many apples has she?",
+             "answer": f"{rationale}\n#### {a + b:,}"}
+        )  # fmt: skip
+    return rows
+
+
+@pytest.mark.slow  # a two-step GRPO run with two evaluations (about 30 s on 2 cores)
+def test_a_gsm8k_jsonl_trains_end_to_end_with_the_verifier_and_chat_template(tmp_path, monkeypatch):
+    from oppo_jax.cli import main
+    from oppo_jax.rewards.math import answer_format, verify
+    from tests.hf_fixtures import save_tiny_hf_model
+
+    model = tmp_path / "model"
+    tokenizer = byte_tokenizer(model)
+    save_tiny_hf_model(
+        model, "qwen2", "ForCausalLM", vocab_size=len(tokenizer), max_position_embeddings=256
+    )
+    train_rows, test_rows = word_problems(100), word_problems(8, start=100)
+    for name, rows in (("gsm8k.jsonl", train_rows), ("test.jsonl", test_rows)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # a user's reward function reading the reference extracted at load
+    (tmp_path / "probe.py").write_text(
+        "def reference(prompt, response, record):\n    return float(record['reference'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {
+        "model": {"actor_path": str(model), "reward_path": str(model), "critic_init": "actor"},
+        "rollout": {"batch_size": 8, "group_size": 4, "max_prompt_len": 192,
+                    "max_response_len": 16, "temperature": 1.0},
+        "ppo": {"advantage": "grpo", "loss_agg": "seq_mean", "kl_coef": 0.0,
+                "kl_in_reward": False, "ppo_epochs": 1},
+        "pipeline": {"mode": "oppo", "chunk_size": 8, "overcommit": 1,
+                     "compact_slots": False},
+        "train": {"steps": 2, "checkpoint_every": 0},
+        "data": {"prompt_field": "question", "answer_field": "answer",
+                 "chat_template": True, "system_prompt": SYSTEM},
+        "reward": {"model_weight": 0.0,
+                   "functions": ["oppo_jax.rewards.math:verify",
+                                 "oppo_jax.rewards.math:answer_format", "probe:reference"],
+                   "weights": [1.0, 0.1, 0.001],
+                   "kwargs": [{"extract": "gsm8k", "timeout_s": 10.0}, {"extract": "gsm8k"}, {}]},
+        "eval": {"prompts": str(tmp_path / "test.jsonl"), "num_prompts": 8},
+    }  # fmt: skip
+    (tmp_path / "math.yaml").write_text(json.dumps(config))  # JSON is YAML
+    run = tmp_path / "run"
+    args = ["train", str(tmp_path / "math.yaml"), "--out", str(run), "--quiet"]
+    assert main([*args, "--set", f"data.prompts={tmp_path / 'gsm8k.jsonl'}"]) == 0
+
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    for key in ("reward_fn/verify", "reward_fn/answer_format", "reward_fn/reference"):
+        assert all(key in m for m in metrics), key
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2]
+    references = [float(r["answer"].rpartition("#### ")[2].replace(",", "")) for r in test_rows]
+    for e in evals:  # '#### 1,007' reached the reward functions as 1007
+        assert e["reward_fn/reference"] == pytest.approx(sum(references) / len(references))
+        samples = [json.loads(x) for x in (run / "samples" / f"step_{e['step']}.jsonl").open()]
+        assert len(samples) == 8
+        for s in samples:  # the prompt through the chat template; the reward recomputed
+            row = test_rows[s["prompt_index"]]
+            assert (
+                s["prompt"]
+                == f"<system>{SYSTEM}</system>\n<user>{row['question']}</user>\n<assistant>"
+            )
+            record = {**row, "reference": str(int(references[s["prompt_index"]]))}
+            expected = verify("", s["response"], record, "gsm8k") + 0.1 * answer_format(
+                "", s["response"], record, "gsm8k"
+            )
+            assert s["reward"] == pytest.approx(expected + 0.001 * float(record["reference"]))

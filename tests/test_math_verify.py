@@ -178,3 +178,12 @@ def test_through_the_reward_function_runner():
         call(boxed, "", "\\boxed{72}", {"question": "?"}, "record 3", False)
     with pytest.raises(InputError, match=r"reward.kwargs\[0\]=\{'extrakt': 'boxed'\} of .*verify"):
         resolve(["oppo_jax.rewards.math:verify"], [], [{"extrakt": "boxed"}])
+
+
+def test_a_child_that_ended_while_idle_is_replaced():
+    from oppo_jax.rewards import math as math_reward
+
+    assert on_threads(verify, ("", "#### 5", {"answer": "5"})) == [1.0]
+    for child in list(math_reward._sandbox.idle):
+        child.kill()  # as the OOM killer might
+    assert on_threads(verify, ("", "#### 5", {"answer": "5"})) == [1.0]

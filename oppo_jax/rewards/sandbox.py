@@ -97,8 +97,11 @@ class Sandbox:
 
     def _take(self) -> _Child:
         with self.lock:
-            if self.idle:
-                return self.idle.pop()
+            while self.idle:
+                child = self.idle.pop()
+                if child.proc.poll() is None:
+                    return child
+                self.live.discard(child)  # ended while idle (killed from outside): replaced
         child = _Child(self.argv, self.start_timeout_s)
         with self.lock:
             self.live.add(child)

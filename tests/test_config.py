@@ -405,6 +405,25 @@ def test_group_keys_are_checked():
         load_config(None, ["ppo.scale_rewards=x"])
 
 
+def test_sequence_level_ratios_are_checked():
+    """ppo.importance_sampling_level: its values, and the combinations it refuses."""
+    grpo = ["rollout.group_size=4", "ppo.advantage=grpo", "ppo.loss_agg=seq_mean"]
+    assert load_config(None, [*grpo, "ppo.importance_sampling_level=sequence"])
+    rloo = ["rollout.group_size=4", "ppo.advantage=rloo", "ppo.loss_agg=seq_mean"]
+    assert load_config(None, [*rloo, "ppo.importance_sampling_level=sequence_sum"])
+    with pytest.raises(ConfigError, match=r"level='seq': must be one of token, sequence, seq"):
+        load_config(None, [*grpo, "ppo.importance_sampling_level=seq"])
+    with pytest.raises(ConfigError, match=r"level=sequence: .* ppo.advantage=gae gives each"):
+        load_config(None, ["ppo.importance_sampling_level=sequence"])
+    with pytest.raises(ConfigError, match=r"level=sequence: ppo.importance_correction=true"):
+        load_config(None, [*grpo, "ppo.importance_sampling_level=sequence",
+                           "ppo.importance_correction=true"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"sequence_sum: .* set ppo.loss_agg=seq_mean \(not dapo"):
+        load_config(
+            None, [*rloo, "ppo.importance_sampling_level=sequence_sum", "ppo.loss_agg=dapo"]
+        )
+
+
 def test_config_modules_import_each_other_without_a_cycle():
     """schema <- validate <- docs <- load: each module imports only those before it."""
     order = ["schema", "validate", "docs", "load"]

@@ -103,6 +103,11 @@ class PPOConfig:
     # sequence's token mean, averaged: TRL's grpo) | dr_grpo (token sum / (sequences x
     # max_response_len)) | dapo (token sum / the minibatch's valid tokens)
     loss_agg: str = "token_mean"
+    # the policy ratio: token (one per token, PPO's) | sequence (GSPO: exp of the mean log-ratio
+    # over the sequence's tokens, on each of them; TRL's importance_sampling_level sequence) |
+    # sequence_sum (TRL RLOOTrainer's loss: exp of the summed log-ratio, with loss_agg seq_mean);
+    # the sequence levels need a critic-free advantage (docs/GRPO.md)
+    importance_sampling_level: str = "token"
     # weight carried (stale) tokens by a truncated ratio π_old / π_behaviour (decoupled PPO)
     importance_correction: bool = False
     importance_clip: float = 2.0  # upper truncation of that importance weight

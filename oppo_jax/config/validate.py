@@ -35,6 +35,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "ppo.loss_agg": ("token_mean", "seq_mean", "dr_grpo", "dapo"),
     "ppo.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
     "ppo.scale_rewards": ("group", "batch", "none"),
+    "ppo.importance_sampling_level": ("token", "sequence", "sequence_sum"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "pipeline.mode": ("sync", "intra", "inter", "oppo"),
     "pipeline.placement": ("colocated", "disaggregated"),
@@ -266,6 +267,30 @@ def _group_problems(cfg: Config) -> list[str]:
         problems.append(
             "pipeline.compact_slots=true: slot compaction does not keep groups together; "
             f"set it to null or false with rollout.group_size={r.group_size}"
+        )
+    return problems + _ratio_level_problems(ppo)
+
+
+def _ratio_level_problems(ppo) -> list[str]:
+    """The sequence-level ratios (GSPO's, TRL RLOOTrainer's) and what they are refused with."""
+    level, problems = ppo.importance_sampling_level, []
+    key = f"ppo.importance_sampling_level={level}"
+    if level == "token":
+        return problems
+    if ppo.advantage == "gae":
+        problems.append(
+            f"{key}: one ratio per sequence weighs one advantage per sequence; ppo.advantage=gae "
+            "gives each token its own (use grpo, rloo or reinforce_pp, or level token)"
+        )
+    if ppo.importance_correction:
+        problems.append(
+            f"{key}: ppo.importance_correction=true weights each token by its own stale ratio, "
+            "a token-level correction; set it to false or use level token"
+        )
+    if level == "sequence_sum" and ppo.loss_agg != "seq_mean":
+        problems.append(
+            f"{key}: TRL RLOOTrainer's loss averages one clipped term per sequence; set "
+            f"ppo.loss_agg=seq_mean (not {ppo.loss_agg})"
         )
     return problems
 

@@ -1,17 +1,21 @@
 """PPO policy, value and entropy losses as pure float32 functions of masked per-token arrays:
-padded [B, T] rows, or the packed update's [N] response slots (with ``TokenWeights``)."""
+padded [B, T] rows, or the packed update's [N] response slots (with ``TokenWeights``). The
+policy ratio is per token (``policy_loss``) or one per sequence (``sequence_policy_loss``:
+GSPO's, and TRL RLOOTrainer's)."""
 
 from typing import Literal
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Shaped
+from jaxtyping import Array, Float, Int, Shaped
 
 from oppo_jax.ppo.masked import Scalar, as_bool_mask, masked_mean
 
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo", "dapo"]
 AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo", "dapo")
+# ``ppo.importance_sampling_level``: the policy ratio's level
+RatioLevel = Literal["token", "sequence", "sequence_sum"]
 
 
 @flax.struct.dataclass
@@ -23,6 +27,10 @@ class TokenWeights:
 
     loss: Float[Array, " N"]  # the loss aggregation's (``packing.token_weights``)
     mean: Float[Array, " N"]  # a masked token mean's (the metrics)
+    # A sequence-level ratio's: each slot's sequence, an id < num_segments (the packed update's
+    # ``PackIndices.resp_seg``); None where the ratio is per token.
+    segments: Int[Array, " N"] | None = None
+    num_segments: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def _mean(x, mask, weights: TokenWeights | None) -> Float[Array, ""]:
@@ -68,6 +76,34 @@ def _valid_f32(
     return jnp.where(valid, x.astype(jnp.float32), 0.0)
 
 
+def _clip_bounds(cliprange: Scalar | tuple[Scalar, Scalar]):
+    """(ε_low, ε_high) as float32 scalars from ε or (ε_low, ε_high)."""
+    low, high = cliprange if isinstance(cliprange, tuple) else (cliprange, cliprange)
+    return jnp.asarray(low, jnp.float32), jnp.asarray(high, jnp.float32)
+
+
+def _surrogate(ratio, adv, cliprange) -> Float[Array, "*tokens"]:
+    """PPO's clipped per-token loss max(−A · r, −A · clip(r, 1 − ε_low, 1 + ε_high))."""
+    low, high = _clip_bounds(cliprange)
+    return jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - low, 1.0 + high))
+
+
+def _ratio_metrics(ratio, log_ratio, cliprange, mask, weights) -> dict[str, Float[Array, ""]]:
+    """clipfrac, approx_kl and ratio_mean of ``policy_loss`` (masked token means, no gradient)."""
+    low, high = _clip_bounds(cliprange)
+    ratio_sg = jax.lax.stop_gradient(ratio)
+    if isinstance(cliprange, tuple):
+        outside = (ratio_sg < 1.0 - low) | (ratio_sg > 1.0 + high)
+    else:  # PPO's symmetric range, as it always read
+        outside = jnp.abs(ratio_sg - 1.0) > low
+    clipped = outside.astype(jnp.float32)
+    return {
+        "clipfrac": _mean(clipped, mask, weights),
+        "approx_kl": _mean(0.5 * jnp.square(jax.lax.stop_gradient(log_ratio)), mask, weights),
+        "ratio_mean": _mean(ratio_sg, mask, weights),
+    }
+
+
 def policy_loss(
     logp: Float[Array, "*tokens"],
     old_logp: Float[Array, "*tokens"],
@@ -95,10 +131,7 @@ def policy_loss(
     valid = as_bool_mask(mask)
     log_ratio = _valid_f32(logp, valid) - _valid_f32(old_logp, valid)
     ratio = jnp.exp(log_ratio)
-    adv = _valid_f32(advantages, valid)
-    low, high = cliprange if isinstance(cliprange, tuple) else (cliprange, cliprange)
-    low, high = jnp.asarray(low, jnp.float32), jnp.asarray(high, jnp.float32)
-    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - low, 1.0 + high))
+    per_token = _surrogate(ratio, _valid_f32(advantages, valid), cliprange)
 
     aux = {}
     if importance is not None:
@@ -109,16 +142,75 @@ def policy_loss(
         aux["is_weight_mean"] = _mean(weight, mask, weights)
 
     loss = aggregate(per_token, mask, agg, weights)
-    ratio_sg = jax.lax.stop_gradient(ratio)
-    if isinstance(cliprange, tuple):
-        outside = (ratio_sg < 1.0 - low) | (ratio_sg > 1.0 + high)
-    else:  # PPO's symmetric range, as it always read
-        outside = jnp.abs(ratio_sg - 1.0) > low
-    clipped = outside.astype(jnp.float32)
-    aux["clipfrac"] = _mean(clipped, mask, weights)
-    aux["approx_kl"] = _mean(0.5 * jnp.square(jax.lax.stop_gradient(log_ratio)), mask, weights)
-    aux["ratio_mean"] = _mean(ratio_sg, mask, weights)
-    return loss, aux
+    return loss, {**aux, **_ratio_metrics(ratio, log_ratio, cliprange, mask, weights)}
+
+
+def sequence_log_ratio(
+    log_ratio: Float[Array, "*tokens"],
+    mask: Shaped[Array, "*tokens"],
+    level: RatioLevel,
+    weights: TokenWeights | None = None,
+) -> Float[Array, "*tokens"]:
+    """Each valid token's log of its sequence's ratio (0 on padding):
+
+    sequence:      Σ_t m_t · δ_t / max(Σ_t m_t, 1)   (GSPO: TRL's importance_sampling_level
+                                                      "sequence", the length-normalised ratio)
+    sequence_sum:  Σ_t m_t · δ_t                     (TRL RLOOTrainer's: the summed log-ratio)
+    with δ_t = logp_t − old_logp_t (``log_ratio``). A sequence is a row of [B, T] arrays, or,
+    packed (``weights``), the slots sharing a ``weights.segments`` id, wherever they sit.
+
+    Example, one row [0.1, 0.3, 0.2, pad]: sequence → [0.2, 0.2, 0.2, 0];
+    sequence_sum → [0.6, 0.6, 0.6, 0].
+    """
+    if level not in ("sequence", "sequence_sum"):
+        raise ValueError(f"unknown sequence-level ratio {level!r}; expected sequence|sequence_sum")
+    valid = as_bool_mask(mask)
+    delta = _valid_f32(log_ratio, valid)
+    count = valid.astype(jnp.float32)
+    if weights is None:  # a row is a sequence
+        total = jnp.sum(delta, axis=-1, keepdims=True)
+        count = jnp.sum(count, axis=-1, keepdims=True)
+    else:  # a segment sum over each sequence's slots, read back at every slot
+        if weights.segments is None:
+            raise ValueError("a packed sequence-level ratio needs weights.segments (each slot's)")
+        seg, n = weights.segments, weights.num_segments
+        total = jax.ops.segment_sum(delta, seg, num_segments=n)[seg]
+        count = jax.ops.segment_sum(count, seg, num_segments=n)[seg]
+    if level == "sequence":
+        total = total / jnp.maximum(count, 1.0)
+    return jnp.where(valid, total, 0.0)
+
+
+def sequence_policy_loss(
+    logp: Float[Array, "*tokens"],
+    old_logp: Float[Array, "*tokens"],
+    advantages: Float[Array, "*tokens"],
+    mask: Shaped[Array, "*tokens"],
+    cliprange: Scalar | tuple[Scalar, Scalar],
+    agg: Aggregation,
+    level: RatioLevel,
+    weights: TokenWeights | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """Clipped surrogate with one ratio per sequence, on each of its tokens.
+
+    With s_i = exp(``sequence_log_ratio``) of sequence i (differentiated through its sum):
+        ℓ_t = max(−A_t · s_i, −A_t · clip(s_i, 1 − ε_low, 1 + ε_high))   for t in sequence i
+        loss = agg(ℓ_t)
+    The critic-free advantages are one per sequence, so ℓ_t = ℓ_i: with agg seq_mean the loss
+    is mean_i ℓ_i, TRL's GSPO (loss_type "grpo") for ``sequence`` and TRL RLOOTrainer's loss
+    for ``sequence_sum``; token_mean, dr_grpo and dapo weigh ℓ_i by the sequence's tokens, as
+    TRL's bnpo, dr_grpo and dapo do with importance_sampling_level "sequence".
+
+    Returns:
+        (loss, aux) as ``policy_loss``'s, with r the sequence's ratio s_i on each token
+        (approx_kl stays the per-token ½ (logp − old_logp)²).
+    """
+    valid = as_bool_mask(mask)
+    token_log_ratio = _valid_f32(logp, valid) - _valid_f32(old_logp, valid)
+    ratio = jnp.exp(sequence_log_ratio(token_log_ratio, mask, level, weights))
+    per_token = _surrogate(ratio, _valid_f32(advantages, valid), cliprange)
+    loss = aggregate(per_token, mask, agg, weights)
+    return loss, _ratio_metrics(ratio, token_log_ratio, cliprange, mask, weights)
 
 
 def value_loss(

@@ -117,6 +117,11 @@ def ppo_update_packed(
 
     def prepare(idx: PackIndices) -> PackedMicrobatch:
         mb = gather_microbatch(batch, idx, minibatch)
+        if spec.ppo.importance_sampling_level != "token":
+            # A ratio per sequence sums over each sequence's slots: their minibatch-local ids
+            # (``minibatch`` for unused slots); a sequence's slots are all in one chunk.
+            seqs = mb.weights.replace(segments=idx.resp_seg, num_segments=minibatch + 1)
+            mb = mb.replace(weights=seqs)
         return mb if layout is None else layout.rows(mb)
 
     losses = Losses(

@@ -47,7 +47,7 @@ from oppo_jax.parallel.sharding import (
 from oppo_jax.ppo.advantages import kl_estimate
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
-from oppo_jax.ppo.losses import aggregate, policy_loss
+from oppo_jax.ppo.losses import aggregate, policy_loss, sequence_policy_loss
 
 
 @flax.struct.dataclass
@@ -139,16 +139,23 @@ def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainStat
 def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
     """The actor's loss from per-token log-probs, padded or packed (``weights``)."""
     is_clip = ppo.importance_clip if ppo.importance_correction else None
-    pg, aux = policy_loss(
-        logp,
-        mb.old_logp,
-        mb.advantages,
-        mb.mask,
-        ppo.cliprange if ppo.cliprange_high is None else (ppo.cliprange, ppo.cliprange_high),
-        ppo.loss_agg,
-        importance=(mb.behaviour_logp, is_clip) if is_clip else None,
-        weights=weights,
-    )
+    clip = ppo.cliprange if ppo.cliprange_high is None else (ppo.cliprange, ppo.cliprange_high)
+    if ppo.importance_sampling_level != "token":  # one ratio per sequence (GSPO, TRL's RLOO)
+        level = ppo.importance_sampling_level
+        pg, aux = sequence_policy_loss(
+            logp, mb.old_logp, mb.advantages, mb.mask, clip, ppo.loss_agg, level, weights
+        )
+    else:
+        pg, aux = policy_loss(
+            logp,
+            mb.old_logp,
+            mb.advantages,
+            mb.mask,
+            clip,
+            ppo.loss_agg,
+            importance=(mb.behaviour_logp, is_clip) if is_clip else None,
+            weights=weights,
+        )
     # The entropy is a token mean whatever the loss's aggregation (TRL's GRPO); dapo's
     # normalizer is the minibatch's tokens, as its loss's.
     agg = "dapo" if ppo.loss_agg == "dapo" else "token_mean"

@@ -11,11 +11,16 @@ accumulation divides. Values and gradients w.r.t. the log-probs. REINFORCE++ has
 trainer: NumPy.
 
 Loss types: our token_mean = TRL bnpo, seq_mean = grpo, dr_grpo = dr_grpo, dapo = dapo.
+Sequence-level ratios (``ppo.importance_sampling_level``): ``sequence`` against
+``GRPOTrainer._compute_loss`` with importance_sampling_level "sequence" (GSPO) and against
+TRL's experimental GSPO-token trainer (its stop-gradient form, "sequence_token");
+``sequence_sum`` with seq_mean against ``RLOOTrainer._compute_loss``.
 """
 
 import importlib.util
 import inspect
 import textwrap
+import warnings
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -45,11 +50,15 @@ M = 3  # sequences per microbatch (TRL's per_device_train_batch_size)
 
 @pytest.fixture(scope="module")
 def trl():
-    """TRL's trainer modules, and torch."""
+    """TRL's trainer modules (GSPO-token's experimental one too), and torch."""
     import torch
     from trl.trainer import grpo_trainer, rloo_trainer
 
-    return SimpleNamespace(grpo=grpo_trainer, rloo=rloo_trainer, torch=torch)
+    with warnings.catch_warnings():  # "APIs here are unstable": the test pins TRL 1.9.0's
+        warnings.simplefilter("ignore")
+        from trl.experimental.gspo_token import grpo_trainer as gspo_token
+
+    return SimpleNamespace(grpo=grpo_trainer, rloo=rloo_trainer, gspo_token=gspo_token, torch=torch)
 
 
 # ------------------------------------------------------------------------------ advantages
@@ -208,12 +217,12 @@ class LossStub:
     """What ``GRPOTrainer._compute_loss`` reads, and nothing more (a new read fails loudly).
     Its per-token log-prob function returns ``self.logps`` / ``self.entropies``."""
 
-    def __init__(self, loss_type, beta, eps, grad_accum, entropy_coef=0.0):
+    def __init__(self, loss_type, beta, eps, grad_accum, entropy_coef=0.0, level="token"):
         self.loss_type, self.beta, self.max_completion_length = loss_type, beta, R
         self.epsilon_low, self.epsilon_high = eps
         self.current_gradient_accumulation_steps = grad_accum
         self.top_entropy_quantile, self.aux_loss_enabled = 1.0, False
-        self.off_policy_mask_threshold, self.importance_sampling_level = None, "token"
+        self.off_policy_mask_threshold, self.importance_sampling_level = None, level
         self.use_vllm, self.vllm_importance_sampling_correction = False, False
         self._entropy_bonus_enabled = entropy_coef != 0.0
         self.entropy_coef, self.use_adaptive_entropy = entropy_coef, False
@@ -233,16 +242,17 @@ class LossStub:
         return self.logps, self.entropies, None
 
 
-def loss_case(seed: int, accum: int, on_policy: bool):
+def loss_case(seed: int, accum: int, on_policy: bool, drift_std: float = 0.3):
     """A minibatch of ``accum`` x M sequences, lengths 1..R-1 (padded to the longest, as TRL
-    pads), and its microbatches: random rows [A, M]."""
+    pads), and its microbatches: random rows [A, M]; π_old is π_θ moved by N(0, ``drift_std``)
+    per token."""
     rng = np.random.default_rng(seed)
     n = accum * M
     lengths = rng.integers(1, R, n)
     width = int(lengths.max())
     mask = np.arange(width)[None] < lengths[:, None]
     logp = (-np.abs(rng.normal(1.0, 0.6, (n, width)))).astype(np.float32)
-    drift = 0.0 if on_policy else rng.normal(0.0, 0.3, (n, width))
+    drift = 0.0 if on_policy else rng.normal(0.0, drift_std, (n, width))
     return SimpleNamespace(
         lengths=lengths,
         mask=mask,
@@ -255,12 +265,21 @@ def loss_case(seed: int, accum: int, on_policy: bool):
     )
 
 
-def trl_loss(trl, case, stub: LossStub, on_policy: bool):
-    """TRL's accumulated loss (Σ over microbatches of ``_compute_loss``) and its gradients
-    w.r.t. the log-probs [n, T] and the entropies [n, T]."""
+def trl_loss(trl, case, stub: LossStub, on_policy: bool, trainer=None, exact=False):
+    """TRL's accumulated loss (Σ over microbatches of ``trainer._compute_loss``, GRPOTrainer's
+    by default) and its gradients w.r.t. the log-probs [n, T] and the entropies [n, T].
+    RLOOTrainer's loss is unscaled and the HF Trainer divides it by the accumulation steps
+    (the comment above its aux loss): so is it here. ``exact``: TRL's code on the same values
+    in float64."""
     torch = trl.torch
-    logp = torch.tensor(case.logp, requires_grad=True)
-    entropy = torch.tensor(case.entropy, requires_grad=True)
+    trainer = trainer or trl.grpo.GRPOTrainer
+    divide = len(case.micro) if trainer is trl.rloo.RLOOTrainer else 1
+
+    def tensor(x, **kw):
+        return torch.tensor(x.astype(np.float64 if exact else np.float32), **kw)
+
+    logp = tensor(case.logp, requires_grad=True)
+    entropy = tensor(case.entropy, requires_grad=True)
     completion_mask = torch.from_numpy(case.mask.astype(np.int64))
     num_items = completion_mask.sum()  # the generation batch's: all A microbatches
     total = 0.0
@@ -272,13 +291,15 @@ def trl_loss(trl, case, stub: LossStub, on_policy: bool):
             "prompt_mask": torch.ones(len(rows), 2, dtype=torch.long),
             "completion_ids": torch.ones(len(rows), case.mask.shape[1], dtype=torch.long),
             "completion_mask": completion_mask[rows_t],
-            "advantages": torch.from_numpy(case.advantages[rows]),
-            "ref_per_token_logps": torch.from_numpy(case.ref[rows]),
+            "advantages": tensor(case.advantages[rows]),
+            "ref_per_token_logps": tensor(case.ref[rows]),
             "num_items_in_batch": num_items,
         }
         if not on_policy:
-            inputs["old_per_token_logps"] = torch.from_numpy(case.old[rows])
-        total = total + trl.grpo.GRPOTrainer._compute_loss(stub, None, inputs)
+            inputs["old_per_token_logps"] = tensor(case.old[rows])
+        if trainer is trl.rloo.RLOOTrainer:  # its sequences' old log-probs, as it sums them
+            inputs["old_logps"] = (tensor(case.old[rows]) * inputs["completion_mask"]).sum(1)
+        total = total + trainer._compute_loss(stub, None, inputs) / divide
     total.backward()
     grads = [
         np.zeros_like(x) if t.grad is None else t.grad.numpy()
@@ -289,8 +310,9 @@ def trl_loss(trl, case, stub: LossStub, on_policy: bool):
 
 def our_loss(ppo: PPOConfig, case, kl_coef: float, seed: int):
     """Our accumulated loss on the packed layout: every valid token of the minibatch in one
-    chunk, in shuffled slot order with unused slots after, weighted by ``token_weights``;
-    divided by A as the update divides. Gradients mapped back to [n, T]."""
+    chunk, in shuffled slot order with unused slots after, weighted by ``token_weights``, each
+    slot's sequence its row (n for the unused ones, as ``PackIndices.resp_seg``); divided by A
+    as the update divides. Gradients mapped back to [n, T]."""
     rng = np.random.default_rng(seed + 100)
     rows, cols = np.nonzero(case.mask)
     order = rng.permutation(len(rows))
@@ -312,7 +334,13 @@ def our_loss(ppo: PPOConfig, case, kl_coef: float, seed: int):
         advantages=slots(per_seq, 9.0),
         mask=slots(case.mask, False),
     )
-    weights = TokenWeights(loss=slot_weights(loss_w), mean=slot_weights(mean_w))
+    n = len(case.lengths)
+    weights = TokenWeights(
+        loss=slot_weights(loss_w),
+        mean=slot_weights(mean_w),
+        segments=jnp.asarray(np.concatenate([rows, np.full(unused, n)]), jnp.int32),
+        num_segments=n + 1,
+    )
 
     def loss(logp, entropy):
         value, _ = actor_objective(ppo, logp, entropy, mb, kl_coef, weights)
@@ -330,10 +358,23 @@ def our_loss(ppo: PPOConfig, case, kl_coef: float, seed: int):
     return float(value), *grads
 
 
-def compare(trl, agg, beta, eps_high, accum, on_policy, seed, entropy_coef=0.0):
-    """Our packed loss and gradients against TRL's, for one setting."""
-    ppo = PPOConfig(
+def check_close(got, want):
+    """(loss, d/dlogp, d/dentropy) within 1e-6: the loss absolutely, the gradients relative to
+    the largest one (they are small: 1 / tokens); returns the loss's and the largest gradient's
+    absolute differences."""
+    np.testing.assert_allclose(got[0], want[0], **TOL)
+    for mine, theirs in zip(got[1:], want[1:], strict=True):
+        scale = max(np.abs(theirs).max(), 1e-30)
+        np.testing.assert_allclose(mine / scale, theirs / scale, atol=1e-6)
+    grads = zip(got[1:], want[1:], strict=True)
+    return abs(got[0] - want[0]), max(np.abs(a - b).max() for a, b in grads)
+
+
+def grpo_config(agg, beta, eps_high, accum, entropy_coef=0.0, level="token") -> PPOConfig:
+    """GRPOTrainer's setting as our keys: k3 in the loss, ε_low 0.2."""
+    return PPOConfig(
         advantage="grpo",
+        importance_sampling_level=level,
         loss_agg=agg,
         kl_coef=beta,
         kl_estimator="k3",
@@ -343,15 +384,14 @@ def compare(trl, agg, beta, eps_high, accum, on_policy, seed, entropy_coef=0.0):
         entropy_coef=entropy_coef,
         grad_accum_steps=accum,
     )
-    case = loss_case(seed, accum, on_policy)
-    stub = LossStub(LOSS_TYPES[agg], beta, (0.2, eps_high or 0.2), accum, entropy_coef)
-    want, want_glogp, want_gent = trl_loss(trl, case, stub, on_policy)
-    got, got_glogp, got_gent = our_loss(ppo, case, beta, seed)
-    np.testing.assert_allclose(got, want, **TOL)
-    for mine, theirs in ((got_glogp, want_glogp), (got_gent, want_gent)):
-        # gradients are small (1 / tokens): within 1e-6 of the largest one, relative
-        scale = max(np.abs(theirs).max(), 1e-30)
-        np.testing.assert_allclose(mine / scale, theirs / scale, atol=1e-6)
+
+
+def compare(trl, agg, beta, eps_high, accum, on_policy, seed, entropy_coef=0.0, level="token"):
+    """Our packed loss and gradients against TRL's, for one setting."""
+    ppo = grpo_config(agg, beta, eps_high, accum, entropy_coef, level)
+    case = loss_case(seed, accum, on_policy, drift_std=0.3 if level == "token" else 0.6)
+    stub = LossStub(LOSS_TYPES[agg], beta, (0.2, eps_high or 0.2), accum, entropy_coef, level)
+    check_close(our_loss(ppo, case, beta, seed), trl_loss(trl, case, stub, on_policy))
     return case
 
 
@@ -383,3 +423,85 @@ def test_loss_parity_across_lengths(trl, agg, seed):
 def test_entropy_bonus_matches_trl(trl, agg):
     """ppo.entropy_coef against TRL's entropy_coef (loss − coef · H)."""
     compare(trl, agg, 0.04, 0.28, 2, on_policy=False, seed=5, entropy_coef=0.01)
+
+
+# ------------------------------------------------------------------ sequence-level ratios
+def sequence_ratios(case, summed: bool) -> np.ndarray:
+    """Each sequence's ratio [n]: exp of its mean (or summed) log-ratio."""
+    delta = np.where(case.mask, case.logp - case.old, 0.0).sum(axis=1)
+    return np.exp(delta if summed else delta / case.lengths)
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_gspo_matches_trl_sequence_level(trl, agg, beta, accum):
+    """importance_sampling_level sequence = GRPOTrainer's "sequence" (GSPO): each sequence's
+    ratio exp(mean_t (logp − old_logp)) on every token, clipped, then the loss type's
+    aggregation (bnpo, dr_grpo and dapo weigh a sequence by its tokens, as TRL warns)."""
+    case = compare(trl, agg, beta, 0.28, accum, False, seed=6, level="sequence")
+    ratio = sequence_ratios(case, summed=False)
+    assert (ratio > 1.28).any() and (ratio < 0.8).any()  # both clip edges are exercised
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+def test_on_policy_gspo_and_its_entropy_bonus_match_trl(trl, agg):
+    """μ = 1 (every ratio 1, the gradient through the sequence's mean), with the entropy bonus."""
+    compare(trl, agg, 0.04, 0.28, 2, True, seed=12, entropy_coef=0.01, level="sequence")
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+def test_gspo_equals_trl_gspo_token(trl, agg):
+    """TRL's experimental GSPO-token (importance_sampling_level "sequence_token": s_i,t =
+    sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)], the paper's stop-gradient form): with one advantage per
+    sequence its values and gradients are GSPO's, so ours match it too."""
+    ppo = grpo_config(agg, 0.04, 0.28, 2, level="sequence")
+    case = loss_case(13, 2, on_policy=False, drift_std=0.6)
+    stub = LossStub(LOSS_TYPES[agg], 0.04, (0.2, 0.28), 2, level="sequence_token")
+    want = trl_loss(trl, case, stub, False, trl.gspo_token.GRPOTrainer)
+    check_close(our_loss(ppo, case, 0.04, 13), want)
+
+
+def rloo_config(eps_high, accum, level="sequence_sum") -> PPOConfig:
+    """RLOOTrainer's setting as our keys: the KL (k1) in the reward, nothing of it in the loss;
+    one clipped term per sequence, averaged over the sequences."""
+    return PPOConfig(
+        advantage="rloo",
+        importance_sampling_level=level,
+        loss_agg="seq_mean",
+        kl_coef=0.05,
+        kl_estimator="k1",
+        kl_in_reward=True,
+        cliprange=0.2,
+        cliprange_high=eps_high,
+        grad_accum_steps=accum,
+    )
+
+
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_rloo_sequence_sum_matches_trl_rloo_loss(trl, eps_high, accum, on_policy):
+    """importance_sampling_level sequence_sum, loss_agg seq_mean = RLOOTrainer._compute_loss:
+    exp(Σ_t logp − Σ_t old_logp) per sequence, clipped, averaged over the sequences; the
+    token-level loss ``ppo.advantage: rloo`` trains with by default is not it.
+
+    Held to TRL's code in float64 as the other losses are to its float32: in float32 its two
+    sums of ~7 log-probs cancel, which moves its own gradients 1.3e-6 (relative to the largest)
+    from their float64 values on these tensors; ours sum the differences (3e-8 from them). To
+    TRL's float32: within 1e-6 absolutely."""
+    seed = 9
+    case = loss_case(seed, accum, on_policy)
+    stub = LossStub("rloo", 0.0, (0.2, eps_high or 0.2), accum)
+    got = our_loss(rloo_config(eps_high, accum), case, 0.05, seed)
+    want = trl_loss(trl, case, stub, on_policy, trl.rloo.RLOOTrainer, exact=True)
+    check_close(got, want)
+    trl_float32 = trl_loss(trl, case, stub, on_policy, trl.rloo.RLOOTrainer)
+    for mine, theirs in zip(got, trl_float32, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
+    if on_policy:
+        return
+    ratio = sequence_ratios(case, summed=True)
+    assert (ratio > 1.28).any() and (ratio < 0.8).any()  # both clip edges are exercised
+    token_level = our_loss(rloo_config(eps_high, accum, "token"), case, 0.05, seed)
+    assert abs(token_level[0] - want[0]) > 1e-3

@@ -82,10 +82,12 @@ def _spec(actor, critic, loss_agg: str, width_factor: int = 1) -> UpdateSpec:
     )  # fmt: skip
 
 
-def _batch(spec: UpdateSpec, actor_params, critic_params, seed=0):
+def _batch(spec: UpdateSpec, actor_params, critic_params, seed=0, group_size=1, drift=0.0):
     """Ragged rows (prompts 1..P, long-tailed responses 0..R tokens), some carried: their
     first tokens were sampled at an earlier step, so their behaviour log-probs differ from
-    this step's old log-probs over that prefix (the importance weight is not 1 there)."""
+    this step's old log-probs over that prefix (the importance weight is not 1 there).
+    Critic-free (``critic_params`` None): groups of ``group_size`` rows; ``drift``: π_old is
+    π_θ moved by N(0, drift) per token, so the first step's ratios are not all 1."""
     rng = np.random.default_rng(seed)
     prompt_len = rng.integers(1, P + 1, B)
     resp_len = (rng.random(B) ** 2 * (R + 1)).astype(int)  # mostly short
@@ -96,7 +98,9 @@ def _batch(spec: UpdateSpec, actor_params, critic_params, seed=0):
     mask = np.arange(R)[None, :] < resp_len[:, None]
     tokens, prompt_len, mask = map(jnp.asarray, (tokens, prompt_len, mask))
     logp, _ = policy_logprobs(spec.actor, actor_params, tokens, prompt_len, R, spec.temperature)
-    values = critic_values(spec.critic, critic_params, tokens, prompt_len, R)
+    values = jnp.zeros((B, R), jnp.float32)
+    if critic_params is not None:
+        values = critic_values(spec.critic, critic_params, tokens, prompt_len, R)
     carried_prefix = np.where(rng.random(B) < 0.5, rng.integers(1, R + 1, B), 0)
     stale = (np.arange(R)[None, :] < carried_prefix[:, None]) * rng.normal(0, 0.2, (B, R))
     rollout = ScoredRollout(
@@ -106,7 +110,12 @@ def _batch(spec: UpdateSpec, actor_params, critic_params, seed=0):
         old_logp=logp, behaviour_logp=logp + jnp.asarray(stale, jnp.float32),
         ref_logp=logp + jnp.asarray(rng.normal(0, 0.05, (B, R)), jnp.float32), values=values,
     )  # fmt: skip
-    return build_batch(spec.ppo, rollout, KL)[0]
+    if drift:
+        moved = jnp.asarray(rng.normal(0, drift, (B, R)), jnp.float32)
+        rollout = rollout.replace(
+            old_logp=rollout.old_logp + moved, behaviour_logp=rollout.behaviour_logp + moved
+        )
+    return build_batch(spec.ppo, rollout, KL, group_size)[0]
 
 
 def _relative_diff(a, b) -> float:
@@ -187,6 +196,47 @@ def test_packed_update_equals_padded(root, model_type, loss_agg, width_factor):
         leaves = zip(jax.tree.leaves(new.actor_params), jax.tree.leaves(actor.params), strict=True)
         for x, y in leaves:
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "level,advantage,loss_agg",
+    [("sequence", "grpo", "seq_mean"), ("sequence_sum", "rloo", "seq_mean")],
+)
+def test_packed_sequence_level_update_equals_padded(root, level, advantage, loss_agg):
+    """ppo.importance_sampling_level sequence (GSPO) and sequence_sum (TRL RLOOTrainer's
+    summed ratio), critic-free with groups of 4: the packed update's segment sums over each
+    sequence's slots equal the padded update's row sums, through one update of 2 optimizer
+    steps (the second from moved parameters), with ratios clipped on both sides."""
+    actor, _ = _models("qwen2", root)
+    ppo = PPOConfig(
+        advantage=advantage, importance_sampling_level=level, loss_agg=loss_agg, ppo_epochs=1,
+        num_minibatches=MINIBATCHES, grad_accum_steps=2, entropy_coef=0.01, kl_coef=0.05,
+        kl_estimator="k3", kl_in_reward=False, cliprange_high=0.28, pack_granule=4,
+    )  # fmt: skip
+    tx = make_optimizer(OptimConfig(actor_lr=LR), LR, 10)
+    spec = UpdateSpec(actor.config, None, ppo, 0.7, tx, None)
+    batch, key = (
+        _batch(spec, actor.params, None, seed=3, group_size=4, drift=0.3),
+        jax.random.key(7),
+    )
+    logp, _ = policy_logprobs(spec.actor, actor.params, batch.tokens, batch.prompt_len, R, 0.7)
+    mask = np.asarray(batch.mask)
+    delta = np.where(mask, np.asarray(logp) - np.asarray(batch.old_logp), 0.0).sum(1)
+    ratio = np.exp(delta if level == "sequence_sum" else delta / np.maximum(mask.sum(1), 1))
+    assert (ratio > 1.28).any() and (ratio < 0.8).any()  # the first step clips both sides
+    state = init_train_state(spec, actor.params, None)
+    padded, packed = make_padded_update(spec), make_update(spec)
+    want_state, want = padded(jax.tree.map(jnp.copy, state), batch, key, KL)
+    got_state, got = packed(jax.tree.map(jnp.copy, state), batch, key, KL)
+    assert got["update_tokens_computed"] < want["update_tokens_computed"]  # it did pack
+    assert float(got["skipped_steps"]) == float(want["skipped_steps"]) == 0
+    assert _relative_diff(want_state.actor_params, actor.params) > 1e-4
+    bounds = tolerances.update_bounds((actor.config,), (B // MINIBATCHES) * (P + R), P + R,
+                                      MINIBATCHES, LR)  # fmt: skip
+    names = ("policy_loss", "entropy", "clipfrac", "approx_kl", "ratio_mean", "actor_grad_norm")
+    vocab = actor.config.vocab_size
+    tolerances.assert_same_metrics(got, want, names, bounds.n, bounds.steps, vocab)
+    tolerances.assert_same_update(bounds, {"actor": actor.params}, got_state, want_state)
 
 
 @pytest.mark.parametrize(

@@ -193,7 +193,7 @@ def _model_diffs(before, got_params, got_opt, want_params, want_opt) -> dict[str
 def update_diffs(before: dict, got_state, want_state) -> dict[str, dict[str, float]]:
     """The measured counterparts of ``UpdateBounds``, {"actor": {...}, "critic": {...}}, of two
     train states after an update (``want_state``: the reference); ``before``: {"actor": params,
-    "critic": params} before it."""
+    "critic": params} before it (the actor's alone: a critic-free update)."""
     return {
         model: _model_diffs(
             before[model],
@@ -202,7 +202,7 @@ def update_diffs(before: dict, got_state, want_state) -> dict[str, dict[str, flo
             getattr(want_state, f"{model}_params"),
             getattr(want_state, f"{model}_opt"),
         )
-        for model in ("actor", "critic")
+        for model in before
     }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from oppo_jax.base.help_text import plain
 
+EXIT_INTERRUPTED = 130  # a Ctrl-C the run could not handle (the shell's 128 + SIGINT)
 # JAX's persistent compilation cache: auto or on (every backend, every program kept), off
 COMPILATION_CACHE_ENV = "OPPO_JAX_COMPILATION_CACHE"
 
@@ -246,7 +247,7 @@ def _train(args) -> int:
     _start_runtime(cfg)
     import jax
 
-    from oppo_jax.base.errors import Preempted
+    from oppo_jax.base.errors import Interrupted, Preempted
     from oppo_jax.run.preemption import resume_command
     from oppo_jax.train import summary_lines, train
 
@@ -256,12 +257,15 @@ def _train(args) -> int:
     if cache and not args.quiet:
         print(f"Compilation cache: {cache} ({COMPILATION_CACHE_ENV}=off turns it off)")
     warmup = None if args.warmup else False  # None: on unless OPPO_JAX_WARMUP=off
+    flags = (("--quiet", args.quiet), ("--no-warmup", not args.warmup))
+    options = [flag for flag, given in flags if given]
     try:
         summary = train(cfg, args.out, args.resume, not args.quiet, warmup=warmup)
     except Preempted as stop:  # say how to continue: the same config, overrides and --out
-        flags = (("--quiet", args.quiet), ("--no-warmup", not args.warmup))
-        options = [flag for flag, given in flags if given]
         command = resume_command(args.config, args.overrides, args.out, options)
+        raise stop.with_command(command) from None
+    except Interrupted as stop:  # before step 0: the command that starts it (or resumes it)
+        command = resume_command(args.config, args.overrides, args.out, options, None, args.resume)
         raise stop.with_command(command) from None
     print(f"\nRun directory: {args.out}")
     print("\n".join(summary_lines(summary)))
@@ -328,8 +332,9 @@ def _compile_plan(args) -> int:
 
 
 def _reporting_errors(command) -> int:
-    """Run ``command``; user errors, non-finite stops, preemption and a host limit become one
-    line on stderr and their exit codes (2, 3, 75, 4) instead of a traceback."""
+    """Run ``command``; user errors, non-finite stops, preemption (a stop before step 0
+    included) and a host limit become one line on stderr and their exit codes (2, 3, 75, 4)
+    instead of a traceback; so does a Ctrl-C outside a run's own handling (130)."""
     from oppo_jax.base.errors import (
         EXIT_BAD_INPUT,
         EXIT_HOST_LIMIT,
@@ -337,6 +342,7 @@ def _reporting_errors(command) -> int:
         EXIT_PREEMPTED,
         HostLimitError,
         InputError,
+        Interrupted,
         NonFiniteError,
         Preempted,
     )  # fmt: skip
@@ -349,9 +355,12 @@ def _reporting_errors(command) -> int:
     except NonFiniteError as e:
         print(f"oppo-jax: stopped: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except Preempted as e:
+    except (Preempted, Interrupted) as e:
         print(f"oppo-jax: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or one before a run installs its handler
+        print(f"oppo-jax: interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except HostLimitError as e:  # raised before step 0 (the warm-up): nothing to lose
         print(f"oppo-jax: stopped: {e}", file=sys.stderr)
         return EXIT_HOST_LIMIT

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from oppo_jax.base.errors import NonFiniteError, Preempted
+from oppo_jax.base.errors import Interrupted, NonFiniteError, Preempted
 from oppo_jax.config import Config, to_yaml
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.schedule import Schedule
@@ -19,7 +19,7 @@ from oppo_jax.pipeline.timeline import Timeline, TraceWriter
 from oppo_jax.pipeline.warmup import CompileCounter, warm_up
 from oppo_jax.run.checkpoint import RunCheckpointer, abstract_like
 from oppo_jax.run.evaluate import make_evaluator
-from oppo_jax.run.log import RunLog, read_metrics
+from oppo_jax.run.log import RunLog, has_checkpoint, leave_as_found, read_metrics
 from oppo_jax.run.preemption import StopOnSignal
 from oppo_jax.run.setup import RunContext, prepare_run
 
@@ -115,8 +115,24 @@ def train(
     ``warmup`` compiles every shape the run can meet before its first step
     (``pipeline.warmup``; its report goes to ``warmup.json`` and the summary), so that each
     record's ``compiles`` is 0; off, a step that meets a new shape compiles it. None: on
-    unless ``$OPPO_JAX_WARMUP`` is ``off`` (the test suite's default)."""
+    unless ``$OPPO_JAX_WARMUP`` is ``off`` (the test suite's default).
+
+    A stop signal before step 0 (SIGINT, SIGTERM) raises ``Interrupted`` at once; a run that
+    had no checkpoint then leaves ``out_dir`` as it found it, so the same call starts it again.
+    From step 0 on, a signal lets the step in flight finish, saves, and raises ``Preempted``."""
     ckpt_dir, out = Path(out_dir) / "checkpoints", _files_dir(Path(out_dir))
+    existed, resumable = out.exists(), has_checkpoint(ckpt_dir)
+    with StopOnSignal(before_start="loading the models and the prompts") as stop:
+        try:
+            return _run(cfg, out, ckpt_dir, resume, progress, warmup, stop)
+        except Interrupted:
+            if not resumable:
+                leave_as_found(out, ckpt_dir, existed)
+            raise
+
+
+def _run(cfg: Config, out: Path, ckpt_dir: Path, resume, progress, warmup, stop) -> dict:
+    """``train`` inside its signal handler ``stop``."""
     out.mkdir(parents=True, exist_ok=True)
     ctx, train_state = prepare_run(cfg, progress)
     (out / "config.yaml").write_text(to_yaml(cfg))
@@ -132,14 +148,15 @@ def train(
     if warmup is None:
         warmup = os.environ.get(WARMUP_ENV, "on").strip().lower() != "off"
     if warmup and host.step < cfg.train.steps:
+        stop.before_start = "the warm-up, which compiles the run's programs"
         report, train_state = warm_up(ctx, schedule, host, train_state, progress)
         (out / "warmup.json").write_text(json.dumps(report, indent=2))
+    stop.before_start = None  # from here a signal lets the step in flight finish, then saves
     log = RunLog(out, cfg.train.steps, host.step, progress)
     evaluate = make_evaluator(ctx, out, host.step)  # eval.*: held-out decoding (no-op when off)
     trace = TraceWriter(out / "trace.json")
     try:
-        with StopOnSignal() as stop:
-            _loop(ctx, schedule, host, train_state, (ckpt, log, trace, evaluate), stop)
+        _loop(ctx, schedule, host, train_state, (ckpt, log, trace, evaluate), stop)
     finally:
         trace.write()
         ckpt.wait()
@@ -226,9 +243,10 @@ def summarize(metrics_path: Path, window: int = 5) -> dict:
             summary[f"{key}_end"] = float(np.mean(last)) if last else float("nan")
     evals = metrics_path.parent / "eval.jsonl"  # a verifiable task's held-out accuracy
     evals = read_metrics(evals) if evals.exists() else []
-    if evals and "exact_match" in evals[0]:
-        first, last = (f"{e['exact_match']:.3f} (step {e['step']})" for e in (evals[0], evals[-1]))
-        summary["held_out_exact_match"] = f"{first} -> {last}"
+    for key in ("exact_match", "pass@1", "mean@k"):  # "held_out_pass@1", ...
+        if evals and key in evals[0]:
+            first, last = (f"{e[key]:.3f} (step {e['step']})" for e in (evals[0], evals[-1]))
+            summary[f"held_out_{key}"] = f"{first} -> {last}"
     return summary
 
 

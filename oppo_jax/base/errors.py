@@ -10,7 +10,9 @@ from __future__ import annotations
 EXIT_BAD_INPUT = 2  # a config, prompt file or model directory was rejected; nothing ran
 EXIT_NONFINITE = 3  # too many non-finite updates in a row; the last good checkpoint is kept
 EXIT_HOST_LIMIT = 4  # the host cannot hold the run's compiled programs (oppo_jax.base.host_maps)
-EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: a checkpoint was saved; the message says how to resume
+# SIGTERM/SIGINT: a checkpoint was saved (or, before step 0, nothing was trained and the run
+# directory starts again as it was); the message says how to continue
+EXIT_PREEMPTED = 75
 
 
 class InputError(ValueError):
@@ -56,3 +58,21 @@ class Preempted(Exception):  # noqa: N818 (a stop request, not a failure)
     def with_command(self, command: str) -> Preempted:
         """The same stop, its message ending with ``command``, the one that continues the run."""
         return Preempted(self.step, self.signal_name, self.checkpoint_dir, command)
+
+
+class Interrupted(BaseException):  # noqa: N818 (a stop request, not a failure)
+    """A stop signal before step 0 (loading the models, waiting for or building the demo's
+    models, the warm-up): nothing was trained, so nothing is saved, and the run directory is
+    left as a rerun accepts. ``during`` says what the run was doing. A ``BaseException``, as
+    ``KeyboardInterrupt`` is, so that no ``except Exception`` on the way swallows the stop."""
+
+    def __init__(self, signal_name: str, during: str, how: str = ""):
+        how = how or "rerun the same command to start it again"
+        super().__init__(
+            f"{signal_name} received before step 0 ({during}): nothing was trained; {how}"
+        )
+        self.signal_name, self.during = signal_name, during
+
+    def with_command(self, command: str) -> Interrupted:
+        """The same stop, its message ending with ``command``, the one that starts the run."""
+        return Interrupted(self.signal_name, self.during, f"to start it again, run: {command}")

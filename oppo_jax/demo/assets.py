@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -97,10 +98,26 @@ def ensure_demo_assets(
 def build_lock(cache: Path):
     """Hold an exclusive lock on ``<cache>/.lock`` while the cache is checked and built: two
     processes sharing a cache directory (two runs, or parallel test workers) would otherwise
-    delete each other's half-built models; the second waits and then finds them built."""
+    delete each other's half-built models; the second waits and then finds them built. The
+    holder writes its pid into the lock file, and a process that has to wait says whom for."""
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with open(cache / ".lock", "a+") as lock:  # "a+": the holder's pid stays readable
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: say by whom and for what, then wait
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            print(
+                f"oppo-jax: waiting for {holder} to finish checking or building the demo's "
+                f"models in {cache} (lock {cache / '.lock'}); Ctrl-C stops this run",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} ({os.path.basename(sys.argv[0])})\n")
+        lock.flush()
         try:
             yield
         finally:

@@ -200,3 +200,25 @@ def clear_run_dir(out: str | Path) -> None:
     for entry in out.iterdir():
         if entry.name in RUN_ENTRIES:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def has_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether ``ckpt_dir`` holds a saved step (a directory named by its number)."""
+    return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+def leave_as_found(out: Path, ckpt_dir: Path, existed: bool) -> None:
+    """Undo what a run that stopped before step 0, with no checkpoint, wrote: its run files in
+    ``out`` and ``ckpt_dir`` (a checkpoint never: one there is left with its directory), and
+    ``out`` itself when it did not exist before. The command that started it starts it again,
+    without ``--overwrite``."""
+    if not has_checkpoint(ckpt_dir):
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    for name in RUN_ENTRIES - {"checkpoints"}:
+        entry = out / name
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        elif entry.exists():
+            entry.unlink()
+    if not existed and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()

@@ -5,7 +5,10 @@ checkpoint (carried sequences included) and exits with ``EXIT_PREEMPTED``. The s
 flight is finished, not abandoned: its prompts were already taken from the stream, so
 finishing it is the only way to checkpoint a consistent state. A second signal stops at once
 (``KeyboardInterrupt``); checkpoints already on disk are complete either way, because orbax
-commits a step atomically. ``resume_command`` spells out the command that continues the run,
+commits a step atomically. Before step 0 there is no step to finish and nothing to save, so
+while ``StopOnSignal.before_start`` names what the run is doing, the first signal stops it at
+once (``Interrupted``); the caller then leaves the run directory as a rerun accepts.
+``resume_command`` spells out the command that continues the run,
 with the program as it was invoked (``invoked_program``).
 """
 
@@ -19,15 +22,21 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+from oppo_jax.base.errors import Interrupted
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopOnSignal:
-    """Context manager that turns the first stop signal into ``self.received`` (its name)."""
+    """Context manager that turns the first stop signal into ``self.received`` (its name), or,
+    while ``before_start`` names what the run does before step 0, into ``Interrupted``."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+    def __init__(
+        self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS, before_start: str | None = None
+    ):
         self.signals = signals
         self.received: str | None = None
+        self.before_start = before_start  # e.g. "the warm-up"; None from step 0 on
         self._previous: dict = {}
 
     def __enter__(self) -> StopOnSignal:
@@ -45,6 +54,10 @@ class StopOnSignal:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.before_start is not None:
+            during, self.before_start = self.before_start, None  # a second signal: at once
+            self.received = name
+            raise Interrupted(name, during)
         if self.received is not None:
             raise KeyboardInterrupt(f"second stop signal ({name}): stopping without a checkpoint")
         self.received = name
@@ -94,8 +107,10 @@ def resume_command(
     out: str,
     options: Sequence[str] = (),
     program: Sequence[str] | None = None,
+    resume: bool = True,
 ) -> str:
-    """The command that continues a stopped run, shell-quoted, from what it was started with.
+    """The command that continues a stopped run, shell-quoted, from what it was started with
+    (``resume`` False: the one that starts it again, for a run stopped before step 0).
 
     Example: ``resume_command("demo_cpu", ["seed=1"], "runs/demo_cpu-20261206-101500",
     program=[".venv/bin/oppo-jax"])`` is ``.venv/bin/oppo-jax train demo_cpu --set seed=1
@@ -105,5 +120,5 @@ def resume_command(
     words = [*(invoked_program() if program is None else program), "train"]
     words += [config] if config is not None else []
     words += ["--set", *overrides] if overrides else []
-    words += [*options, "--out", out, "--resume"]
+    words += [*options, "--out", out] + (["--resume"] if resume else [])
     return shlex.join(words)

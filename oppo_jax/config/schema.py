@@ -255,6 +255,9 @@ class EvalConfig:
     greedy: bool = True  # decode greedily; False: sample at rollout.temperature
     samples_per_prompt: int = 1  # responses per prompt (> 1 needs eval.greedy=false)
 
+    # k of mean@k: a second pass of k responses per prompt at rollout.temperature, scored by
+    # reward.functions[0] (greedy pass@1 comes from the first pass); 0 = no second pass
+    mean_at_k: int = 0
 
 @dataclass(frozen=True)
 class Config:

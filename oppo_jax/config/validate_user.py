@@ -98,8 +98,8 @@ def _reward_problems(cfg: Config) -> list[str]:
 
 def _eval_problems(cfg: Config) -> list[str]:
     ev, problems = cfg.eval, []
-    for key in ("every", "num_prompts", "samples_per_prompt"):
-        low = 0 if key == "every" else 1
+    for key in ("every", "num_prompts", "samples_per_prompt", "mean_at_k"):
+        low = 0 if key in ("every", "mean_at_k") else 1
         if (v := getattr(ev, key)) < low:
             problems.append(f"eval.{key}={v!r}: must be >= {low}")
     if ev.greedy and ev.samples_per_prompt > 1:

@@ -3,11 +3,21 @@ training, through the run's own rollout and scorer kernels, and report the rewar
 reward function), the demo's gold score, the KL to the reference, the lengths and, where the
 prompts' records carry an answer (``data.prompts: arith``), the exact-match accuracy.
 
+Accuracy as the field reports it, from the first reward function (``reward.functions[0]``,
+e.g. the math verifier: 1 right, 0 wrong): ``pass@1``, its mean over the greedy responses
+(one per prompt, ``eval.greedy``), and ``mean@k``, its mean over ``eval.mean_at_k`` = k
+responses per prompt sampled as training samples (``rollout.temperature``), with ``k`` beside
+it. The programs: the greedy pass runs the rollout's admission prefill, decode start and
+decode at ``eval.num_prompts`` slots with greedy sampling (programs of their own, compiled at
+the first evaluation); the mean@k pass runs the training's sampling programs at
+``num_prompts`` x k slots (new shapes of the same jits, compiled once too).
+
 An evaluation at step N reads the parameters after N steps and nothing else that changes, and
 its randomness comes from (seed, prompt, sample index, position) under its own key, so it is
 deterministic from the seed and gives the same numbers again after a resume. It runs at step
 0, every ``eval.every`` steps and at the end; each writes one line of ``eval.jsonl``, a sample
-table ``samples/step_<N>.jsonl`` (prompt, response, reward) and TensorBoard scalars and text.
+table ``samples/step_<N>.jsonl`` (prompt, response, reward; the mean@k pass's in
+``step_<N>_k.jsonl``) and TensorBoard scalars and text.
 """
 
 from __future__ import annotations
@@ -86,13 +96,15 @@ class Evaluator:
         if not self.due(step):
             return None
         self.done.add(step)
-        rows, record = evaluate(self.ctx, train_state, self.prompts, self.records)
+        rows, record, sampled = evaluate(self.ctx, train_state, self.prompts, self.records)
         record = {"step": step, **record}
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
         (self.out / "samples").mkdir(exist_ok=True)
-        lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-        (self.out / "samples" / f"step_{step}.jsonl").write_text(lines)
+        for name, table in ((f"step_{step}", rows), (f"step_{step}_k", sampled)):
+            if table:  # step_<N>_k.jsonl: the mean@k pass's k responses per prompt
+                lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in table)
+                (self.out / "samples" / f"{name}.jsonl").write_text(lines)
         _tensorboard(self.out, step, record, rows)
         return record
 
@@ -112,10 +124,10 @@ def make_evaluator(ctx, out: Path, start_step: int):
     return Evaluator(ctx, out, *eval_prompts(ctx))
 
 
-def _eval_kernels(ctx):
-    """The run's kernels with the evaluation's sampling (greedy or not)."""
+def _eval_kernels(ctx, greedy: bool):
+    """The run's kernels with the evaluation's sampling (greedy, or the training's)."""
     k = ctx.engine.kernels
-    sampling = dataclasses.replace(k.rollout.sampling, greedy=ctx.cfg.eval.greedy)
+    sampling = dataclasses.replace(k.rollout.sampling, greedy=greedy)
     return dataclasses.replace(k, rollout=dataclasses.replace(k.rollout, sampling=sampling))
 
 
@@ -153,11 +165,31 @@ def _score(ctx, k, admission, decoding) -> tuple[np.ndarray | None, np.ndarray |
     return ref, rm
 
 
-def evaluate(ctx, train_state, prompts, records) -> tuple[list[dict], dict]:
-    """Decode ``prompts`` (x ``eval.samples_per_prompt``) with the current actor; returns the
-    sample rows and the evaluation's metrics."""
-    cfg, k = ctx.cfg, _eval_kernels(ctx)
-    per = cfg.eval.samples_per_prompt
+def evaluate(ctx, train_state, prompts, records) -> tuple[list[dict], dict, list[dict]]:
+    """Decode ``prompts`` (x ``eval.samples_per_prompt``) with the current actor, and again
+    ``eval.mean_at_k`` times sampled when set; returns the first pass's sample rows, the
+    metrics and the mean@k pass's sample rows (empty without one)."""
+    ev = ctx.cfg.eval
+    rows, record, raw = _evaluate_pass(
+        ctx, train_state, prompts, records, ev.greedy, ev.samples_per_prompt
+    )
+    if ev.greedy and raw.shape[1]:
+        record["pass@1"] = float(np.mean(raw[:, 0]))  # greedy: one response per prompt
+    sampled_rows = []
+    if ev.mean_at_k:
+        sampled_rows, _, raw = _evaluate_pass(
+            ctx, train_state, prompts, records, False, ev.mean_at_k
+        )
+        if raw.shape[1]:
+            record["mean@k"] = float(np.mean(raw[:, 0]))
+            record["k"] = ev.mean_at_k
+    return rows, record, sampled_rows
+
+
+def _evaluate_pass(ctx, train_state, prompts, records, greedy: bool, per: int):
+    """One pass: ``per`` responses to each prompt; (sample rows, metrics, [N, F] raw
+    reward-function values)."""
+    k = _eval_kernels(ctx, greedy)
     items = [(i, p) for i, p in enumerate(prompts) for _ in range(per)]
     place, r = ctx.engine.placement, k.rollout
     rule = AdmitRule(len(items), place.num_slots(len(items)), False, 0)  # all must finish
@@ -232,7 +264,7 @@ def _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records):
             row["answer"] = answer
         hits = [exact_match(row["prompt"], row["response"], row) for row in samples]
         record["exact_match"] = float(np.mean(hits))  # the share of exactly right responses
-    return samples, record
+    return samples, record, raw
 
 
 def _tensorboard(out: Path, step: int, record: dict, rows: list[dict]) -> None:

@@ -31,6 +31,8 @@ RUN_PLOTS = {
 # plots/<name>.png of a run's held-out evaluations: (title, y label, eval.jsonl keys drawn)
 EVAL_PLOTS = {
     "eval_exact_match": ("held-out exact match (eval)", "share exactly right", ("exact_match",)),
+    # reward.functions[0]'s mean: greedy, and over k samples at the training temperature
+    "eval_accuracy": ("held-out accuracy (eval)", "share right", ("pass@1", "mean@k")),
 }
 
 

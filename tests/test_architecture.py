@@ -43,7 +43,6 @@ OVER_CAP = {
     "oppo_jax/run/setup.py:prepare_run": 64,
     "oppo_tools/memory/report.py:memory_report": 84,
     "oppo_tools/sim/cli.py:_parser": 90,
-    "oppo_tools/sim/work.py:step_work": 61,
 }
 # Debt of the same kind: imports (importer, package) that close a cycle through the package's
 # ``__init__`` (``from oppo_tools.sim import packing`` inside the package that ``__init__``

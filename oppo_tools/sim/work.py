@@ -103,9 +103,6 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         actor = float(f.prefix.sum()) + f.slots * f.prompt_len
         new_rows = int((f.prefix == 0).sum()) * f.prompt_len
         sync = real_new
-        update = f.batch_lengths.size * f.prompt_len + float(f.batch_lengths.sum())
-        sequences = f.prompt_len + f.batch_lengths
-        pairs = float((sequences * (sequences + 1) / 2).sum())  # each its own causal pairs
     else:
         decode, buckets = _fixed_decode(engine, f, ends)
         per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
@@ -125,15 +122,7 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         sync = f.slots * f.capacity
         if engine.real_width_scoring:  # the batch's sequences packed, no admission prefill
             sync = packing.score_tokens(sequences, full)
-        rows, row_width = f.batch_lengths.size, full
-        if engine.packed_update:
-            groups = f.update_groups
-            rows, row_width = packing.update_rows(sequences, full, groups)
-        update = rows * row_width
-        if engine.packed_update and engine.segment_update_attention:
-            pairs = packing.update_segment_pairs(sequences, full, f.update_groups)
-        else:
-            pairs = rows * _row_pairs(row_width, engine.causal_update_attention)
+    update, pairs = update_work(engine, f.prompt_len, f.capacity, f.batch_lengths, f.update_groups)
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P
@@ -152,6 +141,25 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         update_pairs=float(pairs),
         sync_admit_tokens=None if sync_admit is None else float(sync_admit),
     )
+
+
+def update_work(
+    engine: Engine, prompt_len: int, capacity: int, lengths, groups: packing.UpdateGroups
+) -> tuple[float, float]:
+    """(tokens, query-key pairs) the update computes over a batch of response ``lengths``
+    behind prompts of ``prompt_len``, in rows of P + R (``capacity``) split as ``groups``."""
+    sequences = prompt_len + np.asarray(lengths)
+    if engine.token_proportional:  # each sequence its own tokens and causal pairs
+        return float(sequences.sum()), float((sequences * (sequences + 1) / 2).sum())
+    full = prompt_len + capacity
+    rows, row_width = sequences.size, full
+    if engine.packed_update:
+        rows, row_width = packing.update_rows(sequences, full, groups)
+    if engine.packed_update and engine.segment_update_attention:
+        pairs = packing.update_segment_pairs(sequences, full, groups)
+    else:
+        pairs = rows * _row_pairs(row_width, engine.causal_update_attention)
+    return float(rows * row_width), float(pairs)
 
 
 def _row_pairs(width: int, causal: bool) -> float:

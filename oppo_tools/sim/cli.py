@@ -39,6 +39,8 @@ from oppo_tools.sim.group_map import format_group_map, group_regime_map
 from oppo_tools.sim.lengths import LogNormal, demo_lengths, describe, longtail_lengths, read_lengths
 from oppo_tools.sim.model import CostModel
 from oppo_tools.sim.project import build_projection, format_regime_map, regime_map
+from oppo_tools.sim.refill_report import add_args as add_refill_args
+from oppo_tools.sim.refill_report import report as report_refill
 from oppo_tools.sim.validation import SPLITS, format_table, validate
 
 __all__ = ["demo_lengths", "longtail_lengths", "main", "read_lengths"]
@@ -245,6 +247,8 @@ def _project(args) -> dict:
         else:
             out["regime_map"] = regime_map(proj, engines, progress=progress)
             print("\n".join(format_regime_map(out["regime_map"])))
+    if not args.no_refill:  # every row busy: what refill buys, and its regime map
+        out["refill"] = report_refill(args, proj, progress)
     progress("done")
     return out
 
@@ -330,7 +334,9 @@ def _run_config(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``oppo-jax sim``: print the tables and the recommendation."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    add_refill_args(parser)
+    args = parser.parse_args(argv)
     try:
         if (args.config or args.set) and not args.project:
             raise ValueError("--config and --set go with --project (a measured run has its own)")

@@ -24,7 +24,8 @@ class ModelConfig:
     """Where the actor, reference, critic and reward model start from, and their numerics."""
 
     # actor and reference weights: local HF directory | demo | demo_arith (the addition task's
-    # SFT actor, built on first use) | random (model.preset, eos 1, pad 0)
+    # SFT actor, built on first use) | demo_word_problems (the word problems' SFT actor, the
+    # same) | random (model.preset, eos 1, pad 0)
     actor_path: str = "demo"
     # reward-model weights: a local Hugging Face directory | demo | random (as model.actor_path)
     reward_path: str = "demo"
@@ -213,7 +214,8 @@ class DataConfig:
     """Where prompts come from."""
 
     # JSONL/parquet file | `datasets` save_to_disk dir | Hub-cache dataset name | demo | random |
-    # arith (built-in two-digit addition with answers; splits train, test)
+    # arith (built-in two-digit addition with answers; splits train, test) | word_problems
+    # (built-in GSM8K-shaped word problems, answers '... #### n'; splits train, test)
     prompts: str = "demo"
     prompt_field: str = "prompt"  # field of each record that holds the prompt text
     split: str | None = None  # split of a saved DatasetDict or Hub dataset (None: its only one)

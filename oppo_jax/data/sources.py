@@ -20,6 +20,7 @@ import numpy as np
 
 from oppo_jax.base.errors import PromptError
 from oppo_jax.data.arith_task import ARITH_SOURCE, ArithRecords, ArithSpec
+from oppo_jax.data.word_problems import WORD_PROBLEMS_SOURCE, WordProblemRecords, WordProblemSpec
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
@@ -214,6 +215,8 @@ def open_source(spec: str, split: str | None = None):
     path = os.fspath(spec)
     if path == ARITH_SOURCE:
         return ArithRecords(ArithSpec(), split)
+    if path == WORD_PROBLEMS_SOURCE:
+        return WordProblemRecords(WordProblemSpec(), split)
     if os.path.isdir(path):
         return _saved_dataset(path, split)
     if os.path.isfile(path):

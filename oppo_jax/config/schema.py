@@ -30,7 +30,8 @@ class ModelConfig:
     # reward-model weights: a local Hugging Face directory | demo | random (as model.actor_path)
     reward_path: str = "demo"
     critic_init: str = "reward"  # checkpoint the critic's backbone starts from: reward | actor
-    # built-in architecture (tiny, small, qwen2.5-0.5b/3b/7b/32b) of random models and shape checks
+    # built-in architecture (tiny, small, qwen2.5-0.5b/1.5b/3b/7b/32b, qwen2.5-math-7b) of random
+    # models and shape checks
     preset: str | None = None
     dtype: str = "float32"  # activation dtype: float32 | bfloat16
     param_dtype: str = "float32"  # parameter dtype: float32 | bfloat16

@@ -121,6 +121,11 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, tie_word_embeddings=True,
         qkv_bias=True,
     ),
+    "qwen2.5-1.5b": ModelConfig(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+        num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
+        qkv_bias=True,
+    ),
     "qwen2.5-3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36,
         num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
@@ -129,6 +134,12 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-7b": ModelConfig(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, qkv_bias=True,
+    ),
+    # Qwen2.5-Math-7B: Qwen2.5-7B's layout, a 4K context and rotary base 10^4
+    "qwen2.5-math-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e4, qkv_bias=True,
+        max_position_embeddings=4096,
     ),
     "qwen2.5-32b": ModelConfig(
         vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,

@@ -37,8 +37,11 @@ takes a run's metrics.jsonl (stage sums only: a rougher fit). ``validate`` (``va
 checks the simulator against any bench.json on held-out steps. ``project`` builds a
 projection's settings from a config and the regime map (OPPO's speedup over PPO epochs ×
 median response length); ``group_map`` the regime map of a run of groups (intra, inter and
-oppo over Δ groups × median response length). Not modelled: varying prompt lengths (one width
-for all), memory limits, compilations (a bench step that compiles is an outlier the medians ignore).
+oppo over Δ groups × median response length). ``refill`` prices every row busy (issue 44: S
+rows refilled every ``refill_every`` tokens, shared prompt prefill, carry_kv, bounded
+staleness) and ``refill_report`` shows what each buys beside its bound. Not modelled: varying
+prompt lengths (one width for all), memory limits, compilations (a bench step that compiles is an
+outlier the medians ignore).
 """
 
 from oppo_jax.pipeline.events import Event

@@ -175,7 +175,7 @@ def _admit(run: _Run, led: _Ledger, step: int) -> None:
     prompts = new_groups if r.shared_prefill else started
     led.prompt_tokens += w.prompt_len * prompts
     _prefill(run, led, w.prompt_len * prompts, "admit", run.cost.n_scorers)
-    if r.shared_prefill and started:  # each row's copy of its prompt's KV: read and write
+    if r.shared_prefill and started and w.group_size > 1:  # each row copies the group's KV
         led.gen["admit"] += 2 * run.cost.decode_c * w.prompt_len * started
 
 
@@ -294,6 +294,8 @@ def _step(run: _Run, step: int) -> dict:
         },  # fmt: skip
         "decode_steps": led.steps,
         "decode_efficiency": led.real / max(led.steps * rows, 1),
+        "decode_tokens": led.real,
+        "decode_row_steps": led.steps * rows,
         "staleness": dict(sorted(stale.items())),
         "dropped_groups": dropped,
         "admitted_prompt_tokens": led.prompt_tokens,
@@ -332,7 +334,9 @@ def summary(records: list[dict], skip: int = 0) -> dict:
     return {
         "step_time_mean_s": float(np.mean([r["step_time_s"] for r in records])),
         "stage_time_mean_s": {k: v / n for k, v in stages.items()},
-        "decode_efficiency": float(np.mean([r["decode_efficiency"] for r in records])),
+        # tokens decoded over rows × decode steps, over the whole run
+        "decode_efficiency": sum(r["decode_tokens"] for r in records)
+        / max(sum(r["decode_row_steps"] for r in records), 1),
         "staleness": {k: stale[k] / total for k in sorted(stale)},
         "dropped_groups": int(sum(r["dropped_groups"] for r in records)),
     }

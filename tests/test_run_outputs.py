@@ -97,8 +97,10 @@ def test_progress_eta_leaves_compile_time_out(tmp_path):
     log = RunLog(tmp_path, total_steps=10, start_step=0, progress=True)
     start = log._bar.start_t
     log.write(_record(0, compile_time_s=40.0))  # a step that compiled for 40 s
+    log.flush()  # the writer thread has drawn it
     assert log._bar.start_t == start + 40.0  # its pace counts the running time only
     log.write(_record(1))
+    log.flush()
     assert log._bar.start_t == start + 40.0
     log.close()
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import shutil
+import threading
 from pathlib import Path
 
 import yaml
@@ -36,9 +38,25 @@ def _finite_or_null(value):
 
 
 class RunLog:
-    """Appends one JSON object per step and mirrors the numbers to TensorBoard and a bar."""
+    """Appends one JSON object per step and mirrors the numbers to TensorBoard and a bar.
 
-    def __init__(self, out_dir: Path, total_steps: int, start_step: int, progress: bool = True):
+    The caller's thread only snapshots a record (its JSON line, its scalars, the bar's fields);
+    a writer thread does the I/O, in order, off the step's critical path (7-13 ms a step on the
+    tiny GRPO run: BENCHMARKS.md, "Host work between steps"), each step's TensorBoard scalars
+    in one event. ``close`` (in the training
+    loop's ``finally``: the end, a preemption, a crash alike) writes every record handed over
+    before it returns; a write that failed is raised by the next ``write`` or by ``close``.
+    ``background=False`` writes on the caller's thread (the benchmark's "before").
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        total_steps: int,
+        start_step: int,
+        progress: bool = True,
+        background: bool = True,
+    ):
         self.path = out_dir / "metrics.jsonl"
         self._truncate_after(start_step)
         self._file = self.path.open("a")
@@ -53,6 +71,12 @@ class RunLog:
         self._bar = tqdm(
             total=total_steps, initial=start_step, disable=not progress, unit="step", smoothing=0
         )
+        self._error: BaseException | None = None
+        self._queue: queue.Queue | None = queue.Queue() if background else None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._drain, name="RunLog", daemon=True)
+            self._thread.start()
 
     def _truncate_after(self, step: int) -> None:
         """Keep only records of steps < ``step`` (a resume rewrites what came after)."""
@@ -68,28 +92,86 @@ class RunLog:
         tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
-        """Record one step (``record["step"]`` is required)."""
-        # NaN/Inf (a skipped update's losses) become null: metrics.jsonl stays strict JSON.
-        line = json.dumps(_finite_or_null(record), sort_keys=True, allow_nan=False)
+        """Record one step (``record["step"]`` is required), as it is now: a later change to
+        ``record`` changes nothing written."""
+        if self._error is not None:
+            raise self._error
+        entry = _snapshot(record)
+        if self._queue is None:
+            self._emit(entry)
+        else:
+            self._queue.put(entry)
+
+    def flush(self) -> None:
+        """Wait until every record handed to ``write`` is written."""
+        if self._queue is not None:
+            self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def _drain(self) -> None:
+        """The writer thread: entries in order until the ``None`` that ``close`` sends."""
+        while (entry := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    self._emit(entry)
+            except BaseException as e:  # kept for the caller's thread to raise
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _emit(self, entry: tuple) -> None:
+        """Write one snapshot: its line, its TensorBoard scalars, the bar."""
+        line, step, scalars, shown, compile_time_s = entry
         self._file.write(line + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for tag, value in _scalars(record):
-                if tag != "step" and math.isfinite(value):
-                    self._tb.add_scalar(tag, value, record["step"])
-        shown = {k: record[k] for k in _BAR_KEYS if isinstance(record.get(k), int | float)}
-        if record.get("update_skipped"):
-            shown["skipped"] = record.get("nonfinite_total", 1)
-        self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-        if record.get("compile_time_s") and hasattr(self._bar, "start_t"):
-            self._bar.start_t += record["compile_time_s"]  # ETAs exclude compile time
+        if self._tb is not None:  # the step's scalars in one event: 53 add_scalar calls took 3 ms
+            self._tb.file_writer.add_summary(_summary(scalars), step)
+        self._bar.set_postfix(shown, refresh=False)
+        if compile_time_s and hasattr(self._bar, "start_t"):
+            self._bar.start_t += compile_time_s  # ETAs exclude compile time
         self._bar.update(1)
 
     def close(self) -> None:
+        """Write what is still queued, then close the file, TensorBoard and the bar."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
         self._bar.close()
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._error is not None:
+            raise self._error
+
+
+def _summary(scalars: list[tuple[str, float]]):
+    """One TensorBoard summary holding each (tag, value) as ``add_scalar`` writes it (the
+    same cleaned tag, the same float32 value)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.summary import scalar
+
+    summary = Summary()
+    for tag, value in scalars:
+        summary.value.extend(scalar(tag, value).value)
+    return summary
+
+
+def _snapshot(record: dict) -> tuple:
+    """What ``RunLog`` writes of ``record``: (metrics.jsonl line, step, TensorBoard scalars,
+    the bar's fields, compile seconds). NaN/Inf (a skipped update's losses) become null in
+    the line, so metrics.jsonl stays strict JSON, and are left out of TensorBoard."""
+    line = json.dumps(_finite_or_null(record), sort_keys=True, allow_nan=False)
+    scalars = [
+        (tag, value) for tag, value in _scalars(record) if tag != "step" and math.isfinite(value)
+    ]
+    shown = {k: record[k] for k in _BAR_KEYS if isinstance(record.get(k), int | float)}
+    if record.get("update_skipped"):
+        shown["skipped"] = record.get("nonfinite_total", 1)
+    shown = {k: f"{v:.3g}" for k, v in shown.items()}
+    return line, record["step"], scalars, shown, record.get("compile_time_s")
 
 
 def read_metrics(path: Path) -> list[dict]:

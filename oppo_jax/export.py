@@ -12,6 +12,7 @@ from oppo_jax.config import load_config
 from oppo_jax.models import lora
 from oppo_jax.models.hf_export import export_hf
 from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.ppo.estimators import estimator
 from oppo_jax.run.checkpoint import RunCheckpointer, abstract_like, committed_steps
 from oppo_jax.run.setup import prepare_run
 
@@ -46,7 +47,7 @@ def export_run(
         )
     check_export_dir(out_dir, overwrite)
     cfg = load_config(run / "config.yaml")
-    if critic and not cfg.ppo.uses_critic:
+    if critic and not estimator(cfg.ppo).needs_critic:
         raise InputError(f"{run}: ppo.advantage={cfg.ppo.advantage} trains no critic to export")
     ctx, initial = prepare_run(cfg, progress=False)
     with RunCheckpointer(run / "checkpoints") as ckpt:

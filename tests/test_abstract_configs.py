@@ -7,6 +7,7 @@ import pytest
 
 from oppo_jax.config import CONFIG_DIR, load_config
 from oppo_jax.parallel.targets import Target, TargetError
+from oppo_jax.ppo.estimators import estimator
 from oppo_tools.abstract_checks import abstract_update_check, preset_models
 from oppo_tools.aot import default_target
 
@@ -32,7 +33,7 @@ def _check(cfg, devices=None):
     shards = cfg.mesh.fsdp * cfg.mesh.tensor  # parameters are replicated over "data"
     itemsize = 2 if cfg.model.param_dtype == "bfloat16" else 4
     for model, key in ((actor, "actor_bytes_per_device"), (critic, "critic_bytes_per_device")):
-        if key.startswith("critic") and not cfg.ppo.uses_critic:
+        if key.startswith("critic") and not estimator(cfg.ppo).needs_critic:
             assert result[key] == 0  # critic-free: no critic parameters anywhere
             continue
         ideal = model.num_params() * itemsize / shards

@@ -120,11 +120,6 @@ class PPOConfig:
     pack_width_factor: int = 1
 
     @property
-    def uses_critic(self) -> bool:
-        """GAE needs a critic; the group estimators are critic-free (no critic anywhere)."""
-        return self.advantage == "gae"
-
-    @property
     def uses_reference(self) -> bool:
         """A KL term (in the reward or the loss) reads the reference; with β = 0 it is never
         loaded or run."""

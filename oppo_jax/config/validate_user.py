@@ -84,7 +84,8 @@ def _reward_problems(cfg: Config) -> list[str]:
             "reward.model_weight=0 and reward.functions=[]: a run needs a reward model or at "
             "least one reward function"
         )
-    if rw.model_weight == 0 and cfg.model.critic_init == "reward" and cfg.ppo.uses_critic:
+    # gae: the one estimator with a critic (``ppo.estimators``, a higher layer)
+    if rw.model_weight == 0 and cfg.model.critic_init == "reward" and cfg.ppo.advantage == "gae":
         problems.append(
             "model.critic_init='reward': there is no reward model when reward.model_weight=0; "
             "set model.critic_init=actor"

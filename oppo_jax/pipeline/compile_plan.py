@@ -16,6 +16,7 @@ import dataclasses
 
 from oppo_jax.base.shapes import chunk_widths, compaction_floor, live_widths_pay
 from oppo_jax.pipeline.schedule import Schedule
+from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
 from oppo_jax.scoring.kept import kept_bucket
@@ -58,10 +59,12 @@ class RunShapes:
 
 def scorer_roles(cfg) -> tuple[str, ...]:
     """The models that score a run's tokens, in dispatch order: the reference when a KL term
-    reads it (``ppo.uses_reference``), the critic when GAE needs values (``ppo.uses_critic``),
+    reads it (``ppo.uses_reference``), the critic when the estimator needs one (GAE's values:
+    ``estimators.Estimator.needs_critic``),
     the reward model when its score weighs (reward.model_weight > 0). Example: GRPO with β = 0
     and reward functions only -> ()."""
-    present = (cfg.ppo.uses_reference, cfg.ppo.uses_critic, cfg.reward.model_weight > 0)
+    critic = estimator(cfg.ppo).needs_critic
+    present = (cfg.ppo.uses_reference, critic, cfg.reward.model_weight > 0)
     return tuple(role for role, on in zip(ROLES, present, strict=True) if on)
 
 

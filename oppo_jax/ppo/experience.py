@@ -1,6 +1,6 @@
-"""From scored rollouts to a PPOBatch: KL-penalised rewards, GAE and whitening (TRL's order),
-or, for a critic-free estimator (the GRPO family), each group's scores to advantages
-(``ppo.group_advantages``)."""
+"""From scored rollouts to a PPOBatch: KL-penalised rewards, then the advantages of the run's
+estimator (``ppo.estimators``: GAE and whitening in TRL's order, or, critic-free, each
+group's scores to advantages)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.config.schema import PPOConfig
-from oppo_jax.ppo.advantages import (
-    apply_missing_eos_penalty,
-    gae,
-    penalized_rewards,
-    whiten_advantages,
-    whiten_rewards,
-)
+from oppo_jax.ppo.advantages import apply_missing_eos_penalty, penalized_rewards
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.group_advantages import token_advantages
+from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.masked import masked_mean, masked_sum
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.admission import Admission
@@ -47,9 +41,10 @@ class ScoredRollout:
 def build_batch(
     ppo: PPOConfig, rollout: ScoredRollout, kl_coef: Float[Array, ""], group_size: int = 1
 ) -> tuple[PPOBatch, dict[str, Float[Array, ""]]]:
-    """gae: rewards with the KL penalty -> (optional reward whitening) -> GAE -> advantage
-    whitening. A group estimator: the score (less β·Σ_t KL_t when ``kl_in_reward``, as TRL's
-    RLOO) -> ``group_advantages.token_advantages`` over groups of ``group_size`` rows.
+    """Rewards with the KL penalty -> the ``ppo.advantage`` estimator's advantages and returns
+    (``estimators``): gae: (optional reward whitening) -> GAE -> advantage whitening; a group
+    estimator: the score (less β·Σ_t KL_t when ``kl_in_reward``, as TRL's RLOO) ->
+    ``group_advantages.token_advantages`` over groups of ``group_size`` rows.
 
     Returns the batch and rollout statistics: mean score, mean sequence KL (Σ_t KL_t,
     averaged over sequences), mean non-score reward, and the mean value.
@@ -60,17 +55,7 @@ def build_batch(
     rewards, kl = penalized_rewards(
         scores, old_logp, ref_logp, mask, kl_coef, ppo.kl_estimator, ppo.kl_in_reward
     )
-    if ppo.uses_critic:
-        if ppo.whiten_rewards:
-            rewards = whiten_rewards(rewards, mask)
-        advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
-        advantages = whiten_advantages(advantages, mask)
-    else:  # the per-token rewards summed: the score, less β·Σ_t KL_t when in the reward
-        sequence_reward = jnp.sum(rewards, axis=-1)
-        advantages = token_advantages(
-            sequence_reward, mask, group_size, ppo.advantage, ppo.scale_rewards
-        )
-        returns = jnp.zeros_like(advantages)
+    advantages, returns = estimator(ppo).advantages(ppo, rewards, values, mask, group_size)
     batch = PPOBatch(
         tokens=r.tokens,
         prompt_len=r.prompt_len,
@@ -122,7 +107,7 @@ def batch_from_rollout(
     ended_with_eos = (resp_len > 0) & jnp.isin(last[:, 0], jnp.asarray(rollout.eos_ids))
     in_prefix = jnp.arange(width)[None, :] < prefix_len[:, None]
     behaviour = jnp.where(in_prefix, take(admission.prefix_behaviour), logprobs)
-    zeros = jnp.zeros_like(logprobs)  # no critic (critic-free)
+    zeros = jnp.zeros_like(logprobs)  # no critic (a critic-free estimator)
     scored_rollout = ScoredRollout(
         tokens=tokens,
         prompt_len=prompt_len,

@@ -26,6 +26,7 @@ from oppo_jax.pipeline.host_state import sampling_key
 from oppo_jax.pipeline.kernels import Kernels, build_kernels
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.step import StepEngine
+from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import (
     TrainState,
@@ -265,7 +266,7 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
     actor, reward, actor_dir, prompts, gold_fn = _load_models(cfg, mesh, progress)
     critic_cfg = actor.config.replace(head="score", num_labels=1)
     critic_params = None  # a LoRA critic started from the actor sits on the actor's base
-    if not cfg.ppo.uses_critic:  # critic-free (the GRPO family): no critic is built
+    if not estimator(cfg.ppo).needs_critic:  # critic-free (the GRPO family): none is built
         pass
     elif cfg.model.critic_init == "reward":  # copied (trained) or shared (a LoRA base) below
         critic_cfg, critic_params = reward.config, reward.params

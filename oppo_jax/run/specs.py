@@ -10,6 +10,7 @@ from oppo_jax.config import Config, OptimConfig
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel import offload
 from oppo_jax.pipeline.placement import Placement
+from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.lengths import LengthSpec
@@ -26,8 +27,9 @@ def sampling_config(cfg: Config) -> SamplingConfig:
 def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig | None) -> UpdateSpec:
     """Static description of the PPO update for ``cfg`` (optimizers sized to the run, layers
     rematerialised as ``model.remat`` says: the rollout never differentiates, so only here;
-    LoRA adapters as ``model.lora_*`` say; trained weights in ``optim.master_dtype``); no
-    critic for a critic-free estimator."""
+    LoRA adapters as ``model.lora_*`` say; trained weights in ``optim.master_dtype``): the
+    models the ``ppo.advantage`` estimator trains, each with its optimizer (a critic-free
+    estimator: no critic)."""
     updates = cfg.train.steps * cfg.ppo.ppo_epochs * cfg.ppo.num_minibatches
     m = cfg.model
     # Trained weights are created (LoRA adapters, value heads) in the master dtype.
@@ -38,15 +40,17 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig | None) -> 
         lora_alpha=m.lora_alpha,
         lora_targets=tuple(m.lora_targets),
     )
+    given, trains = {"actor": actor, "critic": critic}, estimator(cfg.ppo).trained
+    lrs = {"actor": cfg.optim.actor_lr, "critic": cfg.optim.critic_lr}
+    models = {m: given[m].replace(**trained) for m in trains}
+    txs = {m: _optimizer(cfg.optim, lrs[m], updates) for m in trains}
     return UpdateSpec(
-        actor=actor.replace(**trained),
-        critic=critic.replace(**trained) if cfg.ppo.uses_critic else None,
+        actor=models["actor"],
+        critic=models.get("critic"),  # None: the estimator trains no critic
         ppo=cfg.ppo,
         temperature=cfg.rollout.temperature,
-        actor_tx=_optimizer(cfg.optim, cfg.optim.actor_lr, updates),
-        critic_tx=_optimizer(cfg.optim, cfg.optim.critic_lr, updates)
-        if cfg.ppo.uses_critic
-        else None,
+        actor_tx=txs["actor"],
+        critic_tx=txs.get("critic"),
     )
 
 

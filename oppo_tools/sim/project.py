@@ -315,8 +315,9 @@ def _config_values(cfg, spec: str) -> dict:
         "grad_accum": cfg.ppo.grad_accum_steps,
         "width_factor": getattr(cfg.ppo, "pack_width_factor", 1),
         "row_multiple": m.data * m.fsdp,  # the batch shards the packed rows split over
-        # GAE trains a critic beside the actor; the GRPO family is critic-free
-        "trained": ("actor", "critic") if cfg.ppo.uses_critic else ("actor",),
+        # the models the estimator trains (oppo_jax.ppo.estimators, which imports JAX: the
+        # simulator does not): GAE a critic beside the actor; the GRPO family is critic-free
+        "trained": ("actor", "critic") if cfg.ppo.advantage == "gae" else ("actor",),
         "reference": cfg.ppo.uses_reference,  # a KL term reads it (β > 0)
         "reward_model": cfg.reward.model_weight > 0,  # else reward functions on host threads
         "group_size": r.group_size,

@@ -1,7 +1,9 @@
 """The padded PPO update: every minibatch a row slice of the [B, P + R] batch, each
 microbatch run over its whole padded rows. The packed update (``oppo_jax.ppo.packed_update``,
-what runs) must equal it up to float summation order; it shares the optimizer step, the
-non-finite guards and the metrics (``oppo_jax.ppo.update``), so only the layout differs.
+what runs) must equal it up to float summation order: it shares the optimizer step's
+application, the non-finite guards and the metrics (``oppo_jax.ppo.update.apply_if_finite``);
+the gradients' accumulation over the microbatches is this oracle's own (the packed update's
+also skips empty chunks), so only the layout differs.
 """
 
 from __future__ import annotations
@@ -16,18 +18,17 @@ import numpy as np
 from oppo_jax.models import lora
 from oppo_jax.parallel.sharding import DEFAULT_RULES, ShardingRules, replicated
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.finite import all_finite
+from oppo_jax.ppo.finite import all_finite, nan_like
 from oppo_jax.ppo.losses import value_loss
 from oppo_jax.ppo.packing import host_lengths
 from oppo_jax.ppo.update import (
-    Losses,
     TrainState,
     UpdateLayout,
     UpdateSpec,
     actor_objective,
+    apply_if_finite,
     batch_shardings,
     finish_update,
-    optimizer_step,
     train_state_shardings,
 )
 from tests.oracles import critic_values, policy_logprobs
@@ -41,8 +42,9 @@ def actor_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef):
     return actor_objective(spec.ppo, logp, entropy, mb, kl_coef)
 
 
-def critic_loss(spec: UpdateSpec, params, mb: PPOBatch):
-    """vf_coef × clipped value loss on one microbatch; returns (loss, aux)."""
+def critic_loss(spec: UpdateSpec, params, mb: PPOBatch, kl_coef=None):
+    """vf_coef × clipped value loss on one microbatch; returns (loss, aux) (``kl_coef``
+    unused: both losses are called alike)."""
     values = critic_values(spec.critic, params, mb.tokens, mb.prompt_len, mb.response_len)
     vf, aux = value_loss(
         values, mb.old_values, mb.returns, mb.mask, spec.ppo.cliprange_value, spec.ppo.loss_agg
@@ -65,23 +67,53 @@ def _split(tree, parts: int, layout: UpdateLayout | None):
     return split if layout is None else layout.rows(split, axis=1)
 
 
-def padded_losses(spec: UpdateSpec, layout: UpdateLayout | None) -> Losses:
-    """Microbatches are row slices of the padded PPOBatch."""
-    return Losses(
-        prepare=(lambda mb: mb) if layout is None else layout.rows,
-        actor=functools.partial(actor_loss, spec),
-        critic=functools.partial(critic_loss, spec),
-    )
+LOSSES = {"actor": actor_loss, "critic": critic_loss}  # by trained model
+
+
+def _gradients(spec: UpdateSpec, layout, kl_coef, batch_ok, state: TrainState, parts):
+    """{model: gradients} of each trained model summed over the microbatches ``parts``
+    (leading axis A) and divided by A, and each one's loss metrics [A]; NaN, with no model
+    work, when not ``batch_ok``."""
+    losses = {m: functools.partial(LOSSES[m], spec) for m in spec.trained}
+    grad_fns = {
+        m: jax.grad(f, has_aux=True) for m, f in lora.over_frozen(losses, state.frozen).items()
+    }
+    params = {m: state.params(m) for m in spec.trained}
+    constrain = (lambda g: g) if layout is None else layout.like_params
+
+    def compute(part):
+        mb = part if layout is None else layout.rows(part)
+        grads, aux = {}, {}
+        for model, grad_fn in grad_fns.items():
+            grads[model], model_aux = grad_fn(params[model], mb, kl_coef)
+            aux |= model_aux
+        return constrain(grads), aux
+
+    def guarded(part):
+        return jax.lax.cond(batch_ok, compute, lambda _: nan_like(shapes), part)
+
+    shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
+    if jax.tree.leaves(parts)[0].shape[0] == 1:  # no accumulator: one parameter-sized buffer less
+        grads, aux = guarded(jax.tree.map(lambda x: x[0], parts))
+        return grads, jax.tree.map(lambda v: v[None], aux)
+
+    def micro(carry, part):
+        grads, aux = guarded(part)
+        return constrain(jax.tree.map(jnp.add, carry, grads)), aux
+
+    grads, aux = jax.lax.scan(micro, constrain(jax.tree.map(jnp.zeros_like, params)), parts)
+    return jax.tree.map(lambda g: g / spec.ppo.grad_accum_steps, grads), aux
 
 
 def _epochs(spec: UpdateSpec, layout, batch: PPOBatch, key, kl_coef, batch_ok, state):
     """Every optimizer step of one PPO step; metrics are stacked [epochs, minibatches]."""
     num_rows = batch.tokens.shape[0]
-    losses, accum = padded_losses(spec, layout), spec.ppo.grad_accum_steps
+    accum = spec.ppo.grad_accum_steps
 
     def step(state, minibatch):
         parts = _split(minibatch, accum, layout)
-        return optimizer_step(spec, losses, layout, kl_coef, batch_ok, state, parts)
+        grads, aux = _gradients(spec, layout, kl_coef, batch_ok, state, parts)
+        return apply_if_finite(spec, grads, aux, batch_ok, state)
 
     def epoch(state, epoch_key):
         perm = jax.random.permutation(epoch_key, num_rows)

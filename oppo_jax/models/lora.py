@@ -16,7 +16,6 @@ Dimension letters: D input width, F output width, r adapter rank, L layers.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -149,19 +148,17 @@ def merged(params: dict, cfg) -> dict:
     return walk(params)
 
 
-def over_frozen(losses, frozen: dict | None):
-    """``losses`` (a dataclass with ``actor`` and ``critic`` loss functions of the trained
-    parameters) with the frozen bases laid under those parameters; unchanged without LoRA. Only
-    the trained tree is differentiated."""
+def over_frozen(losses: dict, frozen: dict | None) -> dict:
+    """``losses`` ({model: loss function of its trained parameters, ...}) with each model's
+    frozen base laid under those parameters; unchanged without LoRA. Only the trained tree is
+    differentiated."""
     if frozen is None:
         return losses
 
-    def under(fn, role):  # a critic-free run has no critic base
-        return lambda params, *args: fn(combine(params, frozen.get(role)), *args)
+    def under(fn, model):
+        return lambda params, *args: fn(combine(params, frozen.get(model)), *args)
 
-    return dataclasses.replace(
-        losses, actor=under(losses.actor, "actor"), critic=under(losses.critic, "critic")
-    )
+    return {model: under(fn, model) for model, fn in losses.items()}
 
 
 def jit_keeping_frozen(fn, in_shardings=None, out_shardings=None, name: str = "inner"):

@@ -3,10 +3,11 @@ packed into rows and dealt to the gradient accumulation steps' chunks (``ppo.pac
 
 The minibatches and microbatches are those of the padded reference update (the host replays
 the update key's permutations; ``tests/padded_update.py``), with the same losses as weighted
-sums and the same accumulation and non-finite guard (``update.optimizer_step``; a chunk
-holding no sequence adds zeros without running the models): only the layout differs, so the
-results equal the padded update's up to float summation order. The LM head runs at the
-chunk's response slots only, in vocabulary blocks.
+sums, the same accumulation of each trained model's gradients (``UpdateSpec.trained``; a
+chunk holding no sequence adds zeros without running the models) and the same non-finite
+guard (``update.apply_if_finite``): only the layout differs, so the results equal the padded
+update's up to float summation order. The LM head runs at the chunk's response slots only,
+in vocabulary blocks.
 
 ``make_update`` builds it: ``update(state, batch, key, kl_coef, lengths=None)``, where
 ``lengths`` = (prompt_len, response_len) host arrays of the batch's rows (read from the batch
@@ -36,7 +37,7 @@ from oppo_jax.parallel.sharding import (
     to_host,
 )
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.finite import all_finite
+from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
 from oppo_jax.ppo.losses import value_loss
 from oppo_jax.ppo.packing import (
     PackedMicrobatch,
@@ -48,13 +49,12 @@ from oppo_jax.ppo.packing import (
     plan_packing,
 )
 from oppo_jax.ppo.update import (
-    Losses,
     UpdateLayout,
     UpdateSpec,
     actor_objective,
+    apply_if_finite,
     batch_shardings,
     finish_update,
-    optimizer_step,
     train_state_shardings,
 )
 
@@ -74,7 +74,8 @@ def _response_hidden(cfg, params, mb: PackedMicrobatch):
 
 
 def packed_actor_loss(spec: UpdateSpec, params, mb: PackedMicrobatch, kl_coef):
-    """``update.actor_loss`` on a packed chunk (its reductions weighted per token)."""
+    """The actor's loss (``update.actor_objective``) on a packed chunk (its reductions
+    weighted per token)."""
     hidden = _response_hidden(spec.actor, params, mb)
     logp, entropy = token_logprobs_and_entropy(
         spec.actor, params, hidden, mb.targets, spec.temperature, VOCAB_BLOCK
@@ -82,8 +83,11 @@ def packed_actor_loss(spec: UpdateSpec, params, mb: PackedMicrobatch, kl_coef):
     return actor_objective(spec.ppo, logp, entropy, mb, kl_coef, mb.weights)
 
 
-def packed_critic_loss(spec: UpdateSpec, params, mb: PackedMicrobatch):
-    """``update.critic_loss`` on a packed chunk (its reductions weighted per token)."""
+def packed_critic_loss(spec: UpdateSpec, params, mb: PackedMicrobatch, kl_coef=None):
+    """vf_coef × the clipped value loss on a packed chunk (its reductions weighted per token);
+    ``kl_coef`` is unused (the critic's loss has no KL term), so both losses are called
+    alike."""
+    del kl_coef
     hidden = _response_hidden(spec.critic, params, mb)
     values = apply_head(spec.critic, params, hidden)[..., 0].astype(jnp.float32)
     ppo = spec.ppo
@@ -99,6 +103,57 @@ def packed_critic_loss(spec: UpdateSpec, params, mb: PackedMicrobatch):
     return ppo.vf_coef * vf, {"value_loss": vf, **aux}
 
 
+LOSSES = {"actor": packed_actor_loss, "critic": packed_critic_loss}  # by trained model
+
+
+def _gradients(spec: UpdateSpec, prepare, layout, kl_coef, batch_ok, state, parts):
+    """{model: gradients} of each trained model summed over the chunks ``parts`` (leading axis
+    K) and divided by ``grad_accum_steps``, and each chunk's loss metrics [K]; NaN, with no
+    model work at all, when not ``batch_ok``; zeros, without running the models, for a chunk
+    the minibatch's rows did not reach (``PackIndices.used``)."""
+    # Differentiate the trained trees only (LoRA: the adapters over the frozen bases).
+    losses = {m: functools.partial(LOSSES[m], spec) for m in spec.trained}
+    grad_fns = {
+        m: jax.grad(f, has_aux=True) for m, f in lora.over_frozen(losses, state.frozen).items()
+    }
+    params = {m: state.params(m) for m in spec.trained}
+    constrain = (lambda g: g) if layout is None else layout.like_params
+
+    def compute(idx: PackIndices):
+        mb, grads, aux = prepare(idx), {}, {}
+        for model, grad_fn in grad_fns.items():
+            grads[model], model_aux = grad_fn(params[model], mb, kl_coef)
+            aux |= model_aux
+        return constrain(grads), aux
+
+    def guarded(idx: PackIndices):
+        # NaN for a non-finite batch, zeros for an empty chunk, else the models
+        branch = jnp.where(batch_ok, jnp.where(idx.used, 2, 1), 0)
+        branches = (lambda _: nan_like(shapes), lambda _: zeros_like(shapes), compute)
+        return jax.lax.switch(branch, branches, idx)
+
+    # A divides the sum, whatever the chunks (K >= A); one chunk means A = 1.
+    steps = spec.ppo.grad_accum_steps
+    shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
+    if jax.tree.leaves(parts)[0].shape[0] == 1:  # no accumulator: one parameter-sized buffer less
+        grads, aux = guarded(jax.tree.map(lambda x: x[0], parts))
+        return grads, jax.tree.map(lambda v: v[None], aux)
+
+    def micro(carry, idx):
+        grads, aux = guarded(idx)
+        return constrain(jax.tree.map(jnp.add, carry, grads)), aux
+
+    zeros = constrain(jax.tree.map(jnp.zeros_like, params))
+    grads, aux = jax.lax.scan(micro, zeros, parts)
+    return jax.tree.map(lambda g: g / steps, grads), aux
+
+
+def _optimizer_step(spec: UpdateSpec, prepare, layout, kl_coef, batch_ok, state, parts):
+    """One optimizer step over one minibatch's chunks ``parts`` (``update.apply_if_finite``)."""
+    grads, aux = _gradients(spec, prepare, layout, kl_coef, batch_ok, state, parts)
+    return apply_if_finite(spec, grads, aux, batch_ok, state)
+
+
 def ppo_update_packed(
     spec: UpdateSpec,
     state,
@@ -112,7 +167,7 @@ def ppo_update_packed(
     returns the new state and mean metrics. Non-finite values skip work, never apply it: a
     NaN/Inf anywhere in the batch skips every optimizer step (``nonfinite_batch``), a
     non-finite loss, metric or gradient skips that step (``nonfinite_update``), and
-    ``skipped_steps`` counts them (``update.optimizer_step``, ``update.finish_update``)."""
+    ``skipped_steps`` counts them (``update.apply_if_finite``, ``update.finish_update``)."""
     minibatch = batch.tokens.shape[0] // spec.ppo.num_minibatches  # sequences per minibatch
 
     def prepare(idx: PackIndices) -> PackedMicrobatch:
@@ -124,16 +179,10 @@ def ppo_update_packed(
             mb = mb.replace(weights=seqs)
         return mb if layout is None else layout.rows(mb)
 
-    losses = Losses(
-        prepare=prepare,
-        actor=functools.partial(packed_actor_loss, spec),
-        critic=functools.partial(packed_critic_loss, spec),
-        runs=lambda idx: idx.used,  # a chunk the minibatch's rows did not reach does not run
-    )
     context = contextlib.nullcontext() if layout is None else layout.tracing()
     with context:
         batch_ok = all_finite(batch)
-        step = functools.partial(optimizer_step, spec, losses, layout, kl_coef, batch_ok)
+        step = functools.partial(_optimizer_step, spec, prepare, layout, kl_coef, batch_ok)
         new_state, stacked = jax.lax.scan(
             lambda s, epoch_plan: jax.lax.scan(step, s, epoch_plan), state, plan
         )

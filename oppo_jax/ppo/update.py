@@ -1,7 +1,9 @@
 """The PPO update's parts: ``ppo_epochs × num_minibatches`` optimizer steps (the packed update,
-``ppo.packed_update``, scans them over its packed chunks).
+``ppo.packed_update``, scans them over its packed chunks and computes their gradients).
 
-The actor and the critic are separate models with separate optimizers. The actor minimises
+The trained models (``UpdateSpec.trained``: the actor, and the critic where the advantage
+estimator needs one, ``ppo.estimators``) are separate models with separate optimizers. The
+actor minimises
     pg_loss − entropy_coef · entropy (+ β · KL to the reference, when the KL is not in the reward)
 and the critic minimises vf_coef · vf_loss, which is TRL's ``pg + vf_coef · vf`` split by model.
 A critic-free estimator (the GRPO family) has no critic: ``UpdateSpec.critic`` is None, and so
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -46,7 +47,7 @@ from oppo_jax.parallel.sharding import (
 )
 from oppo_jax.ppo.advantages import kl_estimate
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
+from oppo_jax.ppo.finite import all_finite
 from oppo_jax.ppo.losses import aggregate, policy_loss, sequence_policy_loss
 
 
@@ -64,6 +65,14 @@ class TrainState:
     frozen: dict | None = None
 
     __no_type_check__ = True  # rebuilt with sharding leaves by tree maps
+
+    def params(self, model: str) -> dict | None:
+        """The trained parameters of ``model`` ("actor" or "critic")."""
+        return getattr(self, f"{model}_params")
+
+    def opt(self, model: str) -> optax.OptState | None:
+        """The optimizer state of ``model`` ("actor" or "critic")."""
+        return getattr(self, f"{model}_opt")
 
     @property
     def actor_model_params(self) -> dict:
@@ -84,11 +93,21 @@ class UpdateSpec:
     """Static description of the update: models, hyper-parameters and optimizers."""
 
     actor: ModelConfig
-    critic: ModelConfig | None  # None: critic-free (``PPOConfig.uses_critic``)
+    critic: ModelConfig | None  # None: critic-free (``estimators.Estimator.needs_critic``)
     ppo: PPOConfig
     temperature: float
     actor_tx: optax.GradientTransformation
     critic_tx: optax.GradientTransformation | None
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The models the update trains, in update order: the actor, and the critic where
+        the spec has one (``run.specs.update_spec``: where the estimator needs one)."""
+        return ("actor",) if self.critic is None else ("actor", "critic")
+
+    def tx(self, model: str) -> optax.GradientTransformation:
+        """The optimizer of ``model`` ("actor" or "critic")."""
+        return getattr(self, f"{model}_tx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +138,21 @@ class UpdateLayout:
 
         return jax.tree.map(one, tree)
 
-    def like_params(self, grads):
-        """(actor, critic) gradient trees laid out like the parameters they belong to."""
-        targets = (self.state.actor_params, self.state.critic_params)
+    def like_params(self, grads: dict):
+        """{model: gradients} laid out like the parameters they belong to."""
+        targets = {model: self.state.params(model) for model in grads}
         return jax.lax.with_sharding_constraint(grads, targets)
 
 
 def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainState:
-    """Fresh optimizer states for the given parameters (follows their shardings under jit)."""
+    """Fresh optimizer states for the given parameters (follows their shardings under jit);
+    a model the spec does not train has none."""
+    params = {"actor": actor_params, "critic": critic_params}
+    opts = {"critic_opt": None} | {f"{m}_opt": spec.tx(m).init(params[m]) for m in spec.trained}
     return TrainState(
         actor_params=actor_params,
         critic_params=critic_params,
-        actor_opt=spec.actor_tx.init(actor_params),
-        critic_opt=None if spec.critic is None else spec.critic_tx.init(critic_params),
+        **opts,
         step=jnp.zeros((), jnp.int32),
     )
 
@@ -168,88 +189,26 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
     return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
 
 
-@dataclasses.dataclass(frozen=True)
-class Losses:
-    """What one microbatch costs each model: the padded update's losses, or the packed
-    update's (``oppo_jax.ppo.packed_update``). ``prepare`` turns a microbatch's scanned inputs
-    into what the losses read (under the layout's constraints)."""
-
-    prepare: Callable  # (microbatch inputs) -> microbatch
-    actor: Callable  # (params, microbatch, kl_coef) -> (loss, aux)
-    critic: Callable  # (params, microbatch) -> (loss, aux)
-    # (microbatch inputs) -> bool: whether it holds any token; one that holds none adds zero
-    # gradients and metrics without running the models (None: every microbatch runs)
-    runs: Callable | None = None
+def _apply(spec: UpdateSpec, grads: dict, state: TrainState) -> TrainState:
+    """One optimizer update of each trained model."""
+    for model in spec.trained:
+        params = state.params(model)
+        updates, opt = spec.tx(model).update(grads[model], state.opt(model), params)
+        new = {f"{model}_params": optax.apply_updates(params, updates), f"{model}_opt": opt}
+        state = state.replace(**new)
+    return state
 
 
-def _gradients(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, params, parts):
-    """(actor, critic) gradients summed over ``parts`` (leading axis: the microbatches, or the
-    packed update's chunks) and divided by ``grad_accum_steps``, and each part's loss metrics
-    [parts]; NaN, with no model work at all, when not ``batch_ok``."""
-    actor_grad_fn = jax.grad(losses.actor, has_aux=True)
-    critic_grad_fn = jax.grad(losses.critic, has_aux=True)
-    constrain = (lambda g: g) if layout is None else layout.like_params
-
-    def compute(part):
-        mb = losses.prepare(part)
-        g_actor, a_aux = actor_grad_fn(params[0], mb, kl_coef)
-        if spec.critic is None:  # critic-free: nothing to differentiate
-            return constrain((g_actor, None)), a_aux
-        g_critic, c_aux = critic_grad_fn(params[1], mb)
-        return constrain((g_actor, g_critic)), {**a_aux, **c_aux}
-
-    def guarded(mb):
-        if losses.runs is None:
-            return jax.lax.cond(batch_ok, compute, lambda _: nan_like(shapes), mb)
-        # NaN for a non-finite batch (as above), zeros for an empty chunk, else the models
-        branch = jnp.where(batch_ok, jnp.where(losses.runs(mb), 2, 1), 0)
-        branches = (lambda _: nan_like(shapes), lambda _: zeros_like(shapes), compute)
-        return jax.lax.switch(branch, branches, mb)
-
-    # A divides the sum, whatever the parts (packed: K >= A chunks); one part means A = 1.
-    steps = spec.ppo.grad_accum_steps
-    shapes = jax.eval_shape(compute, jax.tree.map(lambda x: x[0], parts))
-    if jax.tree.leaves(parts)[0].shape[0] == 1:  # no accumulator: one parameter-sized buffer less
-        grads, aux = guarded(jax.tree.map(lambda x: x[0], parts))
-        return grads, jax.tree.map(lambda v: v[None], aux)
-
-    def micro(carry, mb):
-        grads, aux = guarded(mb)
-        return constrain(jax.tree.map(jnp.add, carry, grads)), aux
-
-    zeros = constrain(jax.tree.map(jnp.zeros_like, params))
-    grads, aux = jax.lax.scan(micro, zeros, parts)
-    return jax.tree.map(lambda g: g / steps, grads), aux
-
-
-def _apply(spec: UpdateSpec, grads, state: TrainState) -> TrainState:
-    """One optimizer update of the actor and one of the critic."""
-    g_actor, g_critic = grads
-    a_updates, actor_opt = spec.actor_tx.update(g_actor, state.actor_opt, state.actor_params)
-    state = state.replace(
-        actor_params=optax.apply_updates(state.actor_params, a_updates), actor_opt=actor_opt
-    )
-    if spec.critic is None:
-        return state
-    c_updates, critic_opt = spec.critic_tx.update(g_critic, state.critic_opt, state.critic_params)
-    return state.replace(
-        critic_params=optax.apply_updates(state.critic_params, c_updates), critic_opt=critic_opt
-    )
-
-
-def optimizer_step(spec: UpdateSpec, losses: Losses, layout, kl_coef, batch_ok, state, parts):
-    """Average gradients over the microbatches ``parts``, then apply one actor and one critic
-    update, or neither when the batch, a loss, a metric or a gradient is not finite
-    (``applied``)."""
-    params = (state.actor_params, state.critic_params)
-    losses = lora.over_frozen(losses, state.frozen)  # differentiate the trained tree only
-    grads, aux = _gradients(spec, losses, layout, kl_coef, batch_ok, params, parts)
+def apply_if_finite(spec: UpdateSpec, grads: dict, aux: dict, batch_ok, state: TrainState):
+    """One optimizer step from {model: gradients} averaged over the microbatches and their
+    loss metrics ``aux`` [parts]: each trained model updated, or none when the batch, a loss,
+    a metric or a gradient is not finite (``applied``). Returns the state and the step's
+    metrics."""
     # Each part's metrics are its share of the mean over A microbatches (as the gradients).
     metrics = jax.tree.map(lambda v: jnp.sum(v) / spec.ppo.grad_accum_steps, aux)
     # A NaN/Inf gradient makes its global norm non-finite, so these checks cover the gradients.
-    metrics["actor_grad_norm"] = optax.tree.norm(grads[0])
-    if spec.critic is not None:
-        metrics["critic_grad_norm"] = optax.tree.norm(grads[1])
+    for model in spec.trained:
+        metrics[f"{model}_grad_norm"] = optax.tree.norm(grads[model])
     ok = batch_ok & all_finite(metrics)
     # A cond, as in optax.apply_if_finite: XLA then updates the carried (donated) state in
     # place. A select between old and new state kept the new moments as extra temporaries.
@@ -293,13 +252,18 @@ def train_state_shardings(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT
         opt_sh = offload.resting_shardings(tx, opt_sh)  # optim.offload: in host memory
         return params_sh, opt_sh, frozen_sh
 
-    actor_sh, actor_opt_sh, actor_frozen = model_and_opt(spec.actor, spec.actor_tx)
-    critic_sh = critic_opt_sh = critic_frozen = None  # critic-free: no critic at all
-    if spec.critic is not None:
-        critic_sh, critic_opt_sh, critic_frozen = model_and_opt(spec.critic, spec.critic_tx)
-    bases = {"actor": actor_frozen, "critic": critic_frozen}
-    frozen = None if actor_frozen is None else {k: v for k, v in bases.items() if v is not None}
-    return TrainState(actor_sh, critic_sh, actor_opt_sh, critic_opt_sh, step=repl, frozen=frozen)
+    # A model the spec does not train (critic-free: the critic) has no shardings at all.
+    laid = {m: model_and_opt(getattr(spec, m), spec.tx(m)) for m in spec.trained}
+    params, opts, bases = ({m: parts[i] for m, parts in laid.items()} for i in range(3))
+    frozen = None if bases["actor"] is None else {m: b for m, b in bases.items() if b is not None}
+    return TrainState(
+        params["actor"],
+        params.get("critic"),
+        opts["actor"],
+        opts.get("critic"),
+        step=repl,
+        frozen=frozen,
+    )
 
 
 def batch_shardings(mesh, rules: ShardingRules = DEFAULT_RULES) -> PPOBatch:

@@ -149,7 +149,7 @@ def _run(cfg: Config, out: Path, ckpt_dir: Path, resume, progress, warmup, stop)
         warmup = os.environ.get(WARMUP_ENV, "on").strip().lower() != "off"
     if warmup and host.step < cfg.train.steps:
         stop.before_start = "the warm-up, which compiles the run's programs"
-        report, train_state = warm_up(ctx, schedule, host, train_state, progress)
+        report, ctx = warm_up(ctx, schedule, host, train_state, progress)
         (out / "warmup.json").write_text(json.dumps(report, indent=2))
     stop.before_start = None  # from here a signal lets the step in flight finish, then saves
     log = RunLog(out, cfg.train.steps, host.step, progress)

@@ -27,7 +27,7 @@ from oppo_jax.ppo.update import train_state_shardings
 from oppo_jax.run.specs import rollout_spec, update_spec
 from oppo_jax.run.trained_params import abstract_train_state
 from oppo_tools.abstract_checks import preset_models
-from oppo_tools.memory.abstract import abstract_tree, shape_checks_off
+from oppo_tools.memory.abstract import abstract_tree
 
 # Where a shipped config's name says which hardware it is for, the target it compiles for
 # by default (its mesh then picks the topology): "gh200" before "h200", which it contains.
@@ -112,12 +112,9 @@ def build_registry(cfg: Config, target: Target, schedule: Schedule, progress: bo
                 file=sys.stderr,
                 flush=True,
             )
-        program = compile_program(family, shape, role, fn, args, target.compile_options)
-        registry.programs.append(program)
-        return program
+        return compile_program(family, shape, role, fn, args, target.compile_options)
 
-    with shape_checks_off():  # the typed dataclasses hold ShapeDtypeStructs here
-        walk_programs(run, registry_build(compile_one))
+    walk_programs(run, registry_build(registry, compile_one))
     return registry, run
 
 

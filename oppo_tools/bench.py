@@ -143,6 +143,11 @@ def run_bench(
     lanes, timeline = _lanes(cfg, ctx, state, seeds), Timeline()
     if precompile:  # every shape of every schedule (one seed's lanes): ``train``'s warm-up
         _warm_up(lanes[: len(SCHEDULES)], progress)
+        for i, lane in enumerate(lanes[len(SCHEDULES) :]):  # other seeds: the same programs
+            registry = lanes[i % len(SCHEDULES)].ctx.kernels.registry
+            kernels = dataclasses.replace(lane.ctx.kernels, registry=registry)
+            engine = dataclasses.replace(lane.ctx.engine, kernels=kernels)
+            lane.ctx = dataclasses.replace(lane.ctx, engine=engine)
     compiles = warm.CompileCounter()
     bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
     for step in range(warmup + steps):
@@ -174,7 +179,7 @@ def _warm_up(lanes: list, progress: bool) -> None:
             print(
                 f"warm-up of {lane.schedule.name} ({i}/{len(lanes)}):", file=sys.stderr, flush=True
             )
-        _, lane.state = warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
+        _, lane.ctx = warm.warm_up(lane.ctx, lane.schedule, lane.host, lane.state, progress)
 
 
 def check_counts(steps: int, seeds: int, warmup: int) -> None:

@@ -80,13 +80,13 @@ def test_each_warm_up_bar_is_labelled_with_its_schedule(monkeypatch, capsys):
     def warm_up(ctx, schedule, host, state, progress):
         print("warm-up (compiling): 100%", file=sys.stderr)  # the bar
         seen.append(schedule.name)
-        return {}, state + 1
+        return {}, ctx + 1  # the context with its registry
 
     monkeypatch.setattr(bench.warm, "warm_up", warm_up)
-    lanes = [SimpleNamespace(schedule=s, ctx=None, host=None, state=0) for s in SCHEDULES.values()]
+    lanes = [SimpleNamespace(schedule=s, ctx=0, host=None, state=None) for s in SCHEDULES.values()]
     bench._warm_up(lanes, progress=True)
     err = capsys.readouterr().err.splitlines()
     assert err[0::2] == [f"warm-up of {n} ({i}/4):" for i, n in enumerate(seen, 1)]
-    assert seen == ["sync", "intra", "inter", "oppo"] and [ln.state for ln in lanes] == [1] * 4
+    assert seen == ["sync", "intra", "inter", "oppo"] and [ln.ctx for ln in lanes] == [1] * 4
     bench._warm_up(lanes, progress=False)
     assert capsys.readouterr().err.count("warm-up of") == 0

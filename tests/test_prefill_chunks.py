@@ -10,12 +10,12 @@ from oppo_jax.models import init_params
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel.sharding import make_mesh
+from oppo_jax.pipeline.program_walk import shape_checks_off
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig, prefill_chunks
 from oppo_jax.rollout.admission import prefill_hidden, prompt_prefill
 from oppo_jax.rollout.prefill_chunks import chunked_prefill, prefill_chunk
 from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
-from oppo_tools.memory.abstract import shape_checks_off
 from tests.oracles import prefill_and_start, scan_decode
 from tests.ppo_fixtures import ACTOR, CRITIC
 from tests.test_replay_admission import EOS, P, R, _assert_caches_close, _slots

@@ -183,3 +183,44 @@ def test_the_warmup_bar_names_a_chunk_without_a_width_by_what_it_reads():
 
     assert _chunk_label(16, None) == "chunk 16, whole cache"
     assert _chunk_label(16, 128) == "chunk 16 width 128"
+
+
+@pytest.mark.slow  # one warm-up of a GRPO run (~20-40 s)
+def test_the_warmup_is_the_registry_and_an_unplanned_shape_raises(demo_cache):
+    """The warm-up builds the registry from the plan (no throwaway step: the train state is
+    read for its shapes only), the step's kernels are asked for through it, and a kernel at a
+    shape the plan did not list raises, naming the family and the shape."""
+    from oppo_jax.pipeline.host_state import HostState
+    from oppo_jax.pipeline.registry import UnplannedProgram
+    from oppo_jax.pipeline.schedule import Schedule
+    from oppo_jax.pipeline.warmup import warm_up
+    from oppo_jax.run.setup import prepare_run
+
+    cfg = small_demo_config("pipeline.mode=intra", "ppo.advantage=grpo", "rollout.group_size=4")
+    ctx, state = prepare_run(cfg, progress=False)
+    schedule = Schedule.named("intra")
+    host = HostState.fresh(cfg, schedule, ctx.prompt_iterator())
+    before = jax.tree.map(lambda x: x.copy(), state)
+    report, warmed = warm_up(ctx, schedule, host, state, progress=False)
+    registry = warmed.kernels.registry
+    assert ctx.kernels.registry is None and registry is not None
+    planned = {f.name: f.programs for f in plan_programs(run_shapes(cfg, schedule))}
+    by_family = {f: len(p) for f, p in registry.by_family().items()}
+    assert by_family == planned  # the registry is the plan, program for program
+    assert len(report["programs"]) == sum(planned.values())
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), before, state)))
+    k, chunk = warmed.kernels, cfg.pipeline.chunk_size
+    k.decode(chunk)  # a planned chunk size: its kernel
+    unplanned = _Tokens((8, 3))  # a chunk size of 3 tokens: in no plan here
+    with pytest.raises(UnplannedProgram, match=r"decode program at shape \(8, 3, \d+\)"):
+        k.decode(3)(None, unplanned, None)  # raised before anything is dispatched
+    role = k.scorer_specs.present()[0]
+    with pytest.raises(UnplannedProgram, match=rf"streamed scoring .* \(3, \d+\) for {role}"):
+        k.scorer_chunk(role)(None, None, unplanned)
+
+
+class _Tokens:
+    """A decode state or chunk as far as a registry lookup reads it: its tokens' shape."""
+
+    def __init__(self, shape):
+        self.tokens = jax.ShapeDtypeStruct(shape, "int32")

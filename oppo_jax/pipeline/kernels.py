@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +138,20 @@ class Kernels:
     # None: the backend's default (slot_map.compaction_default: on for the CPU)
     compact_slots: bool | None = None
     compact_min_slots: int = 1  # smallest bucket compaction moves into (runs: the config's)
+    # the run's programs once compiled (``pipeline.registry.Registry``, the warm-up's): a
+    # kernel asked for at a shape the registry does not hold raises ``UnplannedProgram``;
+    # None (no warm-up): a kernel compiles when it first meets a shape
+    registry: Any = None
+
+    def planned(self, family: str, shape: tuple, role: str = "actor") -> None:
+        """Raise ``UnplannedProgram`` if the registry holds no ``family`` program at ``shape``
+        for ``role`` (nothing to check without a registry)."""
+        if self.registry is not None:
+            self.registry.program(family, shape, role)
+
+    def _width(self, kv_width: int | None) -> int:
+        r = self.rollout
+        return r.prompt_width + r.max_response_len if kv_width is None else kv_width
 
     @property
     def packs_chunks(self) -> bool:
@@ -169,13 +184,33 @@ class Kernels:
     def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk]):
         """The actor's admission (``admit_actor``): (DecodeState, marker); ``replay`` is the
         plan of the admission's carried prefixes (``()`` for new prompts only)."""
+        self.planned("admission prefill", ("prompts",))
+        for chunk in replay:
+            self.planned("replay", (chunk.tokens.shape[0], chunk.kv_width))
+        self.planned("decode start", ("slots",))
         return admit_actor(self.actor_spec, self.rollout, params, admission, base_key, replay)
+
+    def replay(self, role: str, params, state, replay: Sequence[ReplayChunk]):
+        """``feed_replay`` of scorer ``role``: (state with ``replay`` fed, marker or None)."""
+        for chunk in replay:
+            self.planned("replay", (chunk.tokens.shape[0], chunk.kv_width), role)
+        return feed_replay(getattr(self.scorer_specs, role), params, state, replay)
 
     def decode(self, chunk_size: int, kv_width: int | None = None) -> Callable:
         """(params, state, cut rule) -> (state, ChunkTokens) for this chunk size, reading the
-        first ``kv_width`` cache columns (None: all)."""
+        first ``kv_width`` cache columns (None: all), over the state's slots (the admission's,
+        or a compacted bucket: the registry holds a program per bucket)."""
         r = self.rollout
-        return make_decode_chunk(self.spec.actor, r.sampling, chunk_size, r.mesh, kv_width)
+        jitted = make_decode_chunk(self.spec.actor, r.sampling, chunk_size, r.mesh, kv_width)
+        if self.registry is None:
+            return jitted
+        width = self._width(kv_width)
+
+        def decode(params, state, rule):
+            self.planned("decode", (state.tokens.shape[0], chunk_size, width))
+            return jitted(params, state, rule)
+
+        return decode
 
     def chunk_width(self, longest_context: int, chunk_size: int, chunks_before: int) -> int | None:
         """The live width for the chunk after ``chunks_before`` others of ``chunk_size``
@@ -206,6 +241,7 @@ class Kernels:
     def scorer_admit(self, role: str) -> Callable:
         """(params, admission) -> (ScorerState, marker): one role's prefill of the admission's
         prompts (``prompts_only``: one program whatever the admission's context width)."""
+        self.planned("admission prefill", ("prompts",), role)
         width = self.rollout.prompt_width
         jitted = make_scorer_admit(getattr(self.scorer_specs, role), width)
         return lambda params, admission: jitted(params, prompts_only(admission, width))
@@ -216,7 +252,16 @@ class Kernels:
         ``packed_chunks.plan_chunk`` plan packs where the scorers pack (``packs_chunks``),
         else over every slot."""
         spec = getattr(self.scorer_specs, role)
-        return make_scorer_chunk(spec, kv_width, self.packs_chunks)
+        jitted = make_scorer_chunk(spec, kv_width, self.packs_chunks)
+        if self.registry is None:
+            return jitted
+        width = self._width(kv_width)
+
+        def score(params, state, chunk, *plan):
+            self.planned("streamed scoring", (chunk.tokens.shape[1], width), role)
+            return jitted(params, state, chunk, *plan)
+
+        return score
 
     @functools.cached_property
     def responses(self) -> Callable:
@@ -227,6 +272,7 @@ class Kernels:
     @property
     def experience(self) -> Callable:
         """(decode state, rows, admission, scorer outputs, kl_coef) -> (PPOBatch, stats)."""
+        self.planned("experience", ("batch",))
         return make_experience(self.spec, self.rollout)
 
 

@@ -13,12 +13,14 @@ host's arrays do, uncommitted (no sharding).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -31,7 +33,7 @@ from oppo_jax.pipeline.kernels import (
     make_scorer_admit,
 )
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.registry import abstract_like
+from oppo_jax.pipeline.registry import Registry, abstract_like
 from oppo_jax.pipeline.scoring_kernels import make_packed_scorer
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
@@ -73,10 +75,11 @@ def host_array(array) -> jax.ShapeDtypeStruct:
     return sds(array.shape, array.dtype)
 
 
-def _admission(slots: int, prompt: int, response: int) -> Admission:
-    """The step's admission as the host hands it over (``step.device_admission``)."""
+def _admission(slots: int, prompt: int, response: int, carry: bool) -> Admission:
+    """The step's admission as the host hands it over (``step.device_admission``): its
+    context P wide, P + R with room for carried prefixes (``carry.admit``)."""
     i32, flag = sds((slots,), jnp.int32), sds((slots,), jnp.bool_)
-    context = sds((slots, prompt + response), jnp.int32)
+    context = sds((slots, prompt + (response if carry else 0)), jnp.int32)
     behaviour = sds((slots, response), jnp.float32)
     return Admission(context, i32, i32, flag, behaviour, i32, i32, flag, flag)
 
@@ -91,11 +94,28 @@ def _replicated_on(mesh, tree):
     return jax.tree.map(lambda x: sds(x.shape, x.dtype, NamedSharding(mesh, PartitionSpec())), tree)
 
 
+@contextlib.contextmanager
+def shape_checks_off():
+    """Runtime shape checks (jaxtyping's, on in the tests) reject ShapeDtypeStruct leaves in
+    the rollout's typed dataclasses; the abstract inputs are built and lowered without them."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
 def walk_programs(run: AbstractRun, build: Build) -> None:
     """Lower every program of ``run``'s compile plan through ``build``, in a step's order."""
+    with shape_checks_off():  # the typed dataclasses hold ShapeDtypeStructs here
+        _walk(run, build)
+
+
+def _walk(run: AbstractRun, build: Build) -> None:
     k, s = run.kernels, run.shapes
     planned = {f.name: f.shapes for f in plan_programs(s)}
-    admission = _admission(s.slots, s.prompt_width, s.response_len)
+    admission = _admission(s.slots, s.prompt_width, s.response_len, s.carry)
     decoding = _actor_admission(run, build, admission, planned.get("replay", ()))
     chunks = _decode(run, build, admission, decoding, planned["decode"])
     if s.stream:
@@ -244,17 +264,20 @@ def _update(run: AbstractRun, build: Build, batch, shape) -> None:
     build("update", (shape,), "actor", update.jitted, args)
 
 
-def registry_build(compile_one: Callable) -> Build:
+def registry_build(registry: Registry, compile_one: Callable) -> Build:
     """A ``Build`` that compiles each program once (``compile_one(family, shape, role, fn,
-    args)`` -> Program) and hands its abstract outputs on. A program asked for twice with
-    the same function and arguments (the reference served by the actor's own programs) is
-    compiled once."""
+    args)`` -> Program) into ``registry`` and hands its abstract outputs on. A program asked
+    for twice with the same function and arguments (the reference served by the actor's own
+    programs) is compiled once, and recorded as serving both keys."""
     seen: dict = {}
 
     def build(family, shape, role, fn, args):
         key = (id(fn), jax.tree.structure(args), tuple(_aval_key(x) for x in jax.tree.leaves(args)))
         if key not in seen:
             seen[key] = compile_one(family, shape, role, fn, args)
+            registry.add(seen[key])
+        else:
+            registry.add(seen[key], (family, tuple(shape), role))
         return abstract_like(seen[key].compiled.out_info)
 
     return build

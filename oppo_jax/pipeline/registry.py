@@ -104,14 +104,23 @@ class Registry:
     target: str  # the target's name (``parallel.targets.Target.name``)
     compiler: str  # e.g. "XLA:TPU (libtpu 0.0.42.1, jaxlib 0.10.2)"
     programs: list[Program] = dataclasses.field(default_factory=list)
+    # (family, shape, role) -> the program that serves it: each program's own key, and the
+    # keys of roles served by another role's program (the reference by the actor's)
+    served: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, program: Program, key: tuple | None = None) -> None:
+        """Record ``program``; with ``key``, as serving that (family, shape, role) too."""
+        if key is None:
+            self.programs.append(program)
+        self.served[key or program.key] = program
 
     def program(self, family: str, shape: tuple, role: str = "actor") -> Program:
         """The program of ``family`` at ``shape`` for ``role``; ``UnplannedProgram`` if the
         plan did not list it."""
-        for p in self.programs:
-            if p.key == (family, tuple(shape), role):
-                return p
-        planned = sorted({str(p.shape) for p in self.programs if p.family == family})
+        key = (family, tuple(shape), role)
+        if key in self.served:
+            return self.served[key]
+        planned = sorted({str(k[1]) for k in self.served if k[0] == family})
         raise UnplannedProgram(
             f"{family} program at shape {tuple(shape)} for {role} is not in the compile plan "
             f"(planned shapes of {family}: {', '.join(planned) or 'none'})"

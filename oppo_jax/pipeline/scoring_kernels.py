@@ -66,6 +66,14 @@ def _replicated(place) -> NamedSharding:
     return NamedSharding(place.scoring_mesh, PartitionSpec())
 
 
+def batch_sequences(kernels, place, decoding, rows: np.ndarray, slots):
+    """(sequences [B, P + R], response lengths [B]) of the batch ``rows`` (``slots``: the
+    step's ``SlotBatch``), replicated where the scorers run."""
+    prompts = np.asarray(slots.context[:, : kernels.rollout.prompt_width])
+    made = make_batch_sequences(kernels.rollout.pad_id)(decoding, rows, prompts, slots.prompt_len)
+    return move(made, _replicated(place))
+
+
 def packed_inputs(sequences, response_len, prompt_len, plan: ScoringCall) -> PackedBatch:
     """A PackedBatch from device sequences and a host plan (the plan's arrays go to the
     sequences' devices)."""
@@ -93,15 +101,14 @@ def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, in
     prompt_len = slots.prompt_len[rows]
     lengths = prompt_len + to_host(decoding.num_generated)[rows]  # the cut's only extra read
     plans = plan_packing(lengths, r.prompt_width + r.max_response_len)
-    prompts = np.asarray(slots.context[:, : r.prompt_width])
-    made = make_batch_sequences(r.pad_id)(decoding, rows, prompts, slots.prompt_len)
     on_scoring = _replicated(place)
-    sequences, response_len = move(made, on_scoring)
+    sequences, response_len = batch_sequences(k, place, decoding, rows, slots)
     batches = [packed_inputs(sequences, response_len, prompt_len, plan) for plan in plans]
     at = jax.device_put(rows, on_scoring)
     out = {}
     for role in scorers.roles:
         spec = getattr(k.scorer_specs, role)
+        k.planned("sync scoring", ("packed",), role)
         kernel = make_packed_scorer(spec, r.pad_id, slots.num_slots)
         out[role] = empty_outputs(spec, slots.num_slots, on_scoring)
         for batch in batches:

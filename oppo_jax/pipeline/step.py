@@ -16,7 +16,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.parallel.sharding import to_host
@@ -160,11 +159,11 @@ def run_step(
     new_kept = scorers.keep(carried_rows, bucket)
     # 4. Finalize scores (the reward functions' too), then the batch: rewards with the KL
     #    penalty, GAE and whitening over the batch rows.
-    kl_coef = jnp.float32(plan.kl_coef)
+    kl_coef = np.float32(plan.kl_coef)  # a host scalar: no eager device op to compile
     scored = scorers.outputs(decoding, selection.batch)
     # Only the prompt columns: one compilation with or without room for carried prefixes.
-    prompts_only = admission.replace(context=jnp.asarray(slots.context[:, : rollout.prompt_width]))
-    rows = jnp.asarray(selection.batch, jnp.int32)
+    prompts_only = admission.replace(context=on_device(slots.context[:, : rollout.prompt_width]))
+    rows = on_device(selection.batch, np.int32)
     batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
     timeline.track("build batch", GENERATION, stats["reward"])
     stats.update(scorers.rewards.metrics if scorers.rewards is not None else {})
@@ -215,8 +214,9 @@ def cut_rule(admission: Admission, plan: StepPlan) -> CutRule:
     """The decode's stop rule: B/G complete groups (slot s in group s // G; G = 1: B
     sequences, each its own group, the rule without group ids)."""
     g, slots = plan.group_size, admission.num_slots
-    group = None if g == 1 else jnp.arange(slots, dtype=jnp.int32) // g
-    target = jnp.int32(plan.batch_size // g)
+    # Host values moved over: eager device ops would be programs to compile.
+    group = None if g == 1 else on_device(np.arange(slots, dtype=np.int32) // g)
+    target = on_device(plan.batch_size // g, np.int32)
     return CutRule(admission.active, admission.must_finish, target, group)
 
 
@@ -259,16 +259,22 @@ def device_admission(slots: SlotBatch) -> Admission:
     sequences come first (``SlotBatch.check_carried_first``)."""
     slots.check_carried_first()
     return Admission(
-        context=jnp.asarray(slots.context),
-        prompt_len=jnp.asarray(slots.prompt_len),
-        prefix_len=jnp.asarray(slots.prefix_len),
-        prefix_finished=jnp.asarray(slots.prefix_finished),
-        prefix_behaviour=jnp.asarray(slots.prefix_behaviour),
-        prompt_id=jnp.asarray(slots.prompt_ids, jnp.int32),
-        sample_index=jnp.asarray(slots.sample_index),
-        active=jnp.asarray(slots.active),
-        must_finish=jnp.asarray(slots.must_finish),
+        context=on_device(slots.context),
+        prompt_len=on_device(slots.prompt_len),
+        prefix_len=on_device(slots.prefix_len),
+        prefix_finished=on_device(slots.prefix_finished),
+        prefix_behaviour=on_device(slots.prefix_behaviour),
+        prompt_id=on_device(slots.prompt_ids, np.int32),
+        sample_index=on_device(slots.sample_index),
+        active=on_device(slots.active),
+        must_finish=on_device(slots.must_finish),
     )
+
+
+def on_device(values, dtype=None) -> jax.Array:
+    """Host ``values`` copied to the default device: a transfer, where ``jnp.asarray`` would
+    compile a small program for each new shape and dtype."""
+    return jax.device_put(np.asarray(values, dtype))
 
 
 def _read_rollout(

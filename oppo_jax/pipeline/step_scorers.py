@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
-from oppo_jax.pipeline.kernels import Kernels, feed_replay, prompts_only
+from oppo_jax.pipeline.kernels import Kernels, prompts_only
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
 from oppo_jax.pipeline.timeline import Timeline
@@ -77,8 +77,7 @@ class StepScorers:
                 state = restore_rows(state, kept.states[role], used)
                 computed = admission_computed(admission.num_slots, width)
             else:
-                spec = getattr(k.scorer_specs, role)
-                state, fed = feed_replay(spec, params, state, replay)
+                state, fed = k.replay(role, params, state, replay)
                 marker = marker if fed is None else fed
                 computed = admission_computed(admission.num_slots, width, replay)
             self.timeline.track(f"prefill {role}", self.place.scoring_group, marker)

@@ -1,18 +1,16 @@
-"""The warm-up: compile every shape a run can meet before its first measured step, and count
-the XLA compilations of each step afterwards.
+"""The warm-up: build the run's registry of programs before its first measured step, and
+count the XLA compilations of each step afterwards.
 
-Without it a run compiles whenever a step first meets a shape (a chunk size under tuning, a
-replay shape of carried prefixes, a kept-cache bucket, a smaller slot bucket of compaction),
-and that step looks like a hang: on the
-CPU demo 20-50 s against 0.3 s, on a GPU with 7B models minutes. ``warm_up`` runs each kernel
-once on throwaway inputs of every shape ``warmup_shapes`` lists (from ``compile_plan``, the
-one place to extend when a kernel gains a shape), with the same shardings the run uses, so the
-run's jits find them compiled; eager device ops between kernels compile too, so the step
-keeps them out of its loop (host arrays, jitted gathers) or the warm-up runs the step's own
-code on them.
-The run's own train state, host state and prompt stream are never touched: the throwaway step
-updates a copy of the trained parameters and optimizer states (``trained_copy``: never the
-frozen LoRA bases, reference or reward model, which it shares).
+The registry (``pipeline.registry``) is every program of the run's compile plan
+(``compile_plan``: chunk sizes under tuning, live widths, replay shapes of carried prefixes,
+slot compaction's buckets, the update's packed shape), lowered from abstract arguments with
+the shardings the run's own arrays have and compiled ahead of time (``program_walk``), so the
+run's jits find them compiled; nothing runs, and the train state is read for its shapes only.
+The step then asks its kernels for programs through the registry: a shape the plan did not
+list raises ``UnplannedProgram``. Small helper programs that are no kernel (the kept rows'
+gathers, compaction's moves, the update plan's shuffles, the batch's sequences for packed
+scoring) are compiled by running them once on throwaway inputs. Each record's ``compiles``
+then says 0 (the suite checks it for every schedule).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -32,16 +29,15 @@ from oppo_jax.base.host_maps import check_map_room
 from oppo_jax.base.shapes import family_of, packed_width
 from oppo_jax.models import kernel_check
 from oppo_jax.models.attention import implementations
+from oppo_jax.parallel.targets import Target
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
-from oppo_jax.pipeline.host_state import HostState
-from oppo_jax.pipeline.kernels import feed_replay, prompts_only
-from oppo_jax.pipeline.scoring_kernels import compile_packed_chunks, keep_rows, restore_rows
-from oppo_jax.pipeline.step import cut_rule, device_admission, run_step
-from oppo_jax.pipeline.timeline import Timeline
+from oppo_jax.pipeline.program_walk import AbstractRun, registry_build, walk_programs
+from oppo_jax.pipeline.registry import Registry, compile_program
+from oppo_jax.pipeline.scoring_kernels import batch_sequences, keep_rows, restore_rows
+from oppo_jax.pipeline.step import device_admission
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
 from oppo_jax.scoring.kept import FROZEN
-from oppo_jax.scoring.replay import REPLAY_CHUNK, ReplayChunk
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compilation or a cache read
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the persistent cache
@@ -165,34 +161,18 @@ class _Prompts:
 def _admission(ctx, host):
     """A throwaway admission of the run's B + Δ new prompts (two tokens each; the shapes, not
     the values, matter), with the room for carried prefixes a step of the run gives."""
+    return device_admission(_slots(ctx, host))
+
+
+def _slots(ctx, host):
+    """The throwaway admission's ``SlotBatch`` on the host."""
     cfg, engine = ctx.cfg, ctx.engine
     r, plan = engine.kernels.rollout, host.plan(cfg)
     slots = engine.placement.num_slots(plan.reserved)
     rule = AdmitRule(plan.batch_size + plan.overcommit, slots, plan.reserved > plan.batch_size,
                      engine.max_deferrals, plan.group_size)  # fmt: skip
     fresh = _Prompts([(i, [r.pad_id + 2] * 2) for i in range(rule.num_sequences)])
-    slot_batch = admit(CarryBuffer(), fresh, rule, r.prompt_width, r.max_response_len, r.pad_id)
-    return device_admission(slot_batch)
-
-
-def compile_replay(ctx, host, state, rows: int, kv_width: int) -> None:
-    """Feed a replay chunk of ``rows`` leading rows reading ``kv_width`` cache columns into a
-    fresh admission of the actor and of every scorer, so that the first step replaying
-    carried prefixes at that shape finds it compiled."""
-    k, place = ctx.engine.kernels, ctx.engine.placement
-    admission = _admission(ctx, host)
-    prompt_width = k.rollout.prompt_width
-    chunk = ReplayChunk(
-        np.zeros((rows, REPLAY_CHUNK), np.int32), np.zeros(rows, np.int32), kv_width
-    )
-    outputs = [k.admit(state.actor_model_params, admission, ctx.engine.sample_key, [chunk])]
-    on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
-    prompts = prompts_only(on_scoring, prompt_width)
-    for role in k.scorer_specs.present():
-        fresh, _ = k.scorer_admit(role)(params[role], prompts)
-        spec = getattr(k.scorer_specs, role)
-        outputs.append(feed_replay(spec, params[role], fresh, [chunk]))
-    jax.block_until_ready(outputs)
+    return admit(CarryBuffer(), fresh, rule, r.prompt_width, r.max_response_len, r.pad_id)
 
 
 def compile_kept(ctx, host, state, rows: int) -> None:
@@ -207,6 +187,16 @@ def compile_kept(ctx, host, state, rows: int) -> None:
     jax.block_until_ready([restore_rows(fresh[r], kept.states[r], 1) for r in roles])
 
 
+def compile_batch_sequences(ctx, host, state) -> None:
+    """The batch's sequences gathered from a decode state for the packed scoring after the
+    cut (``scoring_kernels.batch_sequences``), as a step without streaming does."""
+    k, slots = ctx.engine.kernels, _slots(ctx, host)
+    admission = device_admission(slots)
+    decoding, _ = k.admit(state.actor_model_params, admission, ctx.engine.sample_key, ())
+    rows = np.arange(host.plan(ctx.cfg).batch_size, dtype=np.int32)
+    jax.block_until_ready(batch_sequences(k, ctx.engine.placement, decoding, rows, slots))
+
+
 def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
     """The live cache widths a decode chunk of ``chunk_size`` tokens can read for these
     kernels (``shapes.chunk_widths``); (None,) when they read the whole cache."""
@@ -216,63 +206,37 @@ def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
     return shape_rules.chunk_widths(r.prompt_width + r.max_response_len, chunk_size)
 
 
-def compile_chunk(ctx, schedule, host, state, chunk_size: int, kv_width: int | None) -> None:
-    """Decode one chunk of ``chunk_size`` tokens reading ``kv_width`` cache columns from a
-    fresh admission and, when the schedule streams, feed it to every scorer."""
-    engine, plan = ctx.engine, host.plan(ctx.cfg)
-    k, place = engine.kernels, engine.placement
-    width = () if kv_width is None else (kv_width,)  # kernels without live widths take C only
-    admission = _admission(ctx, host)
-    decoding, _ = k.admit(state.actor_model_params, admission, engine.sample_key, ())
-    rule = cut_rule(admission, plan)
-    decoding, chunk = k.decode(chunk_size, *width)(state.actor_model_params, decoding, rule)
-    outputs = [decoding, chunk]
-    if schedule.stream:
-        on_scoring, params = place.to_scoring(admission), scorer_params(ctx, state)
-        for role in k.scorer_specs.present():
-            scored, _ = k.scorer_admit(role)(params[role], on_scoring)
-            fed = (params[role], scored, place.to_scoring(chunk), kv_width)
-            if k.packs_chunks:
-                outputs.append(compile_packed_chunks(k, role, *fed))
-            else:
-                outputs.append(k.scorer_chunk(role, *width)(*fed[:3]))
-    jax.block_until_ready(outputs)
+def _abstract(tree):
+    """``tree``'s arrays as program arguments: shape, dtype and where they live."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def trained_copy(state):
-    """A copy of what the update replaces (parameters, optimizer states, step), sharing the
-    frozen LoRA bases: the update never donates them, and a copy of a 7B base is ~15 GB."""
-    frozen = state.frozen
-    return jax.tree.map(jnp.copy, state.replace(frozen=None)).replace(frozen=frozen)
+def host_run(ctx, schedule, host, state) -> AbstractRun:
+    """The run as the registry's walk lowers it (``program_walk.AbstractRun``): its own
+    kernels and placement, its planned shapes, and its parameters and train state as they
+    lie on this host's devices."""
+    engine = ctx.engine
+    shapes = run_shapes(ctx.cfg, schedule, head_dim=engine.kernels.spec.actor.head_dim)
+    params = scorer_params(ctx, state)
+    params["actor"] = state.actor_model_params
+    params = {role: _abstract(p) for role, p in params.items() if p is not None}
+    return AbstractRun(engine.kernels, engine.placement, shapes, params, _abstract(state))
 
 
-def _throwaway_step(ctx, schedule, state):
-    """One whole step on the train state, a fresh host state and prompt stream: compiles the
-    update, the experience kernel, sync scoring and the controllers' small ops. Returns the
-    train state as it was. On one process the step takes the state itself (its update donates
-    it) while its trained part waits in host memory, and it is put back, bit for bit, on its
-    shardings: the warm-up's peak is a step's. With several processes (each holds only its
-    shards) the step takes a device copy of the trained part instead (``trained_copy``)."""
-    host = HostState.fresh(ctx.cfg, schedule, ctx.prompt_iterator())
-    one_process = jax.process_count() == 1
-    if one_process:
-        trained = state.replace(frozen=None)
-        parked = jax.device_get(trained), jax.tree.map(lambda x: x.sharding, trained)
-        throwaway, frozen = state, state.frozen
-        del state, trained  # the update donates them
-    else:
-        throwaway = trained_copy(state)
-    plan, buffer = host.plan(ctx.cfg), CarryBuffer()
-    throwaway, _, result = run_step(
-        ctx.engine, schedule, plan, throwaway, buffer, host.prompts, Timeline()
-    )
-    record = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
-    host.observe(plan, {**record, "step_time_s": result.wall_s})
-    jax.block_until_ready(throwaway)
-    if not one_process:
-        return state
-    del throwaway, result  # freed before the trained part comes back
-    return jax.device_put(*parked).replace(frozen=frozen)
+def build_programs(run: AbstractRun, bar) -> Registry:
+    """Every program of ``run``'s compile plan compiled for this host, each counted on
+    ``bar``: the registry the run's steps dispatch (``Kernels.registry``)."""
+    backend = Target.parse("host")
+    registry = Registry(backend.name, backend.compiler)
+
+    def compile_one(family, shape, role, fn, args):
+        bar.set_postfix_str(f"{family} {' x '.join(map(str, shape))} ({role})", refresh=True)
+        program = compile_program(family, shape, role, fn, args)
+        bar.update()
+        return program
+
+    walk_programs(run, registry_build(registry, compile_one))
+    return registry
 
 
 def _chunk_label(chunk_size: int, width: int | None) -> str:
@@ -281,24 +245,12 @@ def _chunk_label(chunk_size: int, width: int | None) -> str:
     return f"chunk {chunk_size}" + (", whole cache" if width is None else f" width {width}")
 
 
-def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
-    """(label, thunk) of every shape to compile; the whole step last, since its update takes
-    the train state (``_throwaway_step``), and it returns the state the run goes on with."""
+def _helper_tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
+    """(label, thunk) of the small programs beyond the plan's kernels a run can meet: the
+    frozen scorers' kept rows and slot compaction's moves (gathers and scatters)."""
     k = ctx.engine.kernels
     widths = {c: chunk_widths(k, c) for c in shapes.chunk_sizes}
-    tasks = []
-    tasks += [
-        (_chunk_label(c, w), lambda c=c, w=w: compile_chunk(ctx, schedule, host, state, c, w))
-        for c, ws in widths.items()
-        for w in ws
-    ]
-    tasks += [
-        (f"replay {n}x{w}", lambda n=n, w=w: compile_replay(ctx, host, state, n, w))
-        for n, w in shapes.replay
-    ]
-    tasks += [
-        (f"kept {n}", lambda n=n: compile_kept(ctx, host, state, n)) for n in shapes.kept_rows
-    ]
+    tasks = [(f"kept {n}", lambda n=n: compile_kept(ctx, host, state, n)) for n in shapes.kept_rows]
 
     def compaction(c):  # every move and bucket of chunk size c, on a throwaway rollout
         admission = _admission(ctx, host)
@@ -306,7 +258,10 @@ def _tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
 
     if shapes.compaction_moves:
         tasks += [(f"compaction chunk {c}", lambda c=c: compaction(c)) for c in shapes.chunk_sizes]
-    tasks.append(("one step", lambda: _throwaway_step(ctx, schedule, state)))
+    if not schedule.stream and k.scorer_specs.present():
+        tasks.append(("batch sequences", lambda: compile_batch_sequences(ctx, host, state)))
+    plan = host.plan(ctx.cfg)  # the update's plan draws its minibatch shuffles on the device
+    tasks.append(("update plan", lambda: k.update.permutations(plan.update_key, plan.batch_size)))
     return tasks
 
 
@@ -319,28 +274,36 @@ def _attention(ctx) -> dict[str, str]:
     return implementations(k.spec.actor, full, width)
 
 
-def warm_up(ctx, schedule, host, state, progress: bool = True) -> tuple[dict, object]:
-    """Compile every shape of ``warmup_shapes`` and one whole step before the run measures
-    anything, with its own progress line. Returns the warm-up's report (seconds, shapes,
-    compilations and their seconds, in all and by task) and the train state to go on with
-    (``state``'s values; its arrays may be new: the whole step's update donates them)."""
+def warm_up(ctx, schedule, host, state, progress: bool = True):
+    """Build the run's registry (``pipeline.registry``: every program of its compile plan,
+    compiled from abstract arguments, nothing run) and compile the small helper programs a
+    step can meet, before the run measures anything, with its own progress line. Returns the
+    warm-up's report (seconds, shapes, compilations and their seconds, in all and by task)
+    and ``ctx`` with the registry in its kernels: from then on a kernel asked for at a shape
+    the plan did not list raises ``UnplannedProgram``. The train state is read for its
+    shapes and shardings only."""
     shapes = warmup_shapes(ctx, host, schedule)
-    tasks = _tasks(ctx, schedule, host, state, shapes)
-    del state  # the last task takes it
+    run = host_run(ctx, schedule, host, state)
+    planned = sum(f.programs for f in plan_programs(run.shapes))
+    helpers = _helper_tasks(ctx, schedule, host, state, shapes)
     counter, start = CompileCounter(), time.perf_counter()
-    bar = tqdm(tasks, desc="warm-up (compiling)", disable=not progress, unit="shape")
+    bar = tqdm(total=planned + len(helpers), desc="warm-up (compiling)", disable=not progress,
+               unit="program")  # fmt: skip
     per_task = CompileCounter()
-    by_task = []  # [label, compilations, their seconds] of each task
-    for label, task in bar:
+    registry = build_programs(run, bar)
+    by_task = [["programs", *per_task.take()]]  # [label, compilations, their seconds]
+    check_map_room("the warm-up's programs")  # a clear stop, not LLVM's segfault
+    for label, task in helpers:
         bar.set_postfix_str(label, refresh=False)
-        state = task()  # the whole step's, last: the train state
+        task()
+        bar.update()
         by_task.append([label, *per_task.take()])
-        check_map_room(f"the warm-up's {label}")  # a clear stop, not LLVM's segfault
+        check_map_room(f"the warm-up's {label}")
     bar.close()
     compiles, seconds, hits = counter.take_with_hits()
     report = {
         "warmup_s": time.perf_counter() - start,
-        "warmup_shapes": len(tasks),
+        "warmup_shapes": len(registry.programs) + len(helpers),
         "warmup_compiles": compiles,
         "warmup_cache_reads": hits,  # programs read back from the persistent cache
         # by compile-plan family (oppo-jax compile-plan): [programs, their seconds]
@@ -348,13 +311,16 @@ def warm_up(ctx, schedule, host, state, progress: bool = True) -> tuple[dict, ob
         "warmup_compile_time_s": seconds,
         **{k: list(v) for k, v in dataclasses.asdict(shapes).items()},
         "warmup_by_task": by_task,
+        "programs": [p.row() for p in registry.programs],  # the registry, as compile-plan's
         "attention": _attention(ctx),  # the kernel each form runs, after its self-check
         "kernel_checks": kernel_check.checked(),
     }
     if progress:
         print(
-            f"Warm-up: {len(tasks)} shapes, {compiles} compilations, {hits} read from the "
-            f"compilation cache, {report['warmup_s']:.1f} s (not counted in any step's time)",
+            f"Warm-up: {len(registry.programs)} programs and {len(helpers)} helper tasks, "
+            f"{compiles} compilations, {hits} read from the compilation cache, "
+            f"{report['warmup_s']:.1f} s (not counted in any step's time)",
             flush=True,
         )
-    return report, state
+    kernels = dataclasses.replace(ctx.engine.kernels, registry=registry)
+    return report, dataclasses.replace(ctx, engine=dataclasses.replace(ctx.engine, kernels=kernels))

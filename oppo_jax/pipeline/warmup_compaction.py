@@ -18,10 +18,11 @@ import copy
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oppo_jax.pipeline.compile_plan import compaction_moves
 from oppo_jax.pipeline.slot_map import SlotMap
-from oppo_jax.pipeline.step import critic_params
+from oppo_jax.pipeline.step import critic_params, on_device
 from oppo_jax.rollout.decode import CutRule
 
 
@@ -61,7 +62,7 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
     actor = state.actor_model_params
     full_chunks = schedule.stream or engine.rewards is not None
     decoding, _ = k.admit(actor, admission, engine.sample_key, ())  # new prompts only
-    target = jnp.int32(host.plan(ctx.cfg).batch_size)
+    target = on_device(host.plan(ctx.cfg).batch_size, np.int32)
     rule = CutRule(admission.active, admission.must_finish, target)
     moves = compaction_moves(admission.active.shape[0], floor)
     for size, size_widths in widths.items():  # a step decodes chunks of one size

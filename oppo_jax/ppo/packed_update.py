@@ -214,8 +214,7 @@ class PackedUpdate:
         """The step's packing plan (host side)."""
         ppo = self.spec.ppo
         prompt_len, response_len = host_lengths(batch) if lengths is None else lengths
-        rows = batch.tokens.shape[0]
-        perms = np.asarray(to_host(_permutations(key, rows, ppo.ppo_epochs)))
+        perms = self.permutations(key, batch.tokens.shape[0])
         micro = microbatch_rows(perms, ppo.num_minibatches, ppo.grad_accum_steps)
         return plan_packing(
             prompt_len,
@@ -227,6 +226,11 @@ class PackedUpdate:
             agg=ppo.loss_agg,
             width_factor=ppo.pack_width_factor,
         )
+
+    def permutations(self, key, num_rows: int) -> np.ndarray:
+        """[epochs, rows] each epoch's shuffle of the batch rows, drawn on the device from
+        ``key`` (the one device program of the host's plan; a warm-up calls it once)."""
+        return np.asarray(to_host(_permutations(key, num_rows, self.spec.ppo.ppo_epochs)))
 
     def shape(self, num_rows: int, full_width: int, response_width: int):
         """((Rp, W, N), K): the one packed shape of a batch of ``num_rows`` sequences, L =

@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections.abc import Callable
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from oppo_jax.parallel.sharding import to_host
@@ -125,7 +125,7 @@ class StepRewards:
             self.metrics[f"reward_fn/{f.short_name}"] = float(np.mean(column))
         for _, future in self.futures.values():
             future.cancel()  # sequences past the cut: carried, scored when they end
-        total = jnp.asarray(self.owner.weighted(raw), jnp.float32)
+        total = jax.device_put(np.asarray(self.owner.weighted(raw), np.float32))  # no program
         if scored.scores is not None:
             total = self.owner.model_weight * scored.scores + total
         return scored.replace(scores=total)

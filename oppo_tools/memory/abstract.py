@@ -4,14 +4,12 @@ allocated."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxtyping
 
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel.sharding import abstract_params, param_shardings, slot_shardings
@@ -62,18 +60,6 @@ def abstract_model_params(cfg: ModelConfig, mesh):
 
 def sds(shape, dtype, sharding=None):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-@contextlib.contextmanager
-def shape_checks_off():
-    """Runtime shape checks (jaxtyping's, on in the tests) reject ShapeDtypeStruct leaves in
-    the rollout's typed dataclasses; the abstract inputs are built and lowered without them."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
 
 
 def shaped(cls, *fields, **static):

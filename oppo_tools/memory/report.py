@@ -37,6 +37,7 @@ from oppo_jax.parallel.sharding import (
     replicated,
     slot_shardings,
 )
+from oppo_jax.pipeline.program_walk import shape_checks_off
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
@@ -59,7 +60,6 @@ from oppo_tools.memory.abstract import (
     on_slots,
     per_device_bytes,
     sds,
-    shape_checks_off,
     shaped,
     update_shape,
     warmup_peak,

@@ -20,7 +20,8 @@ from oppo_jax.train import train
 from tests.oracles import policy_logprobs
 from tests.run_fixtures import OPPO_WITH_CARRYING, metric_values, small_demo_config
 
-LORA = ("model.lora_rank=4", "model.lora_alpha=8", "optim.actor_lr=1e-3")
+# optim.lora_lr_scale=1: these tests' rates are the adapters' own
+LORA = ("model.lora_rank=4", "model.lora_alpha=8", "optim.actor_lr=1e-3", "optim.lora_lr_scale=1")
 
 
 def _random_adapters(trained, seed: int, scale: float = 0.05):

@@ -132,6 +132,10 @@ class OptimConfig:
 
     actor_lr: float = 1e-6  # peak learning rate of the actor, per optimizer update
     critic_lr: float = 1e-5  # peak learning rate of the critic, per optimizer update
+    # with LoRA (model.lora_rank > 0), both rates times this: adapters start at zero and need
+    # larger steps than full weights (PEFT/TRL recipes: 3-10x). On the demo 3x moves the policy
+    # and its reward 4x as far as 1x at a fifth of 10x's KL (BENCHMARKS.md, "LoRA on the demo")
+    lora_lr_scale: float = 3.0
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay, per update
     max_grad_norm: float = 1.0  # clip each model's global gradient norm to this
     warmup_steps: int = 0  # linear learning-rate warm-up, optimizer updates
@@ -252,10 +256,10 @@ class EvalConfig:
     num_prompts: int = 64  # held-out prompts per evaluation (the first ones of the source)
     greedy: bool = True  # decode greedily; False: sample at rollout.temperature
     samples_per_prompt: int = 1  # responses per prompt (> 1 needs eval.greedy=false)
-
     # k of mean@k: a second pass of k responses per prompt at rollout.temperature, scored by
     # reward.functions[0] (greedy pass@1 comes from the first pass); 0 = no second pass
     mean_at_k: int = 0
+
 
 @dataclass(frozen=True)
 class Config:
@@ -272,3 +276,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)  # prompts
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward model and functions
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
+
+    def learning_rate(self, model: str) -> float:
+        """The peak learning rate of ``model`` (actor, critic): ``optim.<model>_lr``, times
+        ``optim.lora_lr_scale`` when the models train LoRA adapters."""
+        lr = {"actor": self.optim.actor_lr, "critic": self.optim.critic_lr}[model]
+        return lr * self.optim.lora_lr_scale if self.model.lora_rank else lr

@@ -59,6 +59,7 @@ _NONNEGATIVE = (
 _POSITIVE_FLOATS = (
     "ppo.target_kl", "ppo.cliprange", "ppo.cliprange_value", "optim.max_grad_norm",
     "optim.adam_eps", "rollout.length_median", "rollout.length_p99", "model.lora_alpha",
+    "optim.lora_lr_scale",
 )  # fmt: skip
 
 

@@ -41,9 +41,8 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig | None) -> 
         lora_targets=tuple(m.lora_targets),
     )
     given, trains = {"actor": actor, "critic": critic}, estimator(cfg.ppo).trained
-    lrs = {"actor": cfg.optim.actor_lr, "critic": cfg.optim.critic_lr}
     models = {m: given[m].replace(**trained) for m in trains}
-    txs = {m: _optimizer(cfg.optim, lrs[m], updates) for m in trains}
+    txs = {m: _optimizer(cfg.optim, cfg.learning_rate(m), updates) for m in trains}
     return UpdateSpec(
         actor=models["actor"],
         critic=models.get("critic"),  # None: the estimator trains no critic

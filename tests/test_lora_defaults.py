@@ -1,0 +1,36 @@
+"""LoRA's learning rate at its defaults: optim.lora_lr_scale multiplies both models' rates when
+model.lora_rank > 0 (the demo's LoRA run learns: BENCHMARKS.md, "LoRA on the demo"), and a
+full fine-tune's rates are the configured ones, unchanged."""
+
+import pytest
+
+from oppo_jax.config import ConfigError, load_config
+from oppo_jax.models.model_config import preset
+from oppo_jax.run import specs
+
+
+def test_lora_scales_both_learning_rates_by_three_and_full_fine_tuning_keeps_its_own():
+    full = load_config(None, [])
+    assert full.learning_rate("actor") == full.optim.actor_lr == 1.5e-4  # configs/demo_cpu
+    assert full.learning_rate("critic") == full.optim.critic_lr == 1e-3
+    lora = load_config(None, ["model.lora_rank=8"])
+    assert lora.optim.lora_lr_scale == 3.0
+    assert lora.learning_rate("actor") == pytest.approx(4.5e-4)
+    assert lora.learning_rate("critic") == pytest.approx(3e-3)
+    own = load_config(None, ["model.lora_rank=8", "optim.lora_lr_scale=1"])
+    assert own.learning_rate("actor") == own.optim.actor_lr
+
+
+@pytest.mark.parametrize("rank", [0, 8])
+def test_the_update_is_built_with_those_rates(rank):
+    cfg = load_config(None, [f"model.lora_rank={rank}"])
+    model = preset("tiny")
+    spec = specs.update_spec(cfg, model, model.replace(head="score", num_labels=1))
+    updates = cfg.train.steps * cfg.ppo.ppo_epochs * cfg.ppo.num_minibatches
+    for name, tx in (("actor", spec.actor_tx), ("critic", spec.critic_tx)):
+        assert tx is specs._optimizer(cfg.optim, cfg.learning_rate(name), updates)  # cached
+
+
+def test_a_lora_lr_scale_that_is_not_positive_is_refused_by_name():
+    with pytest.raises(ConfigError, match="optim.lora_lr_scale"):
+        load_config(None, ["optim.lora_lr_scale=0"])

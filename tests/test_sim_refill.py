@@ -11,7 +11,14 @@ from oppo_tools.sim import ACTIVE, CostModel, Workload, simulate
 from oppo_tools.sim.cli import main
 from oppo_tools.sim.project import build_projection
 from oppo_tools.sim.refill import Refill, simulate_refill, summary
-from oppo_tools.sim.refill_report import DEFAULT, bound, mechanisms, settings
+from oppo_tools.sim.refill_report import (
+    DEFAULT,
+    bound,
+    format_refill_map,
+    mechanisms,
+    refill_map,
+    settings,
+)
 
 GRPO = "qwen2.5-7b_gh200x1_lora_grpo"
 PPO = "qwen2.5-7b_gh200x1_lora"
@@ -68,6 +75,10 @@ def test_the_staleness_histogram_respects_max_staleness(max_staleness, on_stale)
         assert sum(r["staleness"].values()) == r["batch_size"] * r["response_len_mean"]
         assert r["batch_size"] == 16  # every update holds B/G whole groups
     assert max(seen) == max_staleness  # the bound binds at this tail
+    # every admitted group is trained once, dropped (counted) or still in flight
+    trained = 4 * len(records)
+    dropped = sum(r["dropped_groups"] for r in records)
+    assert records[-1]["admitted_groups"] == trained + dropped + records[-1]["in_flight_groups"]
     hist = summary(records)["staleness"]
     assert sum(hist.values()) == pytest.approx(1.0)
 
@@ -190,3 +201,19 @@ def test_mechanisms_table_orders_what_each_buys():
         assert alone["step_s"] > shared["step_s"] > keep["step_s"]  # each mechanism buys time
         assert alone["bound"] < shared["bound"] == keep["bound"]  # keep: no replay in the bound
         assert rows["oppo, no refill"]["speedup"] < keep["speedup"] <= keep["bound"] * 1.02
+
+
+def test_the_ppo_refill_map_has_a_row_per_epochs_and_refill_gains_in_each():
+    """(Six steps a cell: too few for the bound, which holds in the steady state; a short run's
+    first batches are its short sequences.)"""
+    p = build_projection("qwen2.5-7b:gh200", PPO)
+    p = dataclasses.replace(p, workload=dataclasses.replace(p.workload, steps=6))
+    result = refill_map(p, dataclasses.replace(DEFAULT, slots=112), medians=(128, 512))
+    assert result["epochs"] == [1, 2, 4] and result["group_size"] == 1
+    for row in result["cells"]:
+        for cell in row:
+            assert 1.0 < cell["oppo"] < cell["refill"] and cell["bound"] > 1.0
+    # fewer epochs: a smaller update share, more for refill to buy
+    assert result["cells"][0][1]["refill"] > result["cells"][2][1]["refill"]
+    lines = format_refill_map(result)
+    assert "G = 1" in lines[0] and lines[-1].startswith("  4 epoch(s)")

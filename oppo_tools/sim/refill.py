@@ -300,6 +300,7 @@ def _step(run: _Run, step: int) -> dict:
         "dropped_groups": dropped,
         "admitted_prompt_tokens": led.prompt_tokens,
         "in_flight_groups": len(run.groups),
+        "admitted_groups": run.next_gid,  # since the run began
         "response_len_mean": float(lengths.mean()),
         "batch_size": int(lengths.size),
     }

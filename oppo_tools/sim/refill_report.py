@@ -125,8 +125,11 @@ def format_mechanisms(table: dict) -> list[str]:
     """The table as text: per row and column, s/step, ×sync, [bound ×], decode efficiency,
     mean staleness and drops."""
     cols = table["columns"]
+    r = table["refill"]
     lines = ["PROJECTION every row busy (refill): s/step, speedup over sync [bound], decode "
-             "efficiency, mean staleness (versions), groups dropped"]  # fmt: skip
+             "efficiency, mean staleness (versions), groups dropped; refill rows every "
+             f"{r['every']} tokens, max staleness {r['max_staleness']} ({r['on_stale']}) unless "
+             "named, S = B unless named"]  # fmt: skip
     for c in cols:
         lines.append(f"  {c['label']}: {c['lengths']}; sync's update {c['sync_update_s']:.1f} s")
     lines.append(f"{'':<44}" + "".join(f"  {c['label']:<52}" for c in cols))

@@ -7,10 +7,12 @@ Accuracy as the field reports it, from the first reward function (``reward.funct
 e.g. the math verifier: 1 right, 0 wrong): ``pass@1``, its mean over the greedy responses
 (one per prompt, ``eval.greedy``), and ``mean@k``, its mean over ``eval.mean_at_k`` = k
 responses per prompt sampled as training samples (``rollout.temperature``), with ``k`` beside
-it. The programs: the greedy pass runs the rollout's admission prefill, decode start and
-decode at ``eval.num_prompts`` slots with greedy sampling (programs of their own, compiled at
-the first evaluation); the mean@k pass runs the training's sampling programs at
-``num_prompts`` x k slots (new shapes of the same jits, compiled once too).
+it. Each pass decodes ``rollout.batch_size`` responses at a time in that many slots, so it holds no
+more KV cache than a step's batch and compiles its programs once whatever
+``eval.num_prompts`` is. The programs it adds to the run's: the greedy pass, the admission
+prefill, decode start and whole-cache decode with greedy sampling at B slots (the sampling
+is part of the program); the mean@k pass, the same three with the training's sampling at B
+slots (training's own run at B + overcommit slots, so these are new shapes of the same jits).
 
 An evaluation at step N reads the parameters after N steps and nothing else that changes, and
 its randomness comes from (seed, prompt, sample index, position) under its own key, so it is
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -187,26 +190,51 @@ def evaluate(ctx, train_state, prompts, records) -> tuple[list[dict], dict, list
 
 
 def _evaluate_pass(ctx, train_state, prompts, records, greedy: bool, per: int):
-    """One pass: ``per`` responses to each prompt; (sample rows, metrics, [N, F] raw
-    reward-function values)."""
+    """One pass: ``per`` responses to each prompt, decoded ``rollout.batch_size`` at a time
+    (one slot count for every part, so a pass compiles its programs once and holds no more KV
+    cache than a step's batch); (sample rows, metrics, [N, F] raw reward-function values)."""
     k = _eval_kernels(ctx, greedy)
     items = [(i, p) for i, p in enumerate(prompts) for _ in range(per)]
-    place, r = ctx.engine.placement, k.rollout
-    rule = AdmitRule(len(items), place.num_slots(len(items)), False, 0)  # all must finish
-    slots = admit(CarryBuffer(), _Fixed(items), rule, r.prompt_width, r.max_response_len, r.pad_id)
-    samples = np.zeros(slots.num_slots, np.int32)
-    samples[: len(items)] = np.tile(np.arange(per), len(prompts))
-    admission = device_admission(slots).replace(sample_index=jnp.asarray(samples))
+    samples = [j for _ in prompts for j in range(per)]
+    width = min(len(items), ctx.cfg.rollout.batch_size)
     actor = getattr(train_state, "actor_model_params", None) or train_state.actor_params
+    parts = [
+        _decode_part(ctx, k, actor, items[i : i + width], samples[i : i + width], width)
+        for i in range(0, len(items), width)
+    ]
+    slots = SimpleNamespace(
+        **{key: np.concatenate([part[0][key] for part in parts]) for key in _SLOT_KEYS}
+    )
+    tokens, lengths = (np.concatenate([part[j] for part in parts]) for j in (1, 2))
+    kl, rm = (
+        None if parts[0][j] is None else np.concatenate([part[j] for part in parts]) for j in (3, 4)
+    )
+    return _summarize(ctx, slots, np.arange(len(items)), tokens, lengths, kl, rm, records)
+
+
+_SLOT_KEYS = ("prompt_ids", "context", "prompt_len")  # what the summary reads of the slots
+
+
+def _decode_part(ctx, k, actor, items, samples, width: int):
+    """Decode and score ``items`` in ``width`` slots (padded to the generation mesh); returns
+    the used slots' ({prompt_ids, context, prompt_len}, tokens, lengths, KL or None, reward
+    model score or None)."""
+    place, r = ctx.engine.placement, k.rollout
+    rule = AdmitRule(len(items), place.num_slots(width), False, 0)  # all must finish
+    slots = admit(CarryBuffer(), _Fixed(items), rule, r.prompt_width, r.max_response_len, r.pad_id)
+    index = np.zeros(slots.num_slots, np.int32)
+    index[: len(items)] = samples
+    admission = device_admission(slots).replace(sample_index=jnp.asarray(index))
     decoding = _decode_all(ctx, k, actor, admission)
     ref, rm = _score(ctx, k, admission, decoding)
     tokens, logp, lengths = map(
         np.asarray, to_host((decoding.tokens, decoding.logprobs, decoding.num_generated))
     )
-    rows = np.arange(len(items))
-    mask = np.arange(r.max_response_len)[None, :] < lengths[rows, None]
-    kl = None if ref is None else np.where(mask, logp[rows] - ref[rows], 0.0).sum(axis=1)
-    return _summarize(ctx, slots, rows, tokens, lengths, kl, rm, records)
+    n = len(items)
+    mask = np.arange(r.max_response_len)[None, :] < lengths[:n, None]
+    kl = None if ref is None else np.where(mask, logp[:n] - ref[:n], 0.0).sum(axis=1)
+    used = {key: np.asarray(getattr(slots, key))[:n] for key in _SLOT_KEYS}
+    return used, tokens[:n], lengths[:n], kl, None if rm is None else rm[:n]
 
 
 def _function_values(ctx, slots, rows, tokens, lengths, records) -> np.ndarray:

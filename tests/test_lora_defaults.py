@@ -1,7 +1,8 @@
-"""LoRA's learning rate at its defaults: optim.lora_lr_scale multiplies both models' rates when
-model.lora_rank > 0 (the demo's LoRA run learns: BENCHMARKS.md, "LoRA on the demo"), and a
-full fine-tune's rates are the configured ones, unchanged."""
+"""LoRA at its defaults (BENCHMARKS.md, "LoRA on the demo"): optim.lora_lr_scale multiplies
+both models' rates when model.lora_rank > 0, a full fine-tune's rates are the configured ones,
+unchanged, and model.lora_train_head trains the actor's untied head from its loaded weights."""
 
+import jax
 import pytest
 
 from oppo_jax.config import ConfigError, load_config
@@ -34,3 +35,32 @@ def test_the_update_is_built_with_those_rates(rank):
 def test_a_lora_lr_scale_that_is_not_positive_is_refused_by_name():
     with pytest.raises(ConfigError, match="optim.lora_lr_scale"):
         load_config(None, ["optim.lora_lr_scale=0"])
+
+
+def test_lora_trains_the_actors_untied_head_from_its_own_weights():
+    """model.lora_train_head (default on): the actor's lm_head is trained beside the adapters,
+    starting from the loaded head (not a fresh one); the critic keeps its value head alone."""
+    import numpy as np
+
+    from oppo_jax.models import lora
+    from oppo_jax.run.setup import prepare_run
+    from tests.test_run_dirs import TINY
+
+    cfg = load_config(None, [*TINY, "model.lora_rank=4"])
+    assert cfg.model.lora_train_head
+    ctx, state = prepare_run(cfg, progress=False)
+    assert "lm_head" in state.actor_params and "lm_head" not in state.frozen["actor"]
+    loaded = ctx.engine.ref_params["lm_head"]["kernel"]  # the reference: the loaded actor
+    np.testing.assert_array_equal(np.asarray(state.actor_params["lm_head"]["kernel"]), loaded)
+    assert set(state.critic_params) - {"layers"} == {"score"}
+    tied = preset("tiny", lora_rank=4, lora_train_head=True, tie_word_embeddings=True)
+    trained, frozen = lora.split(jax.eval_shape(lambda: _params(tied)), tied)
+    assert "embed_tokens" in frozen and "lm_head" not in trained  # a tied head stays frozen
+    off = load_config(None, [*TINY, "model.lora_rank=4", "model.lora_train_head=false"])
+    assert "lm_head" not in prepare_run(off, progress=False)[1].actor_params
+
+
+def _params(cfg):
+    from oppo_jax.models.transformer import init_params
+
+    return init_params(cfg, jax.random.key(0))

@@ -47,6 +47,10 @@ class ModelConfig:
     lora_alpha: float = 16.0  # adapters scale by lora_alpha / lora_rank
     # projections that carry an adapter (q/k/v/o_proj, gate/up/down_proj)
     lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # with LoRA, also train the actor's untied LM head in full (PEFT's modules_to_save), as the
+    # critic's value head is: on the demo, adapters alone hardly raise gold (BENCHMARKS.md,
+    # "LoRA on the demo"); a tied head is the embedding table and stays frozen
+    lora_train_head: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,8 @@ class OptimConfig:
     actor_lr: float = 1e-6  # peak learning rate of the actor, per optimizer update
     critic_lr: float = 1e-5  # peak learning rate of the critic, per optimizer update
     # with LoRA (model.lora_rank > 0), both rates times this: adapters start at zero and need
-    # larger steps than full weights (PEFT/TRL recipes: 3-10x). On the demo 3x moves the policy
-    # and its reward 4x as far as 1x at a fifth of 10x's KL (BENCHMARKS.md, "LoRA on the demo")
+    # larger steps than full weights (PEFT/TRL recipes: 3-10x). On the demo 1x barely moves the
+    # policy (KL 0.01-0.03 in 40 steps), 3x does (0.1-0.5) (BENCHMARKS.md, "LoRA on the demo")
     lora_lr_scale: float = 3.0
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay, per update
     max_grad_norm: float = 1.0  # clip each model's global gradient norm to this

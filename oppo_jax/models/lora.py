@@ -80,22 +80,25 @@ class LoraDense(nn.Module):
         return jnp.dot(low, b.astype(self.dtype)) * jnp.asarray(self.alpha / self.rank, self.dtype)
 
 
-def _is_trained(path: tuple[str, ...], score_head: bool) -> bool:
-    return path[-1] in ADAPTER_KEYS or (score_head and path[0] == "score")
+def _is_trained(path: tuple[str, ...], head: str | None) -> bool:
+    return path[-1] in ADAPTER_KEYS or path[0] == head
 
 
 def split(params: dict, cfg) -> tuple[dict, dict | None]:
     """(trained, frozen) parts of a parameter tree (or of a tree of shardings / shapes).
 
     Without LoRA (``cfg.lora_rank == 0``) everything is trained and frozen is None. With it,
-    trained holds the adapters and, for a score-head model (the critic), its head; frozen holds
-    the rest. Example: {"layers": {..."q_proj": {"kernel", "lora_a", "lora_b"}}, "score": ...}
+    trained holds the adapters and, for a score-head model (the critic), its head (an LM with
+    ``cfg.lora_train_head``: its untied ``lm_head``); frozen holds the rest. Example:
+    {"layers": {..."q_proj": {"kernel", "lora_a", "lora_b"}}, "score": ...}
     -> trained {"layers": {..."q_proj": {"lora_a", "lora_b"}}, "score": ...}, frozen
     {"layers": {..."q_proj": {"kernel"}}}.
     """
     if not cfg.lora_rank:
         return params, None
-    score_head = cfg.head == "score"
+    head = "score" if cfg.head == "score" else None
+    if cfg.head == "lm" and cfg.lora_train_head:
+        head = "lm_head"  # absent from a tied model's tree: its head is the embedding, frozen
 
     def walk(tree, path):
         trained, frozen = {}, {}
@@ -107,7 +110,7 @@ def split(params: dict, cfg) -> tuple[dict, dict | None]:
                     trained[key] = t
                 if f:
                     frozen[key] = f
-            elif _is_trained(sub, score_head):
+            elif _is_trained(sub, head):
                 trained[key] = value
             else:
                 frozen[key] = value

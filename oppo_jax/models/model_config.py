@@ -53,6 +53,8 @@ class ModelConfig:
     lora_rank: int = 0  # r, rank of the LoRA adapters (0 = no adapters; see models.lora)
     lora_alpha: float = 16.0  # adapters scale by lora_alpha / lora_rank
     lora_targets: tuple[str, ...] = lora.ALL_TARGETS  # projections that carry an adapter
+    # with LoRA, an untied LM head (lm_head) is trained in full beside the adapters
+    lora_train_head: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -39,6 +39,7 @@ def update_spec(cfg: Config, actor: ModelConfig, critic: ModelConfig | None) -> 
         lora_rank=m.lora_rank,
         lora_alpha=m.lora_alpha,
         lora_targets=tuple(m.lora_targets),
+        lora_train_head=m.lora_train_head,
     )
     given, trains = {"actor": actor, "critic": critic}, estimator(cfg.ppo).trained
     models = {m: given[m].replace(**trained) for m in trains}

@@ -62,7 +62,10 @@ def initial_params(spec, actor_params, critic_params, critic_base, mesh, key, dt
         return master_copy(actor_params, dtype), critic, None
     a_key, c_key = jax.random.split(key)
     frozen = {"actor": pick(actor_params, lora.split(param_shardings(a_cfg, mesh), a_cfg)[1])}
-    actor_trained = master_copy(fresh_trained(a_cfg, a_key, mesh), dtype)
+    a_fresh = fresh_trained(a_cfg, a_key, mesh)
+    if "lm_head" in a_fresh:  # model.lora_train_head: the actor's own head, trained on
+        a_fresh = {**a_fresh, "lm_head": actor_params["lm_head"]}
+    actor_trained = master_copy(a_fresh, dtype)
     if c_cfg is None:
         return actor_trained, None, frozen
     c_fresh = fresh_trained(c_cfg, c_key, mesh)

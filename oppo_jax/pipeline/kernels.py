@@ -233,8 +233,8 @@ class Kernels:
         reference = None  # β = 0: no KL term reads it, so none is loaded or run
         if self.spec.ppo.uses_reference:
             reference = ScorerSpec(self.spec.actor, "logprob", r, self.spec.temperature, mesh)
-        critic = None  # a critic-free estimator (ppo.advantage)
-        if self.spec.critic is not None:
+        critic = None  # a critic-free estimator (ppo.advantage) trains none
+        if "critic" in self.spec.trained:
             critic = ScorerSpec(self.spec.critic, "value", r, mesh=mesh)
         return ScorerSpecs(reference=reference, critic=critic, reward=reward)
 

@@ -181,8 +181,7 @@ def run_step(
         train_state, batch, plan.update_key, kl_coef, lengths=lengths
     )
     timeline.track("update", GENERATION, update_metrics["policy_loss"])
-    trained = 1 if k.spec.critic is None else 2  # the actor, and the critic if any
-    work.add_update(update_metrics, trained_models=trained)
+    work.add_update(update_metrics, trained_models=len(k.spec.trained))
     # 5. Carry: sequences not taken keep the tokens they had at the cut (read while the
     #    update runs) and the frozen scorers' rows kept at the cut.
     host = _read_rollout(outputs[:2], generated, finish_step)
@@ -241,10 +240,10 @@ def step_scorers(engine: StepEngine, train_state, timeline: Timeline, work, slot
 
 def critic_params(engine: StepEngine, train_state):
     """This step's critic weights where the scorers run; None without a critic."""
-    critic = engine.kernels.spec.critic
-    if critic is None:
+    spec = engine.kernels.spec
+    if "critic" not in spec.trained:  # the estimator trains no critic
         return None
-    return engine.placement.critic_for_scoring(critic, train_state.critic_model_params)
+    return engine.placement.critic_for_scoring(spec.critic, train_state.critic_model_params)
 
 
 def admission_replay(slots: SlotBatch, rollout) -> list[ReplayChunk]:

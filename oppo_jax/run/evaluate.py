@@ -128,10 +128,14 @@ def make_evaluator(ctx, out: Path, start_step: int):
 
 
 def _eval_kernels(ctx, greedy: bool):
-    """The run's kernels with the evaluation's sampling (greedy, or the training's)."""
+    """The run's kernels with the evaluation's sampling (greedy, or the training's). Its
+    programs are its own, outside the run's registry (``Kernels.registry``: the step's plan):
+    another sampling, its own slot count, the whole cache; they compile at the first
+    evaluation, before step 0 and outside every step's ``compiles``."""
     k = ctx.engine.kernels
     sampling = dataclasses.replace(k.rollout.sampling, greedy=greedy)
-    return dataclasses.replace(k, rollout=dataclasses.replace(k.rollout, sampling=sampling))
+    rollout = dataclasses.replace(k.rollout, sampling=sampling)
+    return dataclasses.replace(k, rollout=rollout, registry=None)
 
 
 def _decode_all(ctx, k, actor, admission):

@@ -248,3 +248,21 @@ def test_no_sequence_of_calls_mixes_two_runs(tmp_path_factory, calls):
         records = _values(out / "metrics.jsonl")
         # Every record comes from the one run the directory's config describes.
         assert records == _reference(stored_seed, tmp_path_factory.mktemp("ref"))[: len(records)]
+
+
+def test_a_key_added_after_a_run_started_does_not_block_its_resume():
+    """A run's config.yaml written before a key existed resumes when that key sits at its
+    default (the behaviour the run had), and is refused when it is moved off it."""
+    import yaml
+
+    from oppo_jax.config import load_config, to_dict, to_yaml
+    from oppo_jax.run.log import config_differences
+
+    cfg = load_config("demo_cpu")
+    stored = to_dict(cfg)
+    del stored["eval"]["mean_at_k"]  # a key this run's version did not have
+    old_yaml = yaml.safe_dump(stored)
+    assert config_differences(old_yaml, cfg) == []
+    moved = load_config("demo_cpu", ["eval.mean_at_k=4"])
+    assert config_differences(old_yaml, moved) == ["eval.mean_at_k"]
+    assert config_differences(to_yaml(cfg), cfg) == []

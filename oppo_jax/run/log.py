@@ -218,8 +218,14 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def config_differences(stored_yaml: str, cfg: Config) -> list[str]:
     """Dotted keys whose value in ``stored_yaml`` (a run's config.yaml) differs from ``cfg``,
-    leaving out the ``RESUMABLE_KEYS``."""
+    leaving out the ``RESUMABLE_KEYS``. A key the stored file lacks (one added to the config
+    after the run started) differs only where ``cfg`` moves it off its default: a new key's
+    default keeps what the run did before it existed."""
     stored, current = _flat(yaml.safe_load(stored_yaml) or {}), _flat(to_dict(cfg))
+    defaults = _flat(to_dict(Config()))
+    for key in current.keys() - stored.keys():
+        if key in defaults:
+            stored[key] = defaults[key]
     keys = sorted((stored.keys() | current.keys()) - RESUMABLE_KEYS)
     return [k for k in keys if stored.get(k, "<missing>") != current.get(k, "<missing>")]
 

@@ -64,3 +64,23 @@ def _params(cfg):
     from oppo_jax.models.transformer import init_params
 
     return init_params(cfg, jax.random.key(0))
+
+
+def test_a_lora_run_from_before_the_new_defaults_resumes_only_with_its_own_settings():
+    from oppo_jax.config import to_yaml
+    from oppo_jax.run.log import config_differences
+
+    def older(*sets):  # config.yaml as written before the two keys existed
+        lines = to_yaml(load_config(None, list(sets))).splitlines()
+        return "\n".join(
+            x for x in lines if "lora_train_head" not in x and "lora_lr_scale" not in x
+        )
+
+    lora = ["model.lora_rank=8"]
+    assert config_differences(older(*lora), load_config(None, lora)) == [
+        "model.lora_train_head",
+        "optim.lora_lr_scale",
+    ]
+    as_before = [*lora, "model.lora_train_head=false", "optim.lora_lr_scale=1"]
+    assert config_differences(older(*lora), load_config(None, as_before)) == []
+    assert config_differences(older(), load_config(None, [])) == []  # full fine-tuning

@@ -216,12 +216,20 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+# What a LoRA run did before these keys existed, where their default now does otherwise.
+_LORA_BEFORE_THE_KEY = {"model.lora_train_head": False, "optim.lora_lr_scale": 1.0}
+
+
 def config_differences(stored_yaml: str, cfg: Config) -> list[str]:
     """Dotted keys whose value in ``stored_yaml`` (a run's config.yaml) differs from ``cfg``,
     leaving out the ``RESUMABLE_KEYS``. A key the stored file lacks (one added to the config
     after the run started) differs only where ``cfg`` moves it off its default: a new key's
-    default keeps what the run did before it existed."""
+    default keeps what the run did before it existed, but for the LoRA keys whose default
+    changed what LoRA does (``_LORA_BEFORE_THE_KEY``: a LoRA run resumes with them set so)."""
     stored, current = _flat(yaml.safe_load(stored_yaml) or {}), _flat(to_dict(cfg))
+    if stored.get("model.lora_rank"):
+        for key, value in _LORA_BEFORE_THE_KEY.items():
+            stored.setdefault(key, value)
     defaults = _flat(to_dict(Config()))
     for key in current.keys() - stored.keys():
         if key in defaults:

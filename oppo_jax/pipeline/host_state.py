@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.config.schema import Config
@@ -28,8 +29,14 @@ def sampling_key(seed: int) -> jax.Array:
 
 
 def update_key(seed: int, step: int) -> jax.Array:
-    """The key of step ``step``'s update (its minibatch shuffles)."""
-    return jax.random.fold_in(jax.random.key(seed + 1), step)
+    """The key of step ``step``'s update (its minibatch shuffles): ``fold_in(key(seed + 1),
+    step)``, as one compiled call (two eager ops cost the loop ~1.4 ms a step between steps)."""
+    return _update_key(np.int32(seed + 1), np.int32(step))
+
+
+@jax.jit
+def _update_key(seed, step):
+    return jax.random.fold_in(jax.random.key(seed), step)
 
 
 @dataclasses.dataclass

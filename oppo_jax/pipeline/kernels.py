@@ -113,14 +113,6 @@ def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None, packed: boo
     return family_jit("streamed scoring", run, spec.mesh, donate_argnums=(1,))
 
 
-def prompts_only(admission, prompt_width: int):
-    """The admission with its context cut to the prompts' P columns (the admission prefill
-    reads no more; the context may hold room for carried prefixes)."""
-    if admission.context.shape[1] == prompt_width:
-        return admission
-    return admission.replace(context=admission.context[:, :prompt_width])
-
-
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The jitted functions of one run: admit, decode a chunk, score, build a batch, update."""
@@ -240,11 +232,9 @@ class Kernels:
 
     def scorer_admit(self, role: str) -> Callable:
         """(params, admission) -> (ScorerState, marker): one role's prefill of the admission's
-        prompts (``prompts_only``: one program whatever the admission's context width)."""
+        prompts (its first P context columns; the rest holds room for carried prefixes)."""
         self.planned("admission prefill", ("prompts",), role)
-        width = self.rollout.prompt_width
-        jitted = make_scorer_admit(getattr(self.scorer_specs, role), width)
-        return lambda params, admission: jitted(params, prompts_only(admission, width))
+        return make_scorer_admit(getattr(self.scorer_specs, role), self.rollout.prompt_width)
 
     def scorer_chunk(self, role: str, kv_width: int | None = None):
         """(params, state, chunk[, plan]) -> (ScorerState, marker): one role's chunk prefill,
@@ -305,9 +295,7 @@ def admit_actor(spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_
     carried prefixes of ``replay`` (``scoring.replay.plan_replay`` of the same slots, planned
     on the host from the step's host arrays: nothing is read back) fed after it, and the
     decode state started from that cache: (DecodeState, marker)."""
-    prompt_width = rollout.prompt_width
-    prompts = prompts_only(admission, prompt_width)
-    prefilled, _ = make_scorer_admit(spec, prompt_width)(params, prompts)
+    prefilled, _ = make_scorer_admit(spec, rollout.prompt_width)(params, admission)
     p, _ = feed_replay(spec, params, prefilled, replay)
     start = make_actor_start(spec.model, rollout)
     return start(params, admission, base_key, p.cache, p.last_hidden, p.per_token)

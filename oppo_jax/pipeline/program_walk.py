@@ -85,7 +85,7 @@ def _admission(slots: int, prompt: int, response: int, carry: bool) -> Admission
 
 
 def _prompts(admission: Admission, prompt_width: int) -> Admission:
-    """``kernels.prompts_only`` of an abstract admission: its context cut to P columns."""
+    """An abstract admission with its context cut to P columns (the batch's prompts)."""
     context = admission.context
     return admission.replace(context=sds((context.shape[0], prompt_width), context.dtype))
 
@@ -137,8 +137,7 @@ def _actor_admission(run: AbstractRun, build: Build, admission: Admission, repla
     """The actor's prompt prefill, its replays of carried prefixes, the decode state."""
     k, s, actor = run.kernels, run.shapes, run.params["actor"]
     prefill = make_scorer_admit(k.actor_spec, s.prompt_width)
-    prompts = _prompts(admission, s.prompt_width)
-    prefilled, _ = build("admission prefill", ("prompts",), "actor", prefill, (actor, prompts))
+    prefilled, _ = build("admission prefill", ("prompts",), "actor", prefill, (actor, admission))
     _replays(build, "actor", k.actor_spec, actor, prefilled, replays)
     start = make_actor_start(k.actor_spec.model, k.rollout)
     key = sds((), jax.random.key(0).dtype)
@@ -192,12 +191,11 @@ def _streamed(run: AbstractRun, build: Build, admission: Admission, chunks: dict
     """Each scorer admitted (prompts, replays) and fed every planned chunk; their outputs."""
     k, s, place = run.kernels, run.shapes, run.placement
     on_scoring = _scoring_copy(place, admission)
-    prompts = _prompts(on_scoring, s.prompt_width)
     states = {}
     for role in s.scorers:
         spec, params = getattr(k.scorer_specs, role), run.params[role]
         prefill = make_scorer_admit(spec, s.prompt_width)
-        state, _ = build("admission prefill", ("prompts",), role, prefill, (params, prompts))
+        state, _ = build("admission prefill", ("prompts",), role, prefill, (params, on_scoring))
         _replays(build, role, spec, params, state, replays)
         for (size, width), chunk in chunks.items():
             kernel = k.scorer_chunk(role, width if s.live_prefix else None)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
-from oppo_jax.pipeline.kernels import Kernels, prompts_only
+from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
 from oppo_jax.pipeline.timeline import Timeline
@@ -67,12 +67,11 @@ class StepScorers:
         carried = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(carried) if kept is not None else 0
         lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
-        prompts = prompts_only(admission, width)
         states = {}  # roles without a model stay None
         for role in self.roles:
             frozen = role in FROZEN
             params = getattr(self.params, role)
-            state, marker = k.scorer_admit(role)(params, prompts)
+            state, marker = k.scorer_admit(role)(params, admission)
             if frozen and used > 0 and role in kept.states:
                 state = restore_rows(state, kept.states[role], used)
                 computed = admission_computed(admission.num_slots, width)
@@ -113,6 +112,9 @@ class StepScorers:
 
     def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots) -> None:
         """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
+        if not self.roles:  # reward functions alone: no model reads the batch's sequences
+            self.packed = ScorerOutputs(None, None, None)
+            return
         out, computed, real = packed_outputs(self, decoding, rows, slots)
         self.work.add("scoring", computed * len(self.roles), real * len(self.roles))
         self.packed = ScorerOutputs(out.get("reference"), out.get("critic"), out.get("reward"))

@@ -156,11 +156,11 @@ def _load_models(cfg: Config, mesh, progress: bool):
         from oppo_jax.demo.arith import ensure_arith_actor
 
         actor_dir = ensure_arith_actor(cache_dir() / "demo_arith", cfg.train.sft_steps, 0, progress)
-    options = {"dtype": m.dtype, "param_dtype": m.param_dtype, "placement": placed_on(mesh)}
     if m.actor_path == "demo_word_problems":  # the word problems' SFT actor, built on first use
         from oppo_jax.demo.word_problems import ensure_word_actor
 
         actor_dir = ensure_word_actor(cache_dir() / m.actor_path, cfg.train.sft_steps, 0, progress)
+    options = {"dtype": m.dtype, "param_dtype": m.param_dtype, "placement": placed_on(mesh)}
     actor = load_hf_model(actor_dir, trust_remote_code=m.trust_remote_code, **options)
     reward = None  # reward.model_weight=0: reward functions alone score; no model is loaded
     if cfg.reward.model_weight:

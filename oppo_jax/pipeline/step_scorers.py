@@ -113,6 +113,7 @@ class StepScorers:
     def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots) -> None:
         """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
         if not self.roles:  # reward functions alone: no model reads the batch's sequences
+            self.work.add("scoring", 0, 0)  # the ledger's stages are every schedule's
             self.packed = ScorerOutputs(None, None, None)
             return
         out, computed, real = packed_outputs(self, decoding, rows, slots)

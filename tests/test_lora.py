@@ -84,7 +84,12 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_bit_identically(lora_run
     meta = json.loads((lora_run / "checkpoints" / "4" / "train_state" / "_METADATA").read_text())
     names = list(meta["tree_metadata"])
     params = [n for n in names if n.startswith("('actor_params'") or "'mu'" in n]
-    assert params and all("lora_" in n or "'score'" in n for n in params), params
+    # Adapters, the value head, and (model.lora_train_head, the default) the actor's own
+    # untied head; no base weight.
+    assert params and all(
+        "lora_" in n or "'score'" in n or "'lm_head'" in n for n in params
+    ), params
+    assert any("'lm_head'" in n for n in params) and any("lora_" in n for n in params), params
     # Half the run, then resume: identical to the uninterrupted run.
     cfg = small_demo_config(*LORA, *OPPO_WITH_CARRYING, "train.steps=2")
     train(cfg, tmp_path / "c", progress=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -56,7 +57,8 @@ def _staleness(result: StepResult, carried: int, delta: int) -> dict:
 
 def step_record(ctx: RunContext, plan: StepPlan, result: StepResult, carried: int) -> dict:
     """The step's line of ``metrics.jsonl`` (before the controllers add theirs)."""
-    metrics = {k: float(v) for k, v in jax.device_get(result.metrics).items()}
+    # np.asarray per value: a quarter of jax.device_get's cost on the dict
+    metrics = {k: float(np.asarray(v)) for k, v in result.metrics.items()}
     lengths = result.response_len
     record = {
         "step": plan.step,
@@ -82,17 +84,43 @@ def step_record(ctx: RunContext, plan: StepPlan, result: StepResult, carried: in
     return record
 
 
-def train_step(ctx: RunContext, schedule: Schedule, host: HostState, train_state, timeline):
-    """One step of a run under ``schedule``: plan it, run it, carry, record, and feed the
-    controllers. Returns (new train state, metrics record, StepResult)."""
+@dataclasses.dataclass(frozen=True)
+class PendingRecord:
+    """A step's line of ``metrics.jsonl``, built when called: ``step_record``, then the keys
+    the loop noted after the step (``HostState.observe``'s, ``compiles``, ``compile_time_s``),
+    in that order. ``RunLog``'s writer thread calls it, so reading the metrics back, the gold
+    score and the record's assembly are off the loop's thread."""
+
+    ctx: RunContext
+    plan: StepPlan
+    result: StepResult  # without its batch: the record never reads it
+    carried: int  # sequences carried into the next step
+    noted: dict
+
+    def __call__(self) -> dict:
+        record = step_record(self.ctx, self.plan, self.result, self.carried)
+        record.update(self.noted)
+        return record
+
+
+def step_and_observe(ctx: RunContext, schedule: Schedule, host: HostState, train_state, timeline):
+    """One step of a run under ``schedule``: plan it, run it, carry, and feed the controllers.
+    Returns (new train state, its PendingRecord, StepResult)."""
     plan = host.plan(ctx.cfg)
     train_state, carried, result = run_step(
         ctx.engine, schedule, plan, train_state, host.buffer, host.prompts, timeline
     )
     host.buffer.extend(carried)
-    record = step_record(ctx, plan, result, len(carried))
-    host.observe(plan, record)
+    noted = host.observe(plan, result)
+    record = PendingRecord(ctx, plan, dataclasses.replace(result, batch=None), len(carried), noted)
     return train_state, record, result
+
+
+def train_step(ctx: RunContext, schedule: Schedule, host: HostState, train_state, timeline):
+    """``step_and_observe`` with its record built at once. Returns (new train state, metrics
+    record, StepResult)."""
+    train_state, record, result = step_and_observe(ctx, schedule, host, train_state, timeline)
+    return train_state, record(), result
 
 
 def _files_dir(out: Path) -> Path:
@@ -196,12 +224,13 @@ def _loop(ctx: RunContext, schedule: Schedule, host: HostState, state, outputs, 
             raise Preempted(host.step, stop.received, str(ckpt.directory))
         evaluate(host.step, state)  # at step 0 and every eval.every steps
         compiles.take()  # from here: this step's compilations only (not the checkpoint's)
-        state, record, result = train_step(ctx, schedule, host, state, timeline)
-        record["compiles"], record["compile_time_s"] = compiles.take()
-        trace.add_step(record["step"], result.events, result.wall_s)
-        log.write(record)
+        state, pending, result = step_and_observe(ctx, schedule, host, state, timeline)
+        pending.noted["compiles"], pending.noted["compile_time_s"] = compiles.take()
+        trace.add_step(pending.plan.step, result.events, result.wall_s)
+        log.write(pending)  # built and written by the log's writer thread
         limit = cfg.train.max_nonfinite_in_a_row
         if host.nonfinite_in_a_row >= limit:
+            record = pending()
             raise NonFiniteError(
                 f"step {record['step']}: {limit} updates in a row were skipped for NaN/Inf values "
                 f"({_nonfinite_where(record)}; train.max_nonfinite_in_a_row={limit}). The "

@@ -6,8 +6,10 @@ import json
 import math
 import signal
 import struct
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboardX import SummaryWriter
 from tensorboardX.proto import event_pb2
@@ -15,7 +17,8 @@ from tensorboardX.proto import event_pb2
 import oppo_jax.train as train_module
 from oppo_jax.base.errors import EXIT_PREEMPTED
 from oppo_jax.cli import main
-from oppo_jax.run.log import RunLog, read_metrics
+from oppo_jax.run.log import RunLog, _snapshot, read_metrics
+from tests.run_fixtures import OPPO_WITH_CARRYING
 from tests.test_run_dirs import TINY
 
 
@@ -140,3 +143,41 @@ def test_every_record_of_a_stopped_run_is_written(tmp_path, monkeypatch, stop):
         json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
         == (records[-1]["step"])
     )
+
+
+def test_a_record_built_steps_later_on_the_writer_thread_is_the_one_handed_over(
+    tmp_path, monkeypatch
+):
+    """The loop hands over a function that builds its record (``train.PendingRecord``); the
+    writer thread, slowed here, builds it steps later. Its line and its TensorBoard scalars
+    are those of the record built at the hand-over: nothing it reads (the step's metrics,
+    slots, batch rows, work) is changed by the steps after it."""
+    handed, behind, written = [], [], []
+    real_write, real_emit = RunLog.write, RunLog._emit
+
+    def write(log, record):
+        handed.append(record())  # built at once, on the loop's thread
+        behind.append(len(handed) - 1 - len(written))
+        real_write(log, record)
+
+    def emit(log, entry):
+        time.sleep(0.3)
+        real_emit(log, entry)
+        written.append(1)
+
+    monkeypatch.setattr(RunLog, "write", write)
+    monkeypatch.setattr(RunLog, "_emit", emit)
+    out = tmp_path / "run"
+    sets = [*TINY, *OPPO_WITH_CARRYING, "train.steps=6", "train.checkpoint_every=0"]
+    assert main(["train", "--quiet", "--out", str(out), "--set", *sets]) == 0
+    assert max(behind) >= 2  # the writer was steps behind the loop
+    assert any(r["carried"] for r in handed)  # sequences carried into later steps
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert lines == [_snapshot(r)[0] for r in handed]
+    expected = [
+        (r["step"], tag.replace(" ", "_"), float(np.float32(value)))
+        for r in handed
+        for tag, value in _scalars_of(r)
+        if math.isfinite(value)
+    ]
+    assert tensorboard_scalars(out / "tensorboard") == expected

@@ -17,7 +17,7 @@ from oppo_jax.pipeline.chunk_control import ChunkSizeController
 from oppo_jax.pipeline.overcommit import OvercommitController
 from oppo_jax.pipeline.placement import Placement, move
 from oppo_jax.pipeline.schedule import Schedule
-from oppo_jax.pipeline.step import StepPlan
+from oppo_jax.pipeline.step import StepPlan, StepResult
 from oppo_jax.ppo.kl_control import make_kl_controller
 from oppo_jax.scoring.kept import KeptCaches
 
@@ -28,15 +28,33 @@ def sampling_key(seed: int) -> jax.Array:
     return jax.random.key(seed)
 
 
+KEY_BLOCK = 64  # update keys derived per compiled call: one dispatch serves 64 steps
+
+
 def update_key(seed: int, step: int) -> jax.Array:
     """The key of step ``step``'s update (its minibatch shuffles): ``fold_in(key(seed + 1),
-    step)``, as one compiled call (two eager ops cost the loop ~1.4 ms a step between steps)."""
-    return _update_key(np.int32(seed + 1), np.int32(step))
+    step)``. ``HostState.plan`` takes it from ``update_keys``' blocks instead."""
+    return update_keys(seed, step)[0]
+
+
+def update_keys(seed: int, first: int) -> tuple[jax.Array, ...]:
+    """``update_key(seed, s)`` for ``s = first .. first + KEY_BLOCK - 1``, from one compiled
+    call: a dispatch right after a step costs the loop's thread ~0.2 ms of cold-cache CPU, a
+    tenth of the host's budget between two steps, so it is paid once per block."""
+    return _update_keys(np.int32(seed + 1), np.int32(first))
 
 
 @jax.jit
-def _update_key(seed, step):
-    return jax.random.fold_in(jax.random.key(seed), step)
+def _update_keys(seed, first):
+    base = jax.random.key(seed)
+    keys = jax.vmap(lambda s: jax.random.fold_in(base, s))(first + jnp.arange(KEY_BLOCK))
+    return tuple(keys[i] for i in range(KEY_BLOCK))  # separate arrays: no slicing per step
+
+
+def _read(result: StepResult, key: str) -> float:
+    """One of the step's metrics on the host (``np.asarray``: a quarter of ``device_get``'s
+    cost on a cold cache, right after the step)."""
+    return float(np.asarray(result.metrics[key]))
 
 
 @dataclasses.dataclass
@@ -51,6 +69,8 @@ class HostState:
     buffer: CarryBuffer  # sequences carried into the next step
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped (NaN/Inf)
     nonfinite_total: int = 0  # all skipped updates of the run
+    # (seed, first step, keys): the block of update keys the next steps take theirs from
+    _keys: tuple = dataclasses.field(default=(None, 0, ()), repr=False)
 
     @classmethod
     def fresh(cls, cfg: Config, schedule: Schedule, prompts: PromptIterator) -> HostState:
@@ -85,21 +105,32 @@ class HostState:
             reserved=b + self.deltas.slots_needed * g,
             chunk_size=self.chunks.size_for(self.step),
             kl_coef=float(self.kl_ctl.value),
-            update_key=update_key(cfg.seed, self.step),
+            update_key=self._update_key(cfg.seed),
             group_size=g,
         )
 
-    def observe(self, plan: StepPlan, record: dict) -> None:
-        """Feed a finished step's record to the controllers and count skipped updates."""
-        skipped = bool(record["nonfinite_batch"] or record["nonfinite_update"])
+    def _update_key(self, seed: int) -> jax.Array:
+        """This step's ``update_key``, from the block holding it (a new block past its end)."""
+        block_seed, first, keys = self._keys
+        if block_seed != seed or not first <= self.step < first + len(keys):
+            first, keys = self.step, update_keys(seed, self.step)
+            self._keys = seed, first, keys
+        return keys[self.step - first]
+
+    def observe(self, plan: StepPlan, result: StepResult) -> dict:
+        """Feed a finished step to the controllers and count skipped updates. Reads only the
+        metrics they need (the record reads the rest, off the loop's thread: ``RunLog``);
+        returns the keys this adds to the step's record, ``update_skipped`` and
+        ``nonfinite_total``."""
+        skipped = bool(_read(result, "nonfinite_batch") or _read(result, "nonfinite_update"))
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         self.nonfinite_total += skipped
-        record["update_skipped"], record["nonfinite_total"] = skipped, self.nonfinite_total
         if not skipped:  # a NaN reward or KL would poison the controllers for good
-            self.kl_ctl = self.kl_ctl.update(record["kl"], plan.batch_size)
-            self.deltas.observe(record["reward"])
-        self.chunks.observe(plan.step, plan.chunk_size, record["step_time_s"])
+            self.kl_ctl = self.kl_ctl.update(_read(result, "kl"), plan.batch_size)
+            self.deltas.observe(_read(result, "reward"))
+        self.chunks.observe(plan.step, plan.chunk_size, result.wall_s)
         self.step = plan.step + 1
+        return {"update_skipped": skipped, "nonfinite_total": self.nonfinite_total}
 
     def to_json(self) -> dict:
         return {

@@ -89,7 +89,7 @@ def _check_matchable(cfg) -> None:
         "ppo.entropy_coef": (p.entropy_coef, 0.0),
         "ppo.loss_agg": (p.loss_agg, "token_mean"),
         "ppo.grad_accum_steps": (p.grad_accum_steps, 1),
-        "ppo.importance_correction": (p.importance_correction, False),
+        "ppo.off_policy_correction": (p.off_policy_correction, "none"),
         "optim.schedule": (o.schedule, "constant"),
     }
     for key, (have, need) in wanted.items():

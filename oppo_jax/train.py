@@ -13,6 +13,7 @@ import numpy as np
 
 from oppo_jax.base.errors import Interrupted, NonFiniteError, Preempted
 from oppo_jax.config import Config, to_yaml
+from oppo_jax.pipeline.carry import dropped_slots, staleness_counts
 from oppo_jax.pipeline.host_state import HostState
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult, run_step
@@ -35,23 +36,31 @@ _UPDATE_KEYS = (
     "entropy",
     "actor_grad_norm",
     "critic_grad_norm",
-    "is_weight_mean",  # ppo.importance_correction's mean weight
+    "is_weight_mean",  # ppo.off_policy_correction's mean weight over the trained tokens
+    "is_masked_token_frac",  # mis: share of the trained tokens masked
+    "is_masked_seq_frac",  # mis: share of the batch's sequences masked
     "nonfinite_batch",
     "nonfinite_update",
     "skipped_steps",
 )
 
 
-def _staleness(result: StepResult, carried: int, delta: int) -> dict:
-    """Inter-step overlap metrics of the batch (DESIGN.md §4, §6)."""
+def _staleness(plan: StepPlan, result: StepResult, carried: int, bound: int) -> dict:
+    """Inter-step overlap metrics of the batch (DESIGN.md §4, §6): carried and dropped groups'
+    sequences and prompts, and ``staleness_k``, the trained tokens sampled k policy versions
+    ago for k = 0..``bound`` (``rollout.max_staleness``: the same keys in every record)."""
     rows, slots = result.selection.batch, result.slots
     tokens = max(int(result.response_len.sum()), 1)
+    ages = staleness_counts(slots, rows, result.response_len, plan.step, bound)
+    dropped = {int(slots.prompt_ids[i]) for i in dropped_slots(slots, result.selection)}
     return {
         "carried": carried,
-        "overcommit": delta,
+        "dropped": len(dropped),  # prompts (groups) dropped at the bound (rollout.on_stale)
+        "overcommit": plan.overcommit // plan.group_size,  # Δ, groups
         "deferral_age_mean": float(slots.deferrals[rows].mean()),
         "deferral_age_max": int(slots.deferrals[rows].max()),
         "stale_token_frac": float(slots.prefix_len[rows].sum()) / tokens,
+        **{f"staleness_{k}": int(n) for k, n in enumerate(ages)},
     }
 
 
@@ -78,7 +87,7 @@ def step_record(ctx: RunContext, plan: StepPlan, result: StepResult, carried: in
     }
     if ctx.gold_fn is not None:
         record["gold"] = float(np.mean(ctx.gold_fn(result.responses, lengths)))
-    record.update(_staleness(result, carried, plan.overcommit // plan.group_size))  # Δ: groups
+    record.update(_staleness(plan, result, carried, ctx.cfg.rollout.max_staleness))
     if result.work is not None:  # tokens computed / real and efficiency per stage
         record.update(result.work.to_record())
     return record

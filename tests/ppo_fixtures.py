@@ -77,7 +77,7 @@ def fresh_slots(pairs, prompt_width, response_len, extra_slots=0):
     """Admit ``pairs`` (no carried sequences) into len(pairs) + extra_slots slots."""
     from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 
-    rule = AdmitRule(len(pairs), len(pairs) + extra_slots, False, max_deferrals=2)
+    rule = AdmitRule(len(pairs), len(pairs) + extra_slots, False, max_staleness=2)
     return admit(CarryBuffer(), ListPrompts(pairs), rule, prompt_width, response_len)
 
 

@@ -415,9 +415,9 @@ def test_sequence_level_ratios_are_checked():
         load_config(None, [*grpo, "ppo.importance_sampling_level=seq"])
     with pytest.raises(ConfigError, match=r"level=sequence: .* ppo.advantage=gae gives each"):
         load_config(None, ["ppo.importance_sampling_level=sequence"])
-    with pytest.raises(ConfigError, match=r"level=sequence: ppo.importance_correction=true"):
+    with pytest.raises(ConfigError, match=r"level=sequence: ppo.off_policy_correction=tis"):
         load_config(None, [*grpo, "ppo.importance_sampling_level=sequence",
-                           "ppo.importance_correction=true"])  # fmt: skip
+                           "ppo.off_policy_correction=tis"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"sequence_sum: .* set ppo.loss_agg=seq_mean \(not dapo"):
         load_config(
             None, [*rloo, "ppo.importance_sampling_level=sequence_sum", "ppo.loss_agg=dapo"]

@@ -136,7 +136,7 @@ def _run(tmp_path, name, *extra, resume=False):
 
 
 def test_a_grpo_run_has_no_critic_and_no_reference(demo_cache, tmp_path):
-    records = _run(tmp_path, "a", *GRPO_OPPO, "ppo.importance_correction=true")
+    records = _run(tmp_path, "a", *GRPO_OPPO, "ppo.off_policy_correction=tis")
     stages = set(read_metrics(tmp_path / "a" / "metrics.jsonl")[0]["stage_time_s"])
     assert not {s for s in stages if "critic" in s or "reference" in s}
     assert "value_loss" not in records[0] and "critic_grad_norm" not in records[0]

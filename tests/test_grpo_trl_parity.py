@@ -297,6 +297,8 @@ def trl_loss(trl, case, stub: LossStub, on_policy: bool, trainer=None, exact=Fal
         }
         if not on_policy:
             inputs["old_per_token_logps"] = tensor(case.old[rows])
+        if getattr(case, "is_ratio", None) is not None:  # TRL's vLLM IS ratio (its correction)
+            inputs["importance_sampling_ratio"] = tensor(case.is_ratio[rows])
         if trainer is trl.rloo.RLOOTrainer:  # its sequences' old log-probs, as it sums them
             inputs["old_logps"] = (tensor(case.old[rows]) * inputs["completion_mask"]).sum(1)
         total = total + trainer._compute_loss(stub, None, inputs) / divide
@@ -329,7 +331,7 @@ def our_loss(ppo: PPOConfig, case, kl_coef: float, seed: int):
     per_seq = np.broadcast_to(case.advantages[:, None], case.mask.shape)
     mb = SimpleNamespace(
         old_logp=slots(case.old, 3.0),
-        behaviour_logp=slots(case.old, 3.0),
+        behaviour_logp=slots(getattr(case, "behaviour", case.old), 3.0),
         ref_logp=slots(case.ref, -7.0),
         advantages=slots(per_seq, 9.0),
         mask=slots(case.mask, False),

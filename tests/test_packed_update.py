@@ -72,7 +72,7 @@ def root(tmp_path_factory):
 def _spec(actor, critic, loss_agg: str, width_factor: int = 1) -> UpdateSpec:
     ppo = PPOConfig(
         ppo_epochs=1, num_minibatches=MINIBATCHES, grad_accum_steps=2, loss_agg=loss_agg,
-        entropy_coef=0.01, kl_in_reward=False, importance_correction=True, pack_granule=4,
+        entropy_coef=0.01, kl_in_reward=False, off_policy_correction="tis", pack_granule=4,
         pack_width_factor=width_factor,
     )  # fmt: skip
     optim = OptimConfig(actor_lr=LR, critic_lr=LR)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from oppo_jax.config import PPOConfig
 from oppo_jax.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -24,6 +25,7 @@ from oppo_jax.ppo import (
 from oppo_jax.ppo.advantages import whiten_rewards
 from oppo_jax.ppo.losses import aggregate
 from oppo_jax.ppo.masked import last_valid_index, masked_var
+from oppo_jax.ppo.off_policy import correction_metrics, correction_weight
 
 SEEDS = [0, 1, 2]
 B, T, V = 5, 7, 16
@@ -223,8 +225,13 @@ def test_policy_loss_matches_reference(seed, agg, is_clip):
     adv = f32(rng, B, T, mask=mask)
     blp = None if is_clip is None else olp + f32(rng, B, T, scale=0.3)
     want, want_aux = ref_policy(lp, olp, adv, lengths, 0.2, agg, blp, is_clip)
-    importance = None if blp is None else (j(blp), is_clip)
-    loss, aux = policy_loss(j(lp), j(olp), j(adv), j(mask), 0.2, agg, importance)
+    weight = None
+    if blp is not None:  # tis (ppo.off_policy_correction): its weight and its metric
+        ppo = PPOConfig(off_policy_correction="tis", importance_clip=is_clip)
+        weight = correction_weight(ppo, j(olp), j(blp), j(mask))
+        (metric,) = correction_metrics(ppo, j(olp), j(blp), j(mask)).values()
+        np.testing.assert_allclose(metric, want_aux.pop("is_weight_mean"), **TOL)
+    loss, aux = policy_loss(j(lp), j(olp), j(adv), j(mask), 0.2, agg, weight)
     np.testing.assert_allclose(loss, want, **TOL)
     assert set(aux) == set(want_aux)
     for key, value in want_aux.items():

@@ -114,7 +114,7 @@ def test_adaptive_kl_in_loss_and_importance_correction_paths_run_and_differ():
     base_spec, batch, state, expected, _ = _reference()
     for ppo in (
         PPOConfig(ppo_epochs=2, num_minibatches=2, grad_accum_steps=2, kl_in_reward=False),
-        PPOConfig(ppo_epochs=2, num_minibatches=2, grad_accum_steps=2, importance_correction=True),
+        PPOConfig(ppo_epochs=2, num_minibatches=2, grad_accum_steps=2, off_policy_correction="tis"),
     ):
         spec = make_spec(ppo)
         new_state, metrics = jax.jit(functools.partial(ppo_update, spec))(

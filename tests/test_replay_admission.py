@@ -41,7 +41,7 @@ def _slots():
 
     buffer = CarryBuffer([seq(0, 3, 9), seq(1, 5, 4, finished=True), seq(2, 2, 17)])
     prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(1, P + 1))) for i in (3, 4, 5)])
-    return admit(buffer, prompts, AdmitRule(6, 8, True, max_deferrals=2), P, R)
+    return admit(buffer, prompts, AdmitRule(6, 8, True, max_staleness=2), P, R)
 
 
 def _valid_cache(cache):

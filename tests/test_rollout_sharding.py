@@ -198,7 +198,7 @@ def test_replayed_admission_with_carried_prefixes_shards_and_agrees():
         prefix = rng.integers(30, 64, 5).astype(np.int32)
         buffer.extend([Carried(i, prompt.tolist(), prefix.tolist(), [-1.0] * 5, [0] * 5, 1)])
     pairs = [(10 + i, rng.integers(2, 64, 3)) for i in range(5)]
-    slots = admit(buffer, ListPrompts(pairs), AdmitRule(8, 8, True, max_deferrals=2), P, R)
+    slots = admit(buffer, ListPrompts(pairs), AdmitRule(8, 8, True, max_staleness=2), P, R)
     assert int(slots.prefix_len[:3].min()) == 5
     admission = device_admission(slots)
     plan = plan_replay(slots.context, slots.prompt_len, slots.prefix_len, (P, R))

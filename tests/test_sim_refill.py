@@ -174,7 +174,7 @@ def test_the_projection_prints_every_assumption(capsys):
         "1 PPO epoch(s)",
         "trained: actor (critic-free) (LoRA rank 64",
         "refill every 32 tokens, S = 112 rows, prompt prefilled once per group, carry_kv keep",
-        "max staleness 4 version(s) (finish when due)",
+        "max staleness 2 version(s) (finish when due)",  # the config's rollout.max_staleness
         "median 512: log-normal, median 512",
         "refill (S = B, prompt per sample, replay)",
         "+ shared prompt prefill",

@@ -12,7 +12,8 @@ import functools
 import os
 import re
 import typing
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,36 @@ DEFAULT_CONFIG = CONFIG_DIR / "demo_cpu.yaml"
 _PLAIN_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 
+def _tis_or_none(on: Any) -> str:
+    if not isinstance(on, bool):
+        raise ConfigError(f"ppo.importance_correction={on!r}: expected bool")
+    return "tis" if on else "none"
+
+
+# Renamed keys: old dotted key -> (new key, the new key's value for the old one's). A file or
+# override naming the old key still loads (with a FutureWarning), and so does a run directory's
+# config.yaml written before the rename (``run.log.config_differences`` reads it through this).
+RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "ppo.importance_correction": ("ppo.off_policy_correction", _tis_or_none),
+    "pipeline.max_deferrals": ("rollout.max_staleness", lambda deferrals: deferrals),
+}
+
+
+def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` (dotted keys) with each ``RENAMED`` key under its new name and value.
+
+    Example: {"ppo.importance_correction": True} -> {"ppo.off_policy_correction": "tis"}.
+    """
+    out = dict(flat)
+    for old, (new, convert) in RENAMED.items():
+        if old in out:
+            value = out.pop(old)
+            if new in flat:
+                raise ConfigError(f"{old} and {new} both given: {old} is now {new}; keep {new}")
+            out[new] = convert(value)
+    return out
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a run configuration: dataclass defaults <- YAML file <- `key=value` overrides.
 
@@ -47,9 +78,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
       ConfigError: missing or malformed file, unknown key, wrong type or bad value.
     """
     file = _resolve(path)
-    merged = _merge(_schema(), _read_yaml(file), str(file))
+    merged = _merge(_schema(), _renamed(_read_yaml(file), str(file)), str(file))
     for item in overrides:
-        merged = _merge(merged, _parse_override(item), f"--set {item}")
+        merged = _merge(merged, _renamed(_parse_override(item), f"--set {item}"), f"--set {item}")
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -64,6 +95,28 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
 def _schema() -> DictConfig:
     """The structured config of the defaults, built once (merge copies it, never mutates it)."""
     return OmegaConf.structured(Config)
+
+
+def _renamed(update: DictConfig, origin: str) -> DictConfig:
+    """``update`` with its ``RENAMED`` keys moved to their new names, each with a warning."""
+    tree = OmegaConf.to_container(update, resolve=False)
+    flat = {}
+    for old in RENAMED:
+        section, _, name = old.rpartition(".")
+        if isinstance(parent := tree.get(section), dict) and name in parent:
+            flat[old] = parent.pop(name)
+    if not flat:
+        return update
+    for old, (new, _) in RENAMED.items():
+        section, _, name = new.rpartition(".")
+        if old in flat and name in (tree.get(section) or {}):
+            flat[new] = tree[section][name]  # both given: migrate_flat refuses
+    for key, value in migrate_flat(flat).items():
+        section, _, name = key.rpartition(".")
+        tree.setdefault(section, {})[name] = value
+        old = next(o for o, (n, _) in RENAMED.items() if n == key)
+        warnings.warn(f"{origin}: {old} is now {key}; read as {key}={value!r}", FutureWarning, 3)
+    return OmegaConf.create(tree)
 
 
 def _resolve(path: str | os.PathLike | None) -> Path:

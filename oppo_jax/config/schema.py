@@ -72,6 +72,13 @@ class RolloutConfig:
     length_sampler: str = "policy"
     length_median: float = 32.0  # lognormal: median response length, tokens
     length_p99: float = 256.0  # lognormal: 99th-percentile length, tokens (capped at the max)
+    # bound on a trained token's age, policy versions (steps between sampling it and training on
+    # it): a group carried this many times is at the bound (a carry is one step)
+    max_staleness: int = 2
+    # a group at max_staleness: finish (its step's rollout waits until it completes, and it is
+    # trained first) | drop (if the cut leaves it out it is dropped, never trained, its prompt
+    # counted in the step's `dropped`)
+    on_stale: str = "finish"
 
 
 @dataclass(frozen=True)
@@ -114,9 +121,15 @@ class PPOConfig:
     # sequence_sum (TRL RLOOTrainer's loss: exp of the summed log-ratio, with loss_agg seq_mean);
     # the sequence levels need a critic-free advantage (docs/GRPO.md)
     importance_sampling_level: str = "token"
-    # weight carried (stale) tokens by a truncated ratio π_old / π_behaviour (decoupled PPO)
-    importance_correction: bool = False
-    importance_clip: float = 2.0  # upper truncation of that importance weight
+    # correction of tokens sampled by an older policy (carried sequences) by the ratio
+    # ρ = π_old / π_behaviour: none | tis (each token's loss times min(ρ_t, importance_clip):
+    # token-level truncated IS, decoupled PPO) | mis (a sequence whose geometric-mean ratio
+    # exp(mean_t log ρ_t) leaves [mis_lower, mis_upper] is masked out of the loss: verl's
+    # geometric rejection); docs/NUMERICS.md maps them to verl's and TRL's names
+    off_policy_correction: str = "none"
+    importance_clip: float = 2.0  # tis: upper truncation of the token weight min(ρ_t, clip)
+    mis_lower: float = 0.5  # mis: a sequence whose ratio is below this is masked (verl: 1/upper)
+    mis_upper: float = 2.0  # mis: a sequence whose ratio is above this is masked
     pack_granule: int = 16  # the packed update's row width is P + R rounded up to this, tokens
     # the packed update's rows are this many times P + R wide: 2 lets any two sequences share a
     # row (long fixed prompts pack badly in one P + R) at twice a row's attention; the chunks
@@ -186,7 +199,6 @@ class PipelineConfig:
     overcommit_min: int = 0  # Δ_min, lower clamp of adaptive Δ, prompts
     overcommit_max: int = 8  # Δ_max, upper clamp of adaptive Δ, prompts
     overcommit_window: int = 3  # w, steps averaged in the reward trend
-    max_deferrals: int = 2  # steps a sequence (a group) may be carried before it must finish
     # device roles: colocated (all share the mesh) | disaggregated (scorers on own devices)
     placement: str = "colocated"
     # gather the still-running decode slots into a smaller slot bucket once they fit in half of

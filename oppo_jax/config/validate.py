@@ -36,6 +36,8 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "ppo.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
     "ppo.scale_rewards": ("group", "batch", "none"),
     "ppo.importance_sampling_level": ("token", "sequence", "sequence_sum"),
+    "ppo.off_policy_correction": ("none", "tis", "mis"),
+    "rollout.on_stale": ("finish", "drop"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "pipeline.mode": ("sync", "intra", "inter", "oppo"),
     "pipeline.placement": ("colocated", "disaggregated"),
@@ -53,7 +55,7 @@ _NONNEGATIVE = (
     "rollout.top_k", "ppo.kl_coef", "ppo.vf_coef", "ppo.entropy_coef",
     "optim.actor_lr", "optim.critic_lr", "optim.weight_decay", "optim.warmup_steps",
     "mesh.scoring_devices", "pipeline.overcommit", "pipeline.overcommit_min",
-    "pipeline.overcommit_max", "pipeline.max_deferrals", "train.checkpoint_every",
+    "pipeline.overcommit_max", "rollout.max_staleness", "train.checkpoint_every",
     "train.sft_steps", "train.rm_steps", "model.lora_rank",
 )  # fmt: skip
 _POSITIVE_FLOATS = (
@@ -144,6 +146,11 @@ def _value_problems(cfg: Config) -> list[str]:
         problems.append(f"rollout.top_p={r.top_p!r}: must lie in (0, 1]")
     if ppo.importance_clip < 1:
         problems.append(f"ppo.importance_clip={ppo.importance_clip!r}: must be >= 1")
+    if not 0 <= ppo.mis_lower <= 1 <= ppo.mis_upper:  # an on-policy sequence (ratio 1) is kept
+        problems.append(
+            f"ppo.mis_lower={ppo.mis_lower!r}, ppo.mis_upper={ppo.mis_upper!r}: the band must "
+            "hold 1 (0 <= mis_lower <= 1 <= mis_upper)"
+        )
     if ppo.missing_eos_penalty is not None and ppo.missing_eos_penalty < 0:
         problems.append(f"ppo.missing_eos_penalty={ppo.missing_eos_penalty!r}: must be >= 0")
     floor = cfg.pipeline.compact_min_slots
@@ -234,6 +241,7 @@ def _relation_problems(cfg: Config) -> list[str]:
             f"pipeline.overcommit{'_max' if p.adaptive_overcommit else ''}={largest_delta}: "
             f"must be <= rollout.batch_size / rollout.group_size ({b}/{g})={b // g} (groups)"
         )
+    problems += _staleness_problems(cfg, largest_delta)
     if p.placement == "disaggregated" and mesh.scoring_devices < 1:
         problems.append(
             f"mesh.scoring_devices={mesh.scoring_devices}: must be >= 1 when "
@@ -245,6 +253,20 @@ def _relation_problems(cfg: Config) -> list[str]:
             "pipeline.placement=colocated (scorers share the mesh)"
         )
     return problems
+
+
+def _staleness_problems(cfg: Config, largest_delta: int) -> list[str]:
+    """The staleness bound: with must-finish, every group at the bound has to fit the batch."""
+    r, p = cfg.rollout, cfg.pipeline
+    carrying = p.mode in ("inter", "oppo") and largest_delta > 0
+    if carrying and r.max_staleness == 0 and r.on_stale == "finish":
+        # Every admitted group is at the bound: B/G + Δ groups must finish, B/G are trained.
+        return [
+            "rollout.max_staleness=0: with rollout.on_stale=finish every one of the B + Δ·G "
+            "sequences a step starts must finish in it, but only B are trained; set "
+            "rollout.on_stale=drop, max_staleness >= 1, or pipeline.overcommit=0"
+        ]
+    return []
 
 
 def _group_problems(cfg: Config) -> list[str]:
@@ -283,10 +305,10 @@ def _ratio_level_problems(ppo) -> list[str]:
             f"{key}: one ratio per sequence weighs one advantage per sequence; ppo.advantage=gae "
             "gives each token its own (use grpo, rloo or reinforce_pp, or level token)"
         )
-    if ppo.importance_correction:
+    if ppo.off_policy_correction == "tis":
         problems.append(
-            f"{key}: ppo.importance_correction=true weights each token by its own stale ratio, "
-            "a token-level correction; set it to false or use level token"
+            f"{key}: ppo.off_policy_correction=tis weights each token by its own stale ratio, "
+            "a token-level correction; use mis (a sequence mask), none, or level token"
         )
     if level == "sequence_sum" and ppo.loss_agg != "seq_mean":
         problems.append(

@@ -4,9 +4,15 @@ A step admits up to B + Δ·G sequences in groups of G (G responses to one promp
 indices 0..G-1; G = 1 for PPO): carried groups first (FIFO), then new prompts, each group in
 G contiguous slots. All slots decode in lockstep; the step's rollout ends at the decode
 position where the (B/G)-th group completes (a group completes with its last member). The
-batch is those B/G whole groups in a fixed order — groups that reached ``max_deferrals``
-first, then by completion position, then by admission order — and every other group is
-carried whole: its finished members complete, the others with the tokens they had at the cut.
+batch is those B/G whole groups in a fixed order — groups that must finish first, then by
+completion position, then by admission order — and every other group is carried whole: its
+finished members complete, the others with the tokens they had at the cut.
+
+Staleness: each carried token keeps the step (policy version) that sampled it, so a token
+trained at step k sampled at step v is k − v versions stale (``staleness_counts``). A group
+carried d times holds tokens up to d versions old, so ``AdmitRule.max_staleness`` bounds d: a
+group carried that often is at the bound, and either must finish in its step (on_stale
+``finish``) or, if the cut leaves it out, is dropped whole (``drop``; ``dropped_slots``).
 Nothing here touches a device: it is plain Python over small integer arrays, so its
 invariants are property-tested directly.
 """
@@ -120,7 +126,8 @@ class SlotBatch:
     sample_index: np.ndarray  # [S] which of its prompt's G samples each slot holds
     deferrals: np.ndarray  # [S] times each sequence has been carried so far
     active: np.ndarray  # [S] bool: slot holds a sequence
-    must_finish: np.ndarray  # [S] bool: deferrals reached max_deferrals
+    must_finish: np.ndarray  # [S] bool: at the staleness bound, on_stale finish
+    drop_if_left: np.ndarray  # [S] bool: at the staleness bound, on_stale drop
     entries: list  # [S] Carried (or None for empty slots): what to carry out
 
     @property
@@ -149,8 +156,11 @@ class AdmitRule:
     num_sequences: int  # B + Δ·G sequences to start
     num_slots: int  # S >= num_sequences (rounded up so slots shard evenly; the rest stay empty)
     room_for_prefix: bool  # contexts get R columns for carried prefixes (carrying is on)
-    max_deferrals: int  # a sequence carried this often must finish in this step
+    # versions a trained token may be stale (``rollout.max_staleness``): a sequence carried
+    # this often is at the bound in this step
+    max_staleness: int
     group_size: int = 1  # G, samples of each new prompt (contiguous slots)
+    on_stale: str = "finish"  # at the bound: finish (must finish) | drop (dropped if left out)
 
 
 def admit(
@@ -187,6 +197,7 @@ def admit(
         deferrals=np.zeros(num_slots, np.int32),
         active=np.zeros(num_slots, bool),
         must_finish=np.zeros(num_slots, bool),
+        drop_if_left=np.zeros(num_slots, bool),
         entries=entries + [None] * (num_slots - len(entries)),
     )
     for i, c in enumerate(entries):
@@ -198,7 +209,9 @@ def admit(
         s.prefix_behaviour[i, : len(c.response)] = c.behaviour_logp
         s.prefix_version[i, : len(c.response)] = c.version
         s.active[i] = True
-        s.must_finish[i] = c.deferrals >= rule.max_deferrals
+        at_bound = c.deferrals >= rule.max_staleness  # one more carry would exceed it
+        s.must_finish[i] = at_bound and rule.on_stale == "finish"
+        s.drop_if_left[i] = at_bound and rule.on_stale == "drop"
     return s
 
 
@@ -212,10 +225,46 @@ class HostRollout:
     finish_step: np.ndarray  # [S] decode position at which each slot finished (-1: running)
 
 
+def _left_out(slots: SlotBatch, selection: Selection) -> np.ndarray:
+    """[S] bool: active slots the batch did not take."""
+    left = slots.active.copy()
+    left[selection.batch] = False
+    return left
+
+
 def carried_slots(slots: SlotBatch, selection: Selection) -> list[int]:
-    """The slots ``carry_out`` carries, in its order (admission order): active, not taken."""
-    taken = set(selection.batch.tolist())
-    return [i for i in range(slots.num_slots) if slots.active[i] and i not in taken]
+    """The slots ``carry_out`` carries, in its order (admission order): active, not taken, not
+    dropped (``dropped_slots``)."""
+    return np.flatnonzero(_left_out(slots, selection) & ~slots.drop_if_left).tolist()
+
+
+def dropped_slots(slots: SlotBatch, selection: Selection) -> list[int]:
+    """The slots dropped at the cut: at the staleness bound with on_stale drop, not taken.
+    Whole groups: a group's members are admitted, taken and carried together, so they share
+    their deferrals."""
+    return np.flatnonzero(_left_out(slots, selection) & slots.drop_if_left).tolist()
+
+
+def staleness_counts(
+    slots: SlotBatch, rows: np.ndarray, response_len: np.ndarray, step: int, bound: int
+) -> np.ndarray:
+    """[bound + 1] how many of the batch's trained response tokens were sampled 0, 1, ...
+    ``bound`` policy versions before ``step`` (the batch's slots ``rows``, their response
+    lengths ``response_len``): a carried prefix token's version is the step that sampled it
+    (``SlotBatch.prefix_version``), every later token was sampled in ``step``.
+
+    Example: step 5, one row with a 3-token prefix sampled at steps [3, 3, 4] and 5 tokens in
+    all, bound 2 -> [2, 1, 2]. Raises if a token is staler than ``bound`` (the carry's rule
+    keeps every one within it).
+    """
+    width = slots.prefix_version.shape[1]
+    cols = np.arange(width)[None, :]
+    prefix = cols < slots.prefix_len[rows][:, None]
+    trained = cols < np.asarray(response_len)[:, None]
+    age = np.where(prefix, step - slots.prefix_version[rows], 0)[trained]
+    if age.size and (age.min() < 0 or age.max() > bound):
+        raise AssertionError(f"a trained token is {age.max()} versions stale; bound {bound}")
+    return np.bincount(age, minlength=bound + 1)
 
 
 def carry_out(

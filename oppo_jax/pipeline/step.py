@@ -54,8 +54,9 @@ class StepEngine:
     ref_params: Any  # reference weights, on the scoring group
     reward_params: Any  # reward-model weights on the scoring group; None with a reward_fn
     sample_key: jax.Array  # the run's sampling key: a token depends on (seed, prompt, position)
-    max_deferrals: int  # a sequence carried this often must finish in its next step
+    max_deferrals: int  # rollout.max_staleness: a sequence carried this often is at the bound
     rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
+    on_stale: str = "finish"  # rollout.on_stale: at the bound, finish | drop (AdmitRule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +205,9 @@ def admit_rule(engine: StepEngine, plan: StepPlan) -> AdmitRule:
         plan.batch_size + plan.overcommit,
         engine.placement.num_slots(plan.reserved),
         room_for_prefix=plan.reserved > plan.batch_size,
-        max_deferrals=engine.max_deferrals,
+        max_staleness=engine.max_deferrals,
         group_size=plan.group_size,
+        on_stale=engine.on_stale,
     )
 
 

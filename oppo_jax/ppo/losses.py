@@ -111,38 +111,31 @@ def policy_loss(
     mask: Shaped[Array, "*tokens"],
     cliprange: Scalar | tuple[Scalar, Scalar],
     agg: Aggregation = "token_mean",
-    importance: tuple[Float[Array, "*tokens"], float] | None = None,
+    is_weight: Float[Array, "*tokens"] | None = None,
     weights: TokenWeights | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
-    """Clipped PPO surrogate, optionally with a truncated importance weight (decoupled PPO).
+    """Clipped PPO surrogate, optionally weighted per token by an off-policy correction.
 
     With r = exp(logp − old_logp) and cliprange ε or (ε_low, ε_high) (DAPO's clip-higher):
         ℓ_t = max(−A_t · r_t, −A_t · clip(r_t, 1 − ε_low, 1 + ε_high))
         loss = agg(w_t · ℓ_t)
-    where w_t = 1, or, with ``importance`` = (behaviour_logp, is_clip),
-        w_t = stop_gradient(min(exp(old_logp − behaviour_logp), is_clip))
-    corrects for tokens sampled by an older (behaviour) policy than the proximal `old_logp`.
+    where w_t = 1, or ``is_weight`` (constant: ``off_policy.correction_weight``, which corrects
+    for tokens sampled by an older, behaviour, policy than the proximal ``old_logp``). The
+    aggregation's normaliser is the same with or without it (TRL's convention).
 
     Returns:
         (loss, aux) with aux (masked token means, no gradient):
         clipfrac = mean(r outside [1 − ε_low, 1 + ε_high]), approx_kl = mean(½ (logp − old_logp)²),
-        ratio_mean = mean(r), and is_weight_mean = mean(w) when the correction is on.
+        ratio_mean = mean(r).
     """
     valid = as_bool_mask(mask)
     log_ratio = _valid_f32(logp, valid) - _valid_f32(old_logp, valid)
     ratio = jnp.exp(log_ratio)
     per_token = _surrogate(ratio, _valid_f32(advantages, valid), cliprange)
-
-    aux = {}
-    if importance is not None:
-        behaviour_logp, is_clip = importance
-        stale = _valid_f32(old_logp, valid) - _valid_f32(behaviour_logp, valid)
-        weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(stale), is_clip))
-        per_token = weight * per_token
-        aux["is_weight_mean"] = _mean(weight, mask, weights)
-
+    if is_weight is not None:
+        per_token = is_weight * per_token
     loss = aggregate(per_token, mask, agg, weights)
-    return loss, {**aux, **_ratio_metrics(ratio, log_ratio, cliprange, mask, weights)}
+    return loss, _ratio_metrics(ratio, log_ratio, cliprange, mask, weights)
 
 
 def sequence_log_ratio(

@@ -39,6 +39,7 @@ from oppo_jax.parallel.sharding import (
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
 from oppo_jax.ppo.losses import value_loss
+from oppo_jax.ppo.off_policy import correction_metrics
 from oppo_jax.ppo.packing import (
     PackedMicrobatch,
     PackIndices,
@@ -172,9 +173,10 @@ def ppo_update_packed(
 
     def prepare(idx: PackIndices) -> PackedMicrobatch:
         mb = gather_microbatch(batch, idx, minibatch)
-        if spec.ppo.importance_sampling_level != "token":
-            # A ratio per sequence sums over each sequence's slots: their minibatch-local ids
-            # (``minibatch`` for unused slots); a sequence's slots are all in one chunk.
+        ppo = spec.ppo
+        if ppo.importance_sampling_level != "token" or ppo.off_policy_correction == "mis":
+            # A ratio per sequence (the loss's, MIS's) sums over each sequence's slots: their
+            # minibatch-local ids (``minibatch`` for unused slots); they are all in one chunk.
             seqs = mb.weights.replace(segments=idx.resp_seg, num_segments=minibatch + 1)
             mb = mb.replace(weights=seqs)
         return mb if layout is None else layout.rows(mb)
@@ -186,7 +188,10 @@ def ppo_update_packed(
         new_state, stacked = jax.lax.scan(
             lambda s, epoch_plan: jax.lax.scan(step, s, epoch_plan), state, plan
         )
-    return finish_update(spec, new_state, stacked, batch_ok)
+    new_state, metrics = finish_update(spec, new_state, stacked, batch_ok)
+    # The off-policy correction's metrics, over the whole batch's trained tokens (once).
+    metrics |= correction_metrics(spec.ppo, batch.old_logp, batch.behaviour_logp, batch.mask)
+    return new_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

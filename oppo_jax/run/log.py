@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from oppo_jax.base.errors import InputError
 from oppo_jax.config import Config, to_dict
+from oppo_jax.config.load import migrate_flat
 
 # Shown in the progress bar, in this order.
 _BAR_KEYS = ("reward", "gold", "kl", "response_len_mean", "step_time_s")
@@ -242,8 +243,10 @@ def config_differences(stored_yaml: str, cfg: Config) -> list[str]:
     leaving out the ``RESUMABLE_KEYS``. A key the stored file lacks (one added to the config
     after the run started) differs only where ``cfg`` moves it off its default: a new key's
     default keeps what the run did before it existed, but for the LoRA keys whose default
-    changed what LoRA does (``_LORA_BEFORE_THE_KEY``: a LoRA run resumes with them set so)."""
-    stored, current = _flat(yaml.safe_load(stored_yaml) or {}), _flat(to_dict(cfg))
+    changed what LoRA does (``_LORA_BEFORE_THE_KEY``: a LoRA run resumes with them set so).
+    A key renamed since (``config.load.RENAMED``) is compared under its new name."""
+    stored = migrate_flat(_flat(yaml.safe_load(stored_yaml) or {}))
+    current = _flat(to_dict(cfg))
     if stored.get("model.lora_rank"):
         for key, value in _LORA_BEFORE_THE_KEY.items():
             stored.setdefault(key, value)

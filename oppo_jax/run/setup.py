@@ -284,9 +284,8 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         prompts = _random_prompt_set(cfg, actor)
     elif prompts is None:
         prompts, truncated = _user_prompts(cfg, actor.tokenizer)
-    tok = actor.tokenizer
     eos_ids, pad_id = (RANDOM_EOS_ID,), RANDOM_PAD_ID  # random models: no tokenizer
-    if tok is not None:
+    if (tok := actor.tokenizer) is not None:
         eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     spec = update_spec(cfg, actor.config, critic_cfg)
@@ -306,8 +305,9 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         else None,  # β = 0: no reference
         reward_params=reward and placement.scoring_params(reward.config, reward.params),
         sample_key=sampling_key(cfg.seed),
-        max_deferrals=cfg.pipeline.max_deferrals,
+        max_deferrals=cfg.rollout.max_staleness,
         rewards=reward_functions(cfg, tok, prompts, eos_ids),  # reward.functions (host)
+        on_stale=cfg.rollout.on_stale,
     )
     critic_base = reward.params if reward and cfg.model.critic_init == "reward" else actor.params
     actor_trained, critic_trained, frozen = initial_params(

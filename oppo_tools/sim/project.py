@@ -324,7 +324,7 @@ def _config_values(cfg, spec: str) -> dict:
         "chunk": p.chunk_size,
         "delta": p.overcommit,
         "placement": p.placement,
-        "max_deferrals": p.max_deferrals,
+        "max_deferrals": r.max_staleness,  # a group carried this often must finish
         "chips": m.data * m.fsdp * m.tensor,
         "lora_rank": getattr(cfg.model, "lora_rank", 0),  # 0 also before the schema had LoRA
     }

@@ -55,7 +55,8 @@ def settings(bench: dict) -> Workload:
         prompt_len=int(rollout["max_prompt_len"]),
         capacity=int(rollout["max_response_len"]),
         placement=pipe["placement"],
-        max_deferrals=int(pipe["max_deferrals"]),
+        # rollout.max_staleness; pipeline.max_deferrals in benches run before the rename
+        max_deferrals=int(rollout.get("max_staleness", pipe.get("max_deferrals"))),
         seed=None,  # the test steps' lengths, in order
         group_size=int(rollout.get("group_size", 1)),
     )

@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 
 from oppo_jax.config import OptimConfig, PPOConfig  # noqa: E402
 from oppo_jax.models import ModelConfig, init_params  # noqa: E402
-from oppo_jax.pipeline.kernels import Kernels, build_kernels  # noqa: E402
-from oppo_jax.pipeline.slot_map import SlotMap  # noqa: E402
+from oppo_jax.pipeline.decode_loop import SlotMap  # noqa: E402
+from oppo_jax.pipeline.kernels import Kernels, build_kernels, oppo_streamed_scoring  # noqa: E402
 from oppo_jax.ppo.optimizer import make_optimizer  # noqa: E402
 from oppo_jax.ppo.update import UpdateSpec  # noqa: E402
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig  # noqa: E402
@@ -90,36 +90,39 @@ def run_rollout(kernels: Kernels, params: dict, admission: Admission, args) -> d
     With ``kernels.compact_slots``, running slots move into smaller buckets as others finish
     (``SlotMap``, as ``run_step`` does), timed with the decode."""
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(args.batch))
-    state, _ = kernels.admit(params["actor"], admission, jax.random.key(0), ())  # new prompts
-    held = types.SimpleNamespace(states={r: kernels.scorer_admit(r)(params[r], admission)[0]
+    state, _ = kernels.prefill_actor(
+        params["actor"], admission, jax.random.key(0), ()
+    )  # new prompts
+    held = types.SimpleNamespace(states={r: kernels.prefill_prompts(r, params[r], admission)[0]
                                          for r in ROLES})  # fmt: skip
     jax.block_until_ready((state, held.states))
-    floor = kernels.compaction_floor(1)  # None: this variant does not compact
+    floor = kernels.compaction_floor  # None: this variant does not compact
     slot_map = None if floor is None else SlotMap(args.slots, floor)
     longest = int(np.max(np.asarray(admission.context_len)))
     decode_s = score_s = 0.0
     for i in range(args.response_len + 1):
         width = kernels.chunk_width(longest, args.chunk, i)
         t0 = time.perf_counter()
-        state, tokens = kernels.decode(args.chunk, width)(params["actor"], state, rule)
+        state, tokens = kernels.decode_tokens(params["actor"], state, rule, args.chunk, width)
         running = int(jax.block_until_ready(tokens.running))
         t1 = time.perf_counter()
         for r in ROLES:
-            kernel = kernels.scorer_chunk(r, width)
-            held.states[r] = kernel(params[r], held.states[r], tokens)[0]
+            spec = getattr(kernels.scorer_specs, r)  # every slot, as before packing
+            full = tokens if slot_map is None else slot_map.full_chunk(tokens)
+            held.states[r] = oppo_streamed_scoring(
+                params[r], held.states[r], full, None, spec=spec, kv_width=width, packed=False
+            )[0]
         jax.block_until_ready(held.states)
         t2 = time.perf_counter()
         if slot_map is not None and running >= 0:
-            state, _, rule = slot_map.maybe_compact(
-                running, tokens.finished, state, tokens, rule, held
-            )
+            state, _, rule = slot_map.maybe_compact(running, tokens.finished, state, tokens, rule)
             jax.block_until_ready(state)
         t3 = time.perf_counter()
         decode_s, score_s = decode_s + t1 - t0 + t3 - t2, score_s + t2 - t1
         if running < 0:
             break
     if slot_map is not None:
-        state = slot_map.restore(state, held)
+        state = slot_map.restore(state)
     out = dict(decode_s=decode_s, score_s=score_s, state=state, scorers=held.states)
     return out | {"chunks": i + 1}
 

@@ -25,7 +25,7 @@ from oppo_jax.parallel.sharding import constrain_slots
 from oppo_jax.rollout.admission import Admission, prompt_prefill
 from oppo_jax.rollout.decode import admit_decode, decode_step
 from oppo_jax.rollout.layout import response_positions, response_tokens
-from oppo_jax.scoring.replay import actor_spec, replay_chunk
+from oppo_jax.scoring.carried import actor_spec, replay_chunk
 from oppo_jax.scoring.stream import scorer_admit
 
 
@@ -68,7 +68,7 @@ def prefill_and_start(cfg, params, admission, base_key, rollout):
 
 
 def replay(spec, params, state, plan):
-    """Every chunk of ``plan`` (``scoring.replay.plan_replay``) fed in order, in one trace."""
+    """Every chunk of ``plan`` (``scoring.carried.plan_replay``) fed in order, in one trace."""
     for c in plan:
         tokens, count = jnp.asarray(c.tokens), jnp.asarray(c.count)
         state = replay_chunk(spec, params, state, tokens, count, c.kv_width)

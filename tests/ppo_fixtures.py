@@ -91,12 +91,12 @@ def reward_scores(cfg, params, tokens, seq_len):
     return jnp.take_along_axis(out[..., 0], last[:, None], axis=1)[:, 0].astype(jnp.float32)
 
 
-def step_engine(kernels, placement, ref_params, reward_params, seed=1, max_deferrals=2):
+def step_engine(kernels, placement, ref_params, reward_params, seed=1, max_staleness=2):
     """A StepEngine for schedule tests (sampling key from ``seed``)."""
     from oppo_jax.pipeline.step import StepEngine
 
     return StepEngine(
-        kernels, placement, ref_params, reward_params, jax.random.key(seed), max_deferrals
+        kernels, placement, ref_params, reward_params, jax.random.key(seed), max_staleness
     )
 
 

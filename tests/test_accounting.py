@@ -29,7 +29,7 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.scoring.replay import ReplayChunk
+from oppo_jax.scoring.carried import ReplayChunk
 from oppo_tools.sim import packing as sim_packing
 from tests.ppo_fixtures import CRITIC, ListPrompts, make_spec, step_engine, step_plan, tiny_params
 

@@ -13,6 +13,7 @@ a sibling imported through its package)."""
 import ast
 import functools
 import pathlib
+import re
 from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -490,6 +491,34 @@ def test_the_map_and_the_readme_name_every_package_and_nothing_gone():
             f"`{p}`" not in the_map] == []  # fmt: skip
     named = [cell.split("`")[1] for cell in table.split("\n| ")[1:] if cell.startswith("`")]
     assert named and all((ROOT / n.rstrip("/")).exists() for n in named), named
+
+
+MAX_STEP_MODULES = 15  # modules a reader opens to follow one step, pipeline/step.py included
+
+
+def step_modules(the_map: str) -> set[str]:
+    """The modules docs/MAP.md's "One step, top to bottom" table names (its third column), as
+    paths under oppo_jax/, with pipeline/step.py."""
+    section = the_map[the_map.index("## One step, top to bottom") :]
+    table = section[section.index("| step |") :].split("\n\n")[0]
+    rows = [row.split("|")[3] for row in table.splitlines()[2:]]
+    return {"pipeline/step.py"} | {m for row in rows for m in re.findall(r"`([\w/]+\.py)`", row)}
+
+
+def test_one_step_is_read_in_at_most_15_modules_the_step_reaches():
+    """docs/MAP.md lists the modules a reader opens to follow one ``oppo`` step: at most 15,
+    each one that pipeline/step.py imports, directly or through the others (so the table cannot
+    name a module the step never reaches)."""
+    listed = step_modules((ROOT / "docs" / "MAP.md").read_text())
+    assert len(listed) <= MAX_STEP_MODULES, sorted(listed)
+    graph, reached, todo = TREE.graph(), set(), ["oppo_jax.pipeline.step"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph.get(module, ()))
+    modules = {"oppo_jax." + m.removesuffix(".py").replace("/", ".") for m in listed}
+    assert sorted(modules - reached) == []
 
 
 # --- each check on a small tree with a violation injected -----------------------------------

@@ -66,7 +66,7 @@ def test_every_prompt_once_none_lost_bounded_staleness(lengths, delta, max_defer
         rule = AdmitRule(_B + delta, _B + delta, True, max_deferrals)
         slots = admit(buffer, prompts, rule, 2, R)
         # Carried sequences come first; the rows after them are new (or empty) and hold their
-        # prompt only (the replay of prefixes runs over leading rows: scoring.replay).
+        # prompt only (the replay of prefixes runs over leading rows: scoring.carried).
         slots.check_carried_first()
         fresh = slice(int((slots.deferrals > 0).sum()), None)
         assert not slots.prefix_len[fresh].any() and not slots.prefix_finished[fresh].any()

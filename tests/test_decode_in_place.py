@@ -12,6 +12,7 @@ slots, 1536 columns: a 12 GiB cache) one copy per step is about three times the 
 reads. Where a target's compiler is not installed its tests skip and name the extra.
 """
 
+import functools
 import importlib.util
 import re
 
@@ -24,7 +25,7 @@ from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import preset
 from oppo_jax.parallel.sharding import abstract_params, make_mesh, param_shardings, slot_shardings
 from oppo_jax.parallel.targets import Target
-from oppo_jax.pipeline.kernels import make_decode_chunk
+from oppo_jax.pipeline.kernels import oppo_decode
 from oppo_jax.rollout.decode import CutRule, DecodeState
 from oppo_jax.rollout.sampling import SamplingConfig
 
@@ -117,7 +118,8 @@ def test_decode_chunk_holds_no_full_cache_copy_inside_a_loop(target, attention):
     cfg = preset("tiny", dtype="bfloat16", param_dtype="bfloat16", attention=attention)
     t = Target.parse(target)
     mesh = make_mesh(1, 1, 1, t.devices(1))
-    program = make_decode_chunk(cfg, SamplingConfig(), CHUNK, mesh)
+    statics = dict(cfg=cfg, sampling=SamplingConfig(), chunk_size=CHUNK, mesh=mesh, kv_width=None)
+    program = functools.partial(oppo_decode, **statics)
     compiled = _lowered(cfg, program, mesh).compile(t.compile_options or None)
     text = compiled.runtime_executable().hlo_modules()[0].to_string()
     ragged = f'custom_call_target="{KERNEL[t.platform]}"' in text

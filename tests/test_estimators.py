@@ -9,9 +9,14 @@ from oppo_jax.config import load_config
 from oppo_jax.config.schema import PPOConfig
 from oppo_jax.config.validate import ENUMS
 from oppo_jax.pipeline.compile_plan import scorer_roles
-from oppo_jax.ppo.advantages import gae, whiten_advantages, whiten_rewards
-from oppo_jax.ppo.estimators import ESTIMATORS, estimator
-from oppo_jax.ppo.group_advantages import token_advantages
+from oppo_jax.ppo.estimators import (
+    ESTIMATORS,
+    estimator,
+    gae,
+    token_advantages,
+    whiten_advantages,
+    whiten_rewards,
+)
 from oppo_jax.run.specs import update_spec
 from tests.ppo_fixtures import ACTOR, CRITIC
 

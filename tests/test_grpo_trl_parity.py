@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from oppo_jax.config.schema import PPOConfig
-from oppo_jax.ppo.group_advantages import sequence_advantages, token_advantages
+from oppo_jax.ppo.estimators import sequence_advantages, token_advantages
 from oppo_jax.ppo.losses import TokenWeights
 from oppo_jax.ppo.packing import token_weights
 from oppo_jax.ppo.update import actor_objective

@@ -21,7 +21,7 @@ from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.run.checkpoint import RunCheckpointer
-from oppo_jax.scoring.kept import KeptCaches, kept_bucket, put_rows, row_ids, take_rows
+from oppo_jax.scoring.carried import KeptCaches, kept_bucket, put_rows, row_ids, take_rows
 from tests.oracles import policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,
@@ -53,7 +53,7 @@ def _setup():
     state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))
     rng = np.random.default_rng(0)
     prompts = ListPrompts([(i, rng.integers(30, 64, rng.integers(2, P + 1))) for i in range(64)])
-    engine = step_engine(kernels, place, actor, reward, max_deferrals=2)
+    engine = step_engine(kernels, place, actor, reward, max_staleness=2)
     return engine, state, prompts, (actor, reward)
 
 

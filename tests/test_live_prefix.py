@@ -22,14 +22,10 @@ from oppo_jax.models.kv_cache import MIN_LIVE_WIDTH, live_width, live_widths
 from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.accounting import WorkLedger, decode_keys
 from oppo_jax.pipeline.carry import CarryBuffer
-from oppo_jax.pipeline.kernels import (
-    Kernels,
-    build_kernels,
-    make_scorer_chunk,
-)
+from oppo_jax.pipeline.decode_loop import SlotMap
+from oppo_jax.pipeline.kernels import Kernels, build_kernels, oppo_streamed_scoring
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
-from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.ppo.update import init_train_state
@@ -88,19 +84,21 @@ def _rollout(kernels: Kernels, admission: Admission, targets, chunk: int):
     scorers, with the widths ``kernels.chunk_width`` picks (None without live prefix)."""
     actor, critic, reward = _params()
     params = {"reference": actor, "critic": critic, "reward": reward}
-    state, _ = kernels.admit(actor, admission, jax.random.key(0), ())
+    state, _ = kernels.prefill_actor(actor, admission, jax.random.key(0), ())
     state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
-    scorers = {r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
+    scorers = {r: kernels.prefill_prompts(r, params[r], admission)[0] for r in ROLES}
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(len(targets)))
     longest = int(np.max(np.asarray(admission.context_len)))
     widths = []
     for i in range(R + 1):
         width = kernels.chunk_width(longest, chunk, i)
         widths.append(width)
-        state, tokens = kernels.decode(chunk, width)(actor, state, rule)
+        state, tokens = kernels.decode_tokens(actor, state, rule, chunk, width)
         for r in ROLES:
-            kernel = make_scorer_chunk(getattr(kernels.scorer_specs, r), width)  # every slot
-            scorers[r] = kernel(params[r], scorers[r], tokens)[0]
+            spec = getattr(kernels.scorer_specs, r)  # every slot
+            scorers[r] = oppo_streamed_scoring(
+                params[r], scorers[r], tokens, None, spec=spec, kv_width=width, packed=False
+            )[0]
         if bool(tokens.ready):
             return state, scorers, widths
     raise AssertionError("the rollout never finished")
@@ -165,15 +163,10 @@ class _WidthSpy(Kernels):
     seen: list = dataclasses.field(default_factory=list)
     slots: list = dataclasses.field(default_factory=list)
 
-    def decode(self, chunk_size, kv_width=None):
+    def decode_tokens(self, params, state, rule, chunk_size, kv_width=None):
         self.seen.append(kv_width)
-        kernel = super().decode(chunk_size, kv_width)
-
-        def spied(params, state, rule):
-            self.slots.append(state.tokens.shape[0])
-            return kernel(params, state, rule)
-
-        return spied
+        self.slots.append(state.tokens.shape[0])
+        return super().decode_tokens(params, state, rule, chunk_size, kv_width)
 
 
 def _run(kernels: Kernels, overcommit: int, chunk: int, steps: int = 3):
@@ -302,20 +295,22 @@ def _rollout_compacting(kernels: Kernels, admission: Admission, targets, chunk: 
     actor, critic, reward = _params()
     params = {"reference": actor, "critic": critic, "reward": reward}
     s = len(targets)
-    state, _ = kernels.admit(actor, admission, jax.random.key(0), ())
+    state, _ = kernels.prefill_actor(actor, admission, jax.random.key(0), ())
     state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
-    states = {r: kernels.scorer_admit(r)(params[r], admission)[0] for r in ROLES}
+    states = {r: kernels.prefill_prompts(r, params[r], admission)[0] for r in ROLES}
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(s))
     longest = int(np.max(np.asarray(admission.context_len)))
     slot_map, sizes = SlotMap(s), []
     for i in range(R + 1):
         width = kernels.chunk_width(longest, chunk, i)
         sizes.append(state.tokens.shape[0])
-        state, tokens = kernels.decode(chunk, width)(actor, state, rule)
+        state, tokens = kernels.decode_tokens(actor, state, rule, chunk, width)
         full = slot_map.full_chunk(tokens)  # the scorers stay in the admission's layout
         for r in ROLES:
-            kernel = make_scorer_chunk(getattr(kernels.scorer_specs, r), width)  # every slot
-            states[r] = kernel(params[r], states[r], full)[0]
+            spec = getattr(kernels.scorer_specs, r)  # every slot
+            states[r] = oppo_streamed_scoring(
+                params[r], states[r], full, None, spec=spec, kv_width=width, packed=False
+            )[0]
         if int(tokens.running) < 0:  # ready
             break
         running = int(tokens.running)

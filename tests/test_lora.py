@@ -86,9 +86,9 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_bit_identically(lora_run
     params = [n for n in names if n.startswith("('actor_params'") or "'mu'" in n]
     # Adapters, the value head, and (model.lora_train_head, the default) the actor's own
     # untied head; no base weight.
-    assert params and all(
-        "lora_" in n or "'score'" in n or "'lm_head'" in n for n in params
-    ), params
+    assert params and all("lora_" in n or "'score'" in n or "'lm_head'" in n for n in params), (
+        params
+    )
     assert any("'lm_head'" in n for n in params) and any("lora_" in n for n in params), params
     # Half the run, then resume: identical to the uninterrupted run.
     cfg = small_demo_config(*LORA, *OPPO_WITH_CARRYING, "train.steps=2")

@@ -232,10 +232,10 @@ def test_rollout_kernels_hold_no_vocabulary_sized_activation():
     vocabulary-wide arrays are the head itself and the actor's next-token logits, one row per
     slot (what sampling needs)."""
     from oppo_jax.pipeline.kernels import (
-        make_actor_start,
-        make_replay,
-        make_scorer_admit,
-        make_scorer_chunk,
+        oppo_admission_prefill,
+        oppo_decode_start,
+        oppo_replay,
+        oppo_streamed_scoring,
     )
     from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
     from oppo_jax.rollout.decode import ChunkTokens
@@ -258,12 +258,19 @@ def test_rollout_kernels_hold_no_vocabulary_sized_activation():
     jaxtyping.config.update("jaxtyping_disable", True)  # lowering rebuilds typed structs
     try:
         lowered = [
-            make_scorer_admit(spec, prompt).lower(params, admission),
-            make_replay(spec, 16).lower(params, state, prefix, count),
-            make_actor_start(cfg, rollout).lower(
-                params, admission, key, state.cache, state.last_hidden, state.per_token
+            oppo_admission_prefill.lower(params, admission, spec=spec, prompt_width=prompt),
+            oppo_replay.lower(params, state, prefix, count, spec=spec, kv_width=16),
+            oppo_decode_start.lower(
+                params,
+                admission,
+                key,
+                state.cache,
+                state.last_hidden,
+                state.per_token,
+                cfg=cfg,
+                rollout=rollout,
             ),
-            make_scorer_chunk(spec).lower(params, state, fed),
+            oppo_streamed_scoring.lower(params, state, fed, spec=spec, kv_width=None, packed=False),
         ]
         hlos = [compile_as_in_production(low).as_text() for low in lowered]
     finally:

@@ -1,4 +1,4 @@
-"""Streamed scoring with each chunk's tokens packed (``scoring.packed_chunks``) equals the
+"""Streamed scoring with each chunk's tokens packed (``scoring.stream``) equals the
 [S, C] call over every slot, and a full forward pass: the same log-probs, values, scores and
 fed counts, with ragged lengths and carried rows, chunk by chunk and in whole OPPO steps; the
 ledger counts the packed tokens; and the packed sizes a scorer compiles are few."""
@@ -21,15 +21,10 @@ from oppo_jax.models import init_params
 from oppo_jax.models.chunk_layout import ChunkLayout
 from oppo_jax.parallel.sharding import make_device_groups
 from oppo_jax.pipeline.carry import CarryBuffer
-from oppo_jax.pipeline.kernels import (
-    Kernels,
-    build_kernels,
-    make_decode_chunk,
-    make_scorer_chunk,
-)
+from oppo_jax.pipeline.decode_loop import SlotMap
+from oppo_jax.pipeline.kernels import Kernels, build_kernels, oppo_decode, oppo_streamed_scoring
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.schedule import SCHEDULES
-from oppo_jax.pipeline.slot_map import SlotMap
 from oppo_jax.pipeline.step import run_step
 from oppo_jax.pipeline.step_scorers import StepScorers
 from oppo_jax.pipeline.timeline import Timeline
@@ -38,9 +33,8 @@ from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.rollout.lengths import LengthSpec
-from oppo_jax.scoring.packed_chunks import padding_plan, plan_chunk
-from oppo_jax.scoring.replay import plan_replay
-from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.scoring.carried import plan_replay
+from oppo_jax.scoring.stream import ScorerSpec, padding_plan, plan_chunk
 from tests.oracles import admit_actor, admit_scorer, critic_values, policy_logprobs
 from tests.ppo_fixtures import (
     ACTOR,
@@ -155,18 +149,18 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     admit = {n: admit_scorer(s, p, admission, P, plan) for n, (s, p) in specs.items()}
     every = dict(admit)
     live = jax.tree.map(jnp.copy, admit)
-    decode = make_decode_chunk(ACTOR, rollout.sampling, chunk, None)
+    statics = dict(cfg=ACTOR, sampling=rollout.sampling, chunk_size=chunk, mesh=None, kv_width=None)
     rule = CutRule(admission.active, jnp.zeros(6, bool), jnp.int32(5))  # run to the end
     plans = []
     for _ in range(-(-R // chunk) + 1):
-        state, emitted = decode(actor, state, rule)
+        state, emitted = oppo_decode(actor, state, rule, **statics)
         calls = plan_chunk(np.asarray(emitted.count), chunk)
         plans.append(calls)
         for name, (spec, params) in specs.items():
-            every[name], _ = make_scorer_chunk(spec)(params, every[name], emitted)
-            kernel = make_scorer_chunk(spec, None, True)
+            score = functools.partial(oppo_streamed_scoring, spec=spec, kv_width=None)
+            every[name], _ = score(params, every[name], emitted, packed=False)
             for plan in calls:
-                live[name], _ = kernel(params, live[name], emitted, plan)
+                live[name], _ = score(params, live[name], emitted, plan, packed=True)
     assert any(len(calls) > 1 for calls in plans)  # chunks took several calls
     assert any(len(calls) == 1 for calls in plans)  # and some (few live slots) one
     n = np.asarray(state.num_generated)
@@ -200,7 +194,9 @@ def test_packed_chunks_equal_every_slot_chunks_and_a_full_pass(chunk):
     spec, params = specs["critic"]
     before = [np.asarray(x) for x in jax.tree.leaves(live["critic"])]
     plan = padding_plan(chunk_budget(6, chunk), 6)
-    after, _ = make_scorer_chunk(spec, None, True)(params, live["critic"], emitted, plan)
+    after, _ = oppo_streamed_scoring(
+        params, live["critic"], emitted, plan, spec=spec, kv_width=None, packed=True
+    )
     for x, y in zip(before, jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)
 

@@ -22,7 +22,7 @@ from oppo_jax.ppo import (
     policy_loss,
     value_loss,
 )
-from oppo_jax.ppo.advantages import whiten_rewards
+from oppo_jax.ppo.estimators import whiten_rewards
 from oppo_jax.ppo.losses import aggregate
 from oppo_jax.ppo.masked import last_valid_index, masked_var
 from oppo_jax.ppo.off_policy import correction_metrics, correction_weight

@@ -195,14 +195,13 @@ def _kernels(attention: str):
 def _decode(kernels, admission, targets, chunk):
     """Decode every slot to its target length (the actor alone), reading the live widths."""
     actor = _params()[0]
-    state, _ = kernels.admit(actor, admission, jax.random.key(0), ())
+    state, _ = kernels.prefill_actor(actor, admission, jax.random.key(0), ())
     state = state.replace(target_len=jnp.asarray(targets, jnp.int32))
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(len(targets)))
     longest = int(np.max(np.asarray(admission.context_len)))
     for i in range(R + 1):
-        state, tokens = kernels.decode(chunk, kernels.chunk_width(longest, chunk, i))(
-            actor, state, rule
-        )
+        width = kernels.chunk_width(longest, chunk, i)
+        state, tokens = kernels.decode_tokens(actor, state, rule, chunk, width)
         if bool(tokens.ready):
             return state
     raise AssertionError("the rollout never finished")
@@ -261,10 +260,10 @@ def _sharded_decode(attention: str, shape: tuple[int, int, int] | None):
     rng = np.random.default_rng(0)
     pairs = [(i, rng.integers(2, 64, rng.integers(1, P + 1))) for i in range(7)]
     admission = device_admission(fresh_slots(pairs, P, R, extra_slots=slots - 7))
-    state, _ = kernels.admit(actor, admission, jax.random.key(5), ())
+    state, _ = kernels.prefill_actor(actor, admission, jax.random.key(5), ())
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(7))
     for _ in range(2):
-        state, _ = kernels.decode(6)(actor, state, rule)
+        state, _ = kernels.decode_tokens(actor, state, rule, 6)
     return jax.device_get((state.tokens[:7], state.logprobs[:7], state.num_generated[:7]))
 
 

@@ -1,4 +1,4 @@
-"""The admission replays carried prefixes after the prompt prefill (scoring.replay): the actor's
+"""The admission replays carried prefixes after the prompt prefill (scoring.carried): the actor's
 decode state and every scorer kind's state equal one full pass over prompt + prefix, whatever
 the replay chunk, on one device and with the slots sharded; its plan costs what the prefixes
 need over few shapes."""
@@ -17,7 +17,7 @@ from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.admission import prefill_hidden
 from oppo_jax.rollout.decode import ChunkTokens, admit_decode
-from oppo_jax.scoring.replay import (
+from oppo_jax.scoring.carried import (
     ReplayChunk,
     plan_replay,
     replay_shapes,

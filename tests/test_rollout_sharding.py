@@ -18,19 +18,14 @@ from oppo_jax.parallel.sharding import (
     param_shardings,
 )
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
-from oppo_jax.pipeline.kernels import (
-    build_kernels,
-    make_decode_chunk,
-    make_scorer_chunk,
-)
+from oppo_jax.pipeline.kernels import build_kernels, oppo_decode, oppo_streamed_scoring
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.spec import RolloutSpec
-from oppo_jax.scoring.packed_chunks import plan_chunk
-from oppo_jax.scoring.replay import plan_replay
-from oppo_jax.scoring.stream import ScorerSpec
+from oppo_jax.scoring.carried import plan_replay
+from oppo_jax.scoring.stream import ScorerSpec, plan_chunk
 from oppo_tools.memory.abstract import per_device_bytes
 from tests.oracles import admit_scorer, prefill_and_start
 from tests.ppo_fixtures import (
@@ -87,13 +82,16 @@ def _rollout(placement: Placement | None, num_sequences: int):
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(num_sequences)]
     slots = fresh_slots(pairs, P, R, extra_slots=num_slots - num_sequences)
     admission = device_admission(slots)
-    state, _ = kernels.admit(actor, admission, jax.random.key(5), ())
+    state, _ = kernels.prefill_actor(actor, admission, jax.random.key(5), ())
     rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish), jnp.int32(1))
-    state, chunk = kernels.decode(CHUNK)(actor, state, rule)
+    state, chunk = kernels.decode_tokens(actor, state, rule, CHUNK)
     scorers, fed = {}, chunk if placement is None else placement.to_scoring(chunk)
     for role, params in (("reference", ref), ("reward", reward)):
-        scorer, _ = kernels.scorer_admit(role)(params, admission)
-        every_slot = make_scorer_chunk(getattr(kernels.scorer_specs, role))
+        scorer, _ = kernels.prefill_prompts(role, params, admission)
+        spec = getattr(kernels.scorer_specs, role)
+        every_slot = functools.partial(
+            oppo_streamed_scoring, spec=spec, kv_width=None, packed=False
+        )
         scorers[role], _ = every_slot(params, scorer, fed)
     return state, chunk, scorers, (ref, reward)
 
@@ -268,12 +266,12 @@ def test_decode_activations_are_split_along_the_slots():
         params, admission, jax.random.key(0)
     )
     rule = CutRule(jnp.ones(8, bool), jnp.zeros(8, bool), jnp.int32(8))
-    decode = make_decode_chunk(cfg, rollout.sampling, CHUNK, mesh)
+    statics = dict(cfg=cfg, sampling=rollout.sampling, chunk_size=CHUNK, mesh=mesh, kv_width=None)
     # Lowering rebuilds the typed state with abstract leaves, which the runtime shape checks
     # (on in tests) reject: switch them off for the lowering only.
     jaxtyping.config.update("jaxtyping_disable", True)
     try:
-        hlo = compile_as_in_production(decode.lower(params, state, rule)).as_text()
+        hlo = compile_as_in_production(oppo_decode.lower(params, state, rule, **statics)).as_text()
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
     rows = set(re.findall(r"f32\[(\d+),1,88\]", hlo))
@@ -301,7 +299,7 @@ def test_run_models_are_born_on_the_training_mesh():
 
 @pytest.mark.parametrize("shape", [(1, 1, 2), (2, 2, 2)])
 def test_packed_chunks_on_a_mesh_match_one_device(shape):
-    """A streamed chunk scored packed (scoring.packed_chunks) on a mesh equals the [S, C] call
+    """A streamed chunk scored packed (scoring.stream) on a mesh equals the [S, C] call
     on it and on one device. Steps pack only where the scoring mesh keeps the slots whole
     (tensor only here); on one that splits them the kernel is still exact, but unused."""
     placement = _placement("colocated", *shape)
@@ -316,25 +314,25 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
     rng = np.random.default_rng(1)
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(8)]
     admission = device_admission(fresh_slots(pairs, P, R))
-    state, _ = kernels.admit(on_mesh, admission, jax.random.key(5), ())
+    state, _ = kernels.prefill_actor(on_mesh, admission, jax.random.key(5), ())
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(8))
-    state, chunk = kernels.decode(CHUNK)(on_mesh, state, rule)
+    state, chunk = kernels.decode_tokens(on_mesh, state, rule, CHUNK)
     counts = np.array([6, 0, 2, 0, 0, 1, 0, 3], np.int32)  # most slots done: 12 of 48 tokens
     chunk = chunk.replace(count=jnp.asarray(counts))
     plans = plan_chunk(counts, CHUNK)
     assert [p["token_row"].size for p in plans] == [6, 6]  # budget (4 rows, 6 tokens): 6 | 3 2 1
     for role in ("reference", "reward"):
-        admit_role = kernels.scorer_admit(role)
-        fresh = [admit_role(params[role], admission)[0] for _ in range(3)]
+        fresh = [kernels.prefill_prompts(role, params[role], admission)[0] for _ in range(3)]
         spec = getattr(kernels.scorer_specs, role)
-        every, _ = make_scorer_chunk(spec)(params[role], fresh[0], chunk)
-        packed, packed_kernel = fresh[1], make_scorer_chunk(spec, None, True)
+        score = functools.partial(oppo_streamed_scoring, kv_width=None)
+        every, _ = score(params[role], fresh[0], chunk, spec=spec, packed=False)
+        packed, packed_kernel = fresh[1], functools.partial(score, spec=spec, packed=True)
         for plan in plans:
             packed, _ = packed_kernel(params[role], packed, chunk, plan)
         single_spec = dataclasses.replace(getattr(kernels.scorer_specs, role), mesh=None)
         one_device = functools.partial(jax.device_put, device=jax.devices()[0])
         inputs = jax.tree.map(one_device, (params[role], fresh[2], chunk))
-        one, _ = make_scorer_chunk(single_spec)(*inputs)
+        one, _ = score(*inputs, spec=single_spec, packed=False)
         for a, b in ((packed, every), (packed, one)):
             np.testing.assert_array_equal(a.num_fed, b.num_fed)
             np.testing.assert_allclose(a.per_token, b.per_token, atol=1e-5, rtol=0)

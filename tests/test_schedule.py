@@ -49,7 +49,7 @@ def _run(mode, chunk, placement="colocated"):
     state = init_train_state(spec, *jax.tree.map(jnp.copy, (actor, critic)))
     ref, rm = place.to_scoring(jax.tree.map(jnp.copy, (actor, reward)))
     sample_key, update_key = jax.random.split(jax.random.key(1), 2)
-    engine = StepEngine(kernels, place, ref, rm, sample_key, max_deferrals=2)
+    engine = StepEngine(kernels, place, ref, rm, sample_key, max_staleness=2)
     plan = step_plan(0, 8, chunk_size=chunk, key=update_key)
     state, carried, result = run_step(
         engine, SCHEDULES[mode], plan, state, CarryBuffer(), ListPrompts(pairs), Timeline()

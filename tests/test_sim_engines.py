@@ -188,7 +188,7 @@ def test_slot_compaction_stops_at_its_floor_and_follows_the_engines_rule():
 
 def test_packed_chunk_scoring_packs_compacted_chunks_over_the_admissions_slots():
     # Six slots finish at 1, one at 5, one at 12; C = 2. Chunks 2 and 3 run in bucket 2, 4 and
-    # 5 in bucket 1. Packing scorers stay in the admission's 8 slots (pipeline.slot_map), so
+    # 5 in bucket 1. Packing scorers stay in the admission's 8 slots (pipeline.decode_loop), so
     # every chunk's real tokens go to calls of the budget for S·C = 16 (pow2(16 / 32) = 1, at
     # least C = 2 tokens, 4 rows): chunk 0 holds 10 -> 10, chunk 1 4, chunk 2 3 (slot 6's last
     # and slot 7's two) -> 4, then 2 each; a compacted chunk's budget is not its bucket's.

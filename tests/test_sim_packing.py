@@ -1,8 +1,8 @@
 """The simulator's token counts (oppo_tools.sim.packing, built on the engine's shape rules in
 oppo_jax.base.shapes) against the engine's own planners on random ragged batches: the packed
 update's plan (oppo_jax.ppo.packing), the packed sync scoring's plan (oppo_jax.scoring.packed),
-a streamed chunk's packing (oppo_jax.scoring.packed_chunks) and the replay of carried prefixes
-(oppo_jax.scoring.replay)."""
+a streamed chunk's packing (oppo_jax.scoring.stream) and the replay of carried prefixes
+(oppo_jax.scoring.carried)."""
 
 import numpy as np
 import pytest
@@ -10,9 +10,9 @@ import pytest
 from oppo_jax.base.shapes import row_bucket
 from oppo_jax.ppo.packing import microbatch_rows
 from oppo_jax.ppo.packing import plan_packing as update_plan
+from oppo_jax.scoring.carried import REPLAY_CHUNK, plan_replay
 from oppo_jax.scoring.packed import plan_packing as score_plan
-from oppo_jax.scoring.packed_chunks import plan_chunk
-from oppo_jax.scoring.replay import REPLAY_CHUNK, plan_replay
+from oppo_jax.scoring.stream import plan_chunk
 from oppo_tools.sim import packing
 
 

@@ -226,7 +226,7 @@ def test_built_sync_within_1_3x_of_active(spec, config, given):
 # Met in every cell of all three maps (30 simulated steps a cell; largest gaps 0.031 labelled,
 # 0.030 7B GH200 config, 0.032 7B TPU v5p config, 2026-12-06; 0.034 / 0.034 / 0.033 with
 # the earlier buckets per doubling) since carried
-# prefixes are replayed at their own lengths (scoring.replay; before: carried rows prefilled at
+# prefixes are replayed at their own lengths (scoring.carried; before: carried rows prefilled at
 # P + pow2(longest prefix), 2.2x their real tokens, labelled map 1/9, 0.142). With a few
 # programs (oppo_jax.base.shapes: calls of one shape looped, 2026-12-06) the budgets are what keeps
 # it: streamed calls of pow2(S·C / 32) tokens and 4·M / C rows, filled first-fit decreasing,

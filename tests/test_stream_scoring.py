@@ -6,11 +6,7 @@ import numpy as np
 import pytest
 
 from oppo_jax.models import init_params
-from oppo_jax.pipeline.kernels import (
-    make_decode_chunk,
-    make_scorer_admit,
-    make_scorer_chunk,
-)
+from oppo_jax.pipeline.kernels import oppo_admission_prefill, oppo_decode, oppo_streamed_scoring
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.layout import assemble_sequences
@@ -39,15 +35,17 @@ def test_streamed_scores_equal_full_sequence_pass(chunk):
     }
     admission = Admission.fresh(prompts, lens, R)
     scorer_states = {
-        name: make_scorer_admit(spec, prompts.shape[1])(params, admission)[0]
+        name: oppo_admission_prefill(params, admission, spec=spec, prompt_width=prompts.shape[1])[0]
         for name, (spec, params) in specs.items()
     }
-    decode = make_decode_chunk(ACTOR, rollout.sampling, chunk, None)
+    statics = dict(cfg=ACTOR, sampling=rollout.sampling, chunk_size=chunk, mesh=None, kv_width=None)
     rule = CutRule(jnp.ones(3, bool), jnp.zeros(3, bool), jnp.int32(3))  # run to the end
     for _ in range(-(-R // chunk)):
-        state, emitted = decode(actor, state, rule)
+        state, emitted = oppo_decode(actor, state, rule, **statics)
         for name, (spec, params) in specs.items():
-            scorer_states[name], _ = make_scorer_chunk(spec)(params, scorer_states[name], emitted)
+            scorer_states[name], _ = oppo_streamed_scoring(
+                params, scorer_states[name], emitted, spec=spec, kv_width=None, packed=False
+            )
     n = state.num_generated
     assert len(set(np.asarray(n).tolist())) > 1  # rows of different lengths
     tokens = assemble_sequences(prompts, lens, state.tokens, n)

@@ -209,14 +209,13 @@ def test_the_warmup_is_the_registry_and_an_unplanned_shape_raises(demo_cache):
     assert by_family == planned  # the registry is the plan, program for program
     assert len(report["programs"]) == sum(planned.values())
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), before, state)))
-    k, chunk = warmed.kernels, cfg.pipeline.chunk_size
-    k.decode(chunk)  # a planned chunk size: its kernel
+    k = warmed.kernels
     unplanned = _Tokens((8, 3))  # a chunk size of 3 tokens: in no plan here
     with pytest.raises(UnplannedProgram, match=r"decode program at shape \(8, 3, \d+\)"):
-        k.decode(3)(None, unplanned, None)  # raised before anything is dispatched
+        k.decode_tokens(None, unplanned, None, 3)  # raised before anything is dispatched
     role = k.scorer_specs.present()[0]
     with pytest.raises(UnplannedProgram, match=rf"streamed scoring .* \(3, \d+\) for {role}"):
-        k.scorer_chunk(role)(None, None, unplanned)
+        k.score_streamed(role, None, None, unplanned)
 
 
 class _Tokens:

@@ -121,7 +121,7 @@ def compaction_floor(
     minimum: int,
     group_size: int = 1,
 ):
-    """The smallest slot bucket a run's decode compacts into (``pipeline.slot_map``), or None
+    """The smallest slot bucket a run's decode compacts into (``pipeline.decode_loop``), or None
     when it does not. One mechanism makes finished slots cost nothing: where the decode's
     attention takes each row's length as data (``reads_lengths``: the ragged kernel, on GPU
     and TPU) it reads no key of a finished slot, so nothing compacts; elsewhere (the CPU)
@@ -209,7 +209,7 @@ def score_calls(lengths, full_width: int) -> list[list[list[int]]]:
     return [rows[i : i + per_call] for i in range(0, len(rows), per_call)]
 
 
-# --- a streamed chunk's packed scoring (scoring.packed_chunks): one budget per call ---
+# --- a streamed chunk's packed scoring (scoring.stream): one budget per call ---
 
 
 def chunk_budget(num_slots: int, chunk_width: int) -> tuple[int, int]:

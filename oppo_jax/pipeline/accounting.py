@@ -99,7 +99,7 @@ class WorkLedger:
 def admission_computed(num_slots: int, prompt_width: int, replay=()) -> int:
     """Tokens one model's admission computes: every slot's prompt at the prompt width P
     (``rollout.admission.prompt_prefill``), then each chunk of the carried prefixes' ``replay``
-    over its leading rows (``scoring.replay``). Example: S 8, P 16, one replay chunk of 4 rows
+    over its leading rows (``scoring.carried``). Example: S 8, P 16, one replay chunk of 4 rows
     x 64 -> 8·16 + 256 = 384."""
     return num_slots * prompt_width + sum(chunk.computed_tokens for chunk in replay)
 

@@ -46,7 +46,7 @@ class CarryBuffer:
     """FIFO of carried sequences; its state is plain JSON (it goes into checkpoints).
 
     ``kept`` holds the frozen scorers' device state of the carried rows
-    (``oppo_jax.scoring.kept.KeptCaches``, or None): it goes into checkpoints as arrays.
+    (``oppo_jax.scoring.carried.KeptCaches``, or None): it goes into checkpoints as arrays.
     """
 
     def __init__(self, items: list[Carried] | None = None):
@@ -142,7 +142,7 @@ class SlotBatch:
     def check_carried_first(self) -> None:
         """Raise unless carried sequences fill the leading slots and no other slot brings
         work: the frozen scorers' kept rows are restored into the leading slots, and the
-        replay of carried prefixes runs over leading row buckets (``scoring.replay``)."""
+        replay of carried prefixes runs over leading row buckets (``scoring.carried``)."""
         from_buffer = self.deferrals > 0
         n = int(from_buffer.sum())
         if not from_buffer[:n].all() or (self.carrying & ~from_buffer).any():
@@ -177,7 +177,7 @@ def admit(
 
     ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)]. The context is P wide, P + R when
     ``rule.room_for_prefix`` (one width for every step of a carrying run: the admission
-    prefills the prompts and replays each prefix at its own length, ``scoring.replay``).
+    prefills the prompts and replays each prefix at its own length, ``scoring.carried``).
     """
     n, num_slots, g = rule.num_sequences, rule.num_slots, rule.group_size
     entries: list = buffer.take(n)

@@ -19,8 +19,7 @@ from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.packing import packed_shapes
 from oppo_jax.rollout.compaction import compact_bucket
-from oppo_jax.scoring.kept import kept_bucket
-from oppo_jax.scoring.replay import replay_shapes
+from oppo_jax.scoring.carried import kept_bucket, replay_shapes
 from oppo_jax.scoring.stream import ROLES
 
 
@@ -77,7 +76,7 @@ def run_shapes(
     ``head_dim``: default its ``model.preset``'s, 128 without one)."""
     from oppo_jax.models.attention import reads_lengths
     from oppo_jax.models.model_config import PRESETS
-    from oppo_jax.pipeline.slot_map import compaction_default
+    from oppo_jax.pipeline.kernels import compaction_default
 
     schedule = schedule or Schedule.named(cfg.pipeline.mode)
     p, r, mesh = cfg.pipeline, cfg.rollout, cfg.mesh
@@ -181,7 +180,7 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
 
 
 def kept_rows(shapes: RunShapes) -> tuple[int, ...]:
-    """Row buckets of the frozen scorers' kept caches (``scoring.kept``) a run can fill; their
+    """Row buckets of the frozen scorers' kept caches (``scoring.carried``) a run can fill; their
     keep and restore are small gathers, not kernels."""
     if not shapes.keeps_frozen:
         return ()

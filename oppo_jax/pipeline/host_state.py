@@ -19,7 +19,7 @@ from oppo_jax.pipeline.placement import Placement, move
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult
 from oppo_jax.ppo.kl_control import make_kl_controller
-from oppo_jax.scoring.kept import KeptCaches
+from oppo_jax.scoring.carried import KeptCaches
 
 
 def sampling_key(seed: int) -> jax.Array:
@@ -146,7 +146,7 @@ class HostState:
 
     def arrays(self) -> dict | None:
         """The arrays a checkpoint keeps beside ``to_json``: the frozen scorers' kept caches
-        of the carried rows (``scoring.kept``), or None."""
+        of the carried rows (``scoring.carried``), or None."""
         kept = self.buffer.kept
         return None if kept is None else {"kept": kept.to_tree()}
 

@@ -1,5 +1,9 @@
-"""Every compiled kernel a step dispatches: one jit per (function, static settings), with its
-donation and its timing marker, so ``rollout/``, ``scoring/`` and ``ppo/`` stay pure functions.
+"""Every compiled kernel a step dispatches, so ``rollout/``, ``scoring/`` and ``ppo/`` stay pure
+functions: each kernel a module-level jitted function named for its compile plan family
+(``oppo_decode``...), with its static settings as keyword arguments, its donation and its
+timing marker; ``Kernels`` calls them by name (a reader, or a static walk of the calls,
+follows a chunk from ``Kernels.decode_tokens`` into ``rollout.decode.decode_chunk``) after
+asking the run's registry for the program (``Kernels.planned``).
 
 A marker is a tiny fresh array that completes with its kernel; the timeline waits on it,
 because a kernel's state output is donated to the next call before the timeline looks.
@@ -15,102 +19,114 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oppo_jax.base.shapes import compaction_floor, live_widths_pay, program_name
+from oppo_jax.base.shapes import compaction_floor, live_widths_pay
 from oppo_jax.models.attention import reads_lengths
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
-from oppo_jax.parallel.sharding import batch_shards, with_rules
-from oppo_jax.pipeline.slot_map import compaction_default
+from oppo_jax.parallel.sharding import batch_shards, tracing_rules
 from oppo_jax.ppo.experience import batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import CutRule, DecodeState, admit_decode, decode_chunk, tokens_since
-from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
-from oppo_jax.scoring.packed_chunks import score_packed_chunk
-from oppo_jax.scoring.replay import ReplayChunk, actor_spec, replay_chunk
-from oppo_jax.scoring.stream import ScorerSpec, ScorerSpecs, score_chunk, scorer_admit
+from oppo_jax.scoring.carried import ReplayChunk, actor_spec, replay_chunk
+from oppo_jax.scoring.packed import PackedBatch, score_packed
+from oppo_jax.scoring.stream import (
+    ScorerSpec,
+    ScorerSpecs,
+    score_chunk,
+    score_packed_chunk,
+    scorer_admit,
+)
 
 __all__ = ["Kernels", "RolloutSpec", "build_kernels", "sample"]
 
 
-def family_jit(family: str, fn, mesh=None, **jit_kwargs):
-    """``jax.jit`` of ``fn`` traced under ``mesh``'s rules, its program named for its compile
-    plan ``family`` (``shapes.program_name``: compile events say which family compiled)."""
-
-    def program(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    program.__name__ = program.__qualname__ = program_name(family)
-    return jax.jit(with_rules(program, mesh), **jit_kwargs)
+def kernel_jit(*static: str, donate: tuple[str, ...] = ()):
+    """Decorator: ``jax.jit`` of a kernel whose keyword-only arguments ``static`` are its static
+    settings (one program per setting and shape), donating the arguments named in ``donate``.
+    A kernel is named ``shapes.program_name`` of its compile plan family ("oppo_decode"), so
+    compile events say which family compiled."""
+    return functools.partial(jax.jit, static_argnames=static, donate_argnames=donate)
 
 
-@functools.cache
-def make_decode_chunk(
-    cfg: ModelConfig, sampling: SamplingConfig, chunk_size: int, mesh=None, kv_width=None
-):
-    """``decode_chunk`` jitted, donating the state: (params, state, cut rule) -> (state,
-    ChunkTokens). One program per (model, sampling, C, mesh, live width)."""
-    fn = functools.partial(decode_chunk, cfg, sampling, chunk_size, mesh=mesh, kv_width=kv_width)
-    return family_jit("decode", fn, mesh, donate_argnums=(1,))
+@kernel_jit("cfg", "sampling", "chunk_size", "mesh", "kv_width", donate=("state",))
+def oppo_decode(params, state, rule, *, cfg, sampling, chunk_size, mesh, kv_width):
+    """``decode_chunk`` of ``chunk_size`` tokens, donating the state: (state, ChunkTokens).
+    One program per (model, sampling, C, mesh, live width) and slot count."""
+    with tracing_rules(mesh):
+        return decode_chunk(
+            cfg, sampling, chunk_size, params, state, rule, mesh=mesh, kv_width=kv_width
+        )
 
 
-@functools.cache
-def make_actor_start(cfg: ModelConfig, rollout: RolloutSpec):
-    """(params, admission, base_key, cache, last hidden states, prefix log-probs) ->
-    (DecodeState, marker): the decode state from the actor's admitted cache (prompt + replayed
-    prefixes, ``Kernels.admit``), which it donates."""
-
-    def run(params, admission, base_key, cache, last_hidden, logprobs):
+@kernel_jit("cfg", "rollout", donate=("cache",))
+def oppo_decode_start(params, admission, base_key, cache, last_hidden, logprobs, *, cfg, rollout):
+    """The decode state from the actor's admitted cache (prompt + replayed prefixes,
+    ``admit_actor``), which it donates: (DecodeState, marker)."""
+    with tracing_rules(rollout.mesh):
         made = (cache, last_hidden, logprobs)
         state = admit_decode(cfg, params, admission, base_key, rollout, made)
         return state, state.num_generated + 0  # a fresh marker: the state itself gets donated
 
-    return family_jit("decode start", run, rollout.mesh, donate_argnums=(3,))
 
-
-@functools.cache
-def make_replay(spec: ScorerSpec, kv_width: int):
-    """``replay.replay_chunk`` jitted for one model and live width (one compilation per row
-    bucket), donating the state: (params, state, tokens [N, c], count [N]) -> (state, marker)."""
-
-    def run(params, state, tokens, count):
+@kernel_jit("spec", "kv_width", donate=("state",))
+def oppo_replay(params, state, tokens, count, *, spec, kv_width):
+    """``replay.replay_chunk`` for one model and live width (one program per row bucket),
+    donating the state: (state, marker)."""
+    with tracing_rules(spec.mesh):
         new = replay_chunk(spec, params, state, tokens, count, kv_width)
         return new, jnp.sum(new.num_fed)
 
-    return family_jit("replay", run, spec.mesh, donate_argnums=(1,))
+
+@kernel_jit("spec", "rollout")
+def oppo_experience(decoding, rows, admission, scored, kl_coef, *, spec, rollout):
+    """``batch_from_rollout``: (PPOBatch, stats)."""
+    return batch_from_rollout(spec, rollout, decoding, rows, admission, scored, kl_coef)
 
 
-@functools.cache
-def make_experience(spec: UpdateSpec, rollout: RolloutSpec):
-    """``batch_from_rollout`` jitted for one (update spec, rollout)."""
-    return family_jit("experience", functools.partial(batch_from_rollout, spec, rollout))
-
-
-@functools.cache
-def make_scorer_admit(spec: ScorerSpec, prompt_width: int):
-    def run(params, admission):
+@kernel_jit("spec", "prompt_width")
+def oppo_admission_prefill(params, admission, *, spec, prompt_width):
+    """One model's prefill of the admission's prompts (its first ``prompt_width`` context
+    columns): (ScorerState, marker)."""
+    with tracing_rules(spec.mesh):
         state = scorer_admit(spec, params, admission, prompt_width)
         return state, jnp.sum(state.num_fed)
 
-    return family_jit("admission prefill", run, spec.mesh)
 
-
-@functools.cache
-def make_scorer_chunk(spec: ScorerSpec, kv_width: int | None = None, packed: bool = False):
-    """One scorer's chunk prefill: (params, state, chunk) over every slot ([S, C]), or, when
-    ``packed``, (params, state, chunk, plan) over the chunk's tokens packed by the host's
-    plan (``scoring.packed_chunks``; one compilation per packed size)."""
-
-    def run(params, state, chunk, plan=None):
+@kernel_jit("spec", "kv_width", "packed", donate=("state",))
+def oppo_streamed_scoring(params, state, chunk, plan=None, *, spec, kv_width, packed):
+    """One scorer's chunk prefill, donating its state: over every slot ([S, C]), or, when
+    ``packed``, over the chunk's tokens packed by the host's ``plan``
+    (``scoring.stream``; one program per packed size): (ScorerState, marker)."""
+    with tracing_rules(spec.mesh):
         if packed:
             new = score_packed_chunk(spec, params, state, chunk, plan, kv_width)
         else:
             new = score_chunk(spec, params, state, chunk, kv_width=kv_width)
         return new, jnp.sum(new.num_fed)
 
-    return family_jit("streamed scoring", run, spec.mesh, donate_argnums=(1,))
+
+@kernel_jit("spec", "pad_id", "num_slots", donate=("out",))
+def oppo_sync_scoring(params, out, batch: PackedBatch, slots, *, spec, pad_id, num_slots):
+    """(the outputs ``out`` over the ``num_slots`` slots (donated) with this call's sequences
+    written at their batch rows' ``slots`` [B], a fresh marker): one scorer's packed call of
+    the batch. One program per scorer: every call has the one packed shape."""
+    with tracing_rules(spec.mesh):
+        scored = score_packed(spec, params, batch, pad_id)
+        rows = batch.seq.shape[0]
+        at = jnp.where(batch.row < rows, slots, num_slots)  # other calls' sequences: dropped
+        out = out.at[at].set(scored, mode="drop")
+        return out, jnp.sum(scored)
+
+
+def compaction_default(backend: str | None = None) -> bool:
+    """Whether a backend compacts by default: on the CPU, where a decode step costs in
+    proportion to its slots. On GPU and TPU the ragged decode attention
+    (``models.ragged_decode``) already reads no keys of a finished slot: one mechanism for
+    finished slots per backend."""
+    return (backend or jax.default_backend()) == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +142,7 @@ class Kernels:
     # decode and streamed scoring read the cache's live prefix, a power-of-two width per program
     # (False: the whole P + R, one program; ``shapes.live_widths_pay``)
     live_prefix: bool = True
-    # gather the running decode slots into smaller buckets as others finish (pipeline.slot_map);
+    # gather the running decode slots into smaller buckets as others finish (pipeline.decode_loop);
     # None: the backend's default (slot_map.compaction_default: on for the CPU)
     compact_slots: bool | None = None
     compact_min_slots: int = 1  # smallest bucket compaction moves into (runs: the config's)
@@ -147,7 +163,7 @@ class Kernels:
 
     @property
     def packs_chunks(self) -> bool:
-        """Whether the streaming scorers pack each chunk's tokens (``scoring.packed_chunks``):
+        """Whether the streaming scorers pack each chunk's tokens (``scoring.stream``):
         on a scoring mesh that does not split the slots, where packing moves no cache between
         devices; else they score each chunk over every slot."""
         mesh = self.rollout.scoring_mesh
@@ -173,7 +189,7 @@ class Kernels:
         temperature, on the generation mesh): what its admission prefill and replay run."""
         return actor_spec(self.spec.actor, self.rollout, self.spec.temperature)
 
-    def admit(self, params, admission, base_key, replay: Sequence[ReplayChunk]):
+    def prefill_actor(self, params, admission, base_key, replay: Sequence[ReplayChunk]):
         """The actor's admission (``admit_actor``): (DecodeState, marker); ``replay`` is the
         plan of the admission's carried prefixes (``()`` for new prompts only)."""
         self.planned("admission prefill", ("prompts",))
@@ -182,27 +198,22 @@ class Kernels:
         self.planned("decode start", ("slots",))
         return admit_actor(self.actor_spec, self.rollout, params, admission, base_key, replay)
 
-    def replay(self, role: str, params, state, replay: Sequence[ReplayChunk]):
+    def replay_prefixes(self, role: str, params, state, replay: Sequence[ReplayChunk]):
         """``feed_replay`` of scorer ``role``: (state with ``replay`` fed, marker or None)."""
         for chunk in replay:
             self.planned("replay", (chunk.tokens.shape[0], chunk.kv_width), role)
         return feed_replay(getattr(self.scorer_specs, role), params, state, replay)
 
-    def decode(self, chunk_size: int, kv_width: int | None = None) -> Callable:
-        """(params, state, cut rule) -> (state, ChunkTokens) for this chunk size, reading the
-        first ``kv_width`` cache columns (None: all), over the state's slots (the admission's,
-        or a compacted bucket: the registry holds a program per bucket)."""
+    def decode_tokens(self, params, state, rule, chunk_size: int, kv_width: int | None = None):
+        """(state, ChunkTokens): the next ``chunk_size`` tokens of every running slot, reading
+        the first ``kv_width`` cache columns (None: all), over the state's slots (the
+        admission's, or a compacted bucket: the registry holds a program per bucket)."""
         r = self.rollout
-        jitted = make_decode_chunk(self.spec.actor, r.sampling, chunk_size, r.mesh, kv_width)
-        if self.registry is None:
-            return jitted
-        width = self._width(kv_width)
-
-        def decode(params, state, rule):
-            self.planned("decode", (state.tokens.shape[0], chunk_size, width))
-            return jitted(params, state, rule)
-
-        return decode
+        self.planned("decode", (state.tokens.shape[0], chunk_size, self._width(kv_width)))
+        return oppo_decode(
+            params, state, rule, cfg=self.spec.actor, sampling=r.sampling,
+            chunk_size=chunk_size, mesh=r.mesh, kv_width=kv_width,
+        )  # fmt: skip
 
     def chunk_width(self, longest_context: int, chunk_size: int, chunks_before: int) -> int | None:
         """The live width for the chunk after ``chunks_before`` others of ``chunk_size``
@@ -230,28 +241,22 @@ class Kernels:
             critic = ScorerSpec(self.spec.critic, "value", r, mesh=mesh)
         return ScorerSpecs(reference=reference, critic=critic, reward=reward)
 
-    def scorer_admit(self, role: str) -> Callable:
-        """(params, admission) -> (ScorerState, marker): one role's prefill of the admission's
-        prompts (its first P context columns; the rest holds room for carried prefixes)."""
+    def prefill_prompts(self, role: str, params, admission):
+        """(ScorerState, marker): one role's prefill of the admission's prompts (its first P
+        context columns; the rest holds room for carried prefixes)."""
         self.planned("admission prefill", ("prompts",), role)
-        return make_scorer_admit(getattr(self.scorer_specs, role), self.rollout.prompt_width)
+        spec, width = getattr(self.scorer_specs, role), self.rollout.prompt_width
+        return oppo_admission_prefill(params, admission, spec=spec, prompt_width=width)
 
-    def scorer_chunk(self, role: str, kv_width: int | None = None):
-        """(params, state, chunk[, plan]) -> (ScorerState, marker): one role's chunk prefill,
-        reading the first ``kv_width`` cache columns (None: all): over the tokens a
-        ``packed_chunks.plan_chunk`` plan packs where the scorers pack (``packs_chunks``),
-        else over every slot."""
-        spec = getattr(self.scorer_specs, role)
-        jitted = make_scorer_chunk(spec, kv_width, self.packs_chunks)
-        if self.registry is None:
-            return jitted
-        width = self._width(kv_width)
-
-        def score(params, state, chunk, *plan):
-            self.planned("streamed scoring", (chunk.tokens.shape[1], width), role)
-            return jitted(params, state, chunk, *plan)
-
-        return score
+    def score_streamed(self, role: str, params, state, chunk, kv_width=None, plan=None):
+        """(ScorerState, marker): one role's chunk prefill, reading the first ``kv_width``
+        cache columns (None: all): over the tokens a ``packed_chunks.plan_chunk`` ``plan``
+        packs where the scorers pack (``packs_chunks``), else over every slot."""
+        self.planned("streamed scoring", (chunk.tokens.shape[1], self._width(kv_width)), role)
+        spec, packed = getattr(self.scorer_specs, role), self.packs_chunks
+        return oppo_streamed_scoring(
+            params, state, chunk, plan, spec=spec, kv_width=kv_width, packed=packed
+        )
 
     @functools.cached_property
     def responses(self) -> Callable:
@@ -259,11 +264,12 @@ class Kernels:
         width = self.rollout.max_response_len
         return jax.jit(lambda state, start: tokens_since(state, start, width, jnp.bool_(True)))
 
-    @property
-    def experience(self) -> Callable:
-        """(decode state, rows, admission, scorer outputs, kl_coef) -> (PPOBatch, stats)."""
+    def experience(self, decoding, rows, admission, scored, kl_coef):
+        """(PPOBatch, stats) of the batch ``rows`` (``ppo.experience.batch_from_rollout``)."""
         self.planned("experience", ("batch",))
-        return make_experience(self.spec, self.rollout)
+        return oppo_experience(
+            decoding, rows, admission, scored, kl_coef, spec=self.spec, rollout=self.rollout
+        )
 
 
 def build_kernels(
@@ -291,14 +297,15 @@ def build_kernels(
 
 def admit_actor(spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_key, replay):
     """The admission of the actor (``spec``: the actor as the log-prob consumer of its own
-    carried prefixes, ``scoring.replay.actor_spec``): every slot's prompt prefilled, the
-    carried prefixes of ``replay`` (``scoring.replay.plan_replay`` of the same slots, planned
+    carried prefixes, ``scoring.carried.actor_spec``): every slot's prompt prefilled, the
+    carried prefixes of ``replay`` (``scoring.carried.plan_replay`` of the same slots, planned
     on the host from the step's host arrays: nothing is read back) fed after it, and the
     decode state started from that cache: (DecodeState, marker)."""
-    prefilled, _ = make_scorer_admit(spec, rollout.prompt_width)(params, admission)
+    width = rollout.prompt_width
+    prefilled, _ = oppo_admission_prefill(params, admission, spec=spec, prompt_width=width)
     p, _ = feed_replay(spec, params, prefilled, replay)
-    start = make_actor_start(spec.model, rollout)
-    return start(params, admission, base_key, p.cache, p.last_hidden, p.per_token)
+    made = (p.cache, p.last_hidden, p.per_token)
+    return oppo_decode_start(params, admission, base_key, *made, cfg=spec.model, rollout=rollout)
 
 
 def feed_replay(spec: ScorerSpec, params, state, replay: Sequence[ReplayChunk]):
@@ -306,8 +313,10 @@ def feed_replay(spec: ScorerSpec, params, state, replay: Sequence[ReplayChunk]):
     last call's marker or None when there is nothing to feed)."""
     marker = None
     for chunk in replay:
-        run = make_replay(spec, chunk.kv_width)
-        state, marker = run(params, state, chunk.tokens, chunk.count)
+        width = chunk.kv_width
+        state, marker = oppo_replay(
+            params, state, chunk.tokens, chunk.count, spec=spec, kv_width=width
+        )
     return state, marker
 
 
@@ -322,7 +331,7 @@ def sample(cfg: ModelConfig, rollout: RolloutSpec, params, prompts, prompt_len, 
     state, _ = admit_actor(spec, rollout, params, admission, base_key, ())
     slots = admission.num_slots
     never = CutRule(admission.active, admission.must_finish, jnp.int32(slots + 1))
-    decode = make_decode_chunk(cfg, rollout.sampling, chunk_size, rollout.mesh)
+    statics = dict(cfg=cfg, sampling=rollout.sampling, chunk_size=chunk_size, mesh=rollout.mesh)
     for _ in range(-(-rollout.max_response_len // chunk_size)):
-        state, _ = decode(params, state, never)
+        state, _ = oppo_decode(params, state, never, **statics, kv_width=None)
     return state

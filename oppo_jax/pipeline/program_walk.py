@@ -28,26 +28,44 @@ from oppo_jax.base.shapes import chunk_budget, score_rows_per_call, score_width
 from oppo_jax.pipeline.compile_plan import RunShapes, plan_programs
 from oppo_jax.pipeline.kernels import (
     Kernels,
-    make_actor_start,
-    make_replay,
-    make_scorer_admit,
+    oppo_admission_prefill,
+    oppo_decode,
+    oppo_decode_start,
+    oppo_experience,
+    oppo_replay,
+    oppo_streamed_scoring,
+    oppo_sync_scoring,
 )
 from oppo_jax.pipeline.placement import Placement
 from oppo_jax.pipeline.registry import Registry, abstract_like
-from oppo_jax.pipeline.scoring_kernels import make_packed_scorer
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
 from oppo_jax.ppo.update import batch_shardings
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import CutRule
+from oppo_jax.scoring.carried import REPLAY_CHUNK
 from oppo_jax.scoring.packed import PackedBatch
-from oppo_jax.scoring.packed_chunks import padding_plan
-from oppo_jax.scoring.replay import REPLAY_CHUNK
-from oppo_jax.scoring.stream import ScorerOutputs
+from oppo_jax.scoring.stream import ScorerOutputs, padding_plan
 
-# (family, shape, role, jitted function, abstract arguments) -> the compiled program's
-# abstract outputs (``Registry`` compiles it, or finds it compiled already)
-Build = Callable[[str, tuple, str, Callable, tuple], Any]
+# (family, shape, role, Kernel, abstract arguments) -> the compiled program's abstract
+# outputs (``Registry`` compiles it, or finds it compiled already)
+Build = Callable[[str, tuple, str, "Kernel", tuple], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A jitted kernel with its static settings bound (``kernels.kernel_jit``), as the walk
+    lowers it: equal kernels (one function, equal settings) are one program."""
+
+    fn: Callable
+    statics: tuple = ()  # sorted (name, value) pairs of its keyword-only static arguments
+
+    @classmethod
+    def of(cls, fn: Callable, **statics) -> Kernel:
+        return cls(fn, tuple(sorted(statics.items())))
+
+    def lower(self, *args):
+        return self.fn.lower(*args, **dict(self.statics))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +144,7 @@ def _walk(run: AbstractRun, build: Build) -> None:
     rows = sds((s.batch_size,), jnp.int32)
     kl_coef = sds((), jnp.float32)
     prompts = _prompts(admission, s.prompt_width)
-    fn = k.experience
+    fn = Kernel.of(oppo_experience, spec=k.spec, rollout=k.rollout)
     batch, _ = build(
         "experience", ("batch",), "actor", fn, (decoding, rows, prompts, scored, kl_coef)
     )
@@ -136,10 +154,10 @@ def _walk(run: AbstractRun, build: Build) -> None:
 def _actor_admission(run: AbstractRun, build: Build, admission: Admission, replays) -> Any:
     """The actor's prompt prefill, its replays of carried prefixes, the decode state."""
     k, s, actor = run.kernels, run.shapes, run.params["actor"]
-    prefill = make_scorer_admit(k.actor_spec, s.prompt_width)
+    prefill = Kernel.of(oppo_admission_prefill, spec=k.actor_spec, prompt_width=s.prompt_width)
     prefilled, _ = build("admission prefill", ("prompts",), "actor", prefill, (actor, admission))
     _replays(build, "actor", k.actor_spec, actor, prefilled, replays)
-    start = make_actor_start(k.actor_spec.model, k.rollout)
+    start = Kernel.of(oppo_decode_start, cfg=k.actor_spec.model, rollout=k.rollout)
     key = sds((), jax.random.key(0).dtype)
     made = (prefilled.cache, prefilled.last_hidden, prefilled.per_token)
     decoding, _ = build("decode start", ("slots",), "actor", start, (actor, admission, key, *made))
@@ -149,9 +167,8 @@ def _actor_admission(run: AbstractRun, build: Build, admission: Admission, repla
 def _replays(build: Build, role: str, spec, params, state, replays) -> None:
     for rows, width in replays:
         tokens, count = sds((rows, REPLAY_CHUNK), jnp.int32), sds((rows,), jnp.int32)
-        build(
-            "replay", (rows, width), role, make_replay(spec, width), (params, state, tokens, count)
-        )
+        replay = Kernel.of(oppo_replay, spec=spec, kv_width=width)
+        build("replay", (rows, width), role, replay, (params, state, tokens, count))
 
 
 def _decode(run: AbstractRun, build: Build, admission: Admission, decoding, shapes) -> dict:
@@ -166,7 +183,11 @@ def _decode(run: AbstractRun, build: Build, admission: Admission, decoding, shap
         state, cut = decoding, rule
         if rows != s.slots:  # a compacted bucket: the first ``rows`` slots, gathered
             state, cut = _bucket(decoding, s.slots, rows), _bucket(rule, s.slots, rows)
-        kernel = k.decode(size, width if s.live_prefix else None)
+        r = k.rollout
+        kernel = Kernel.of(
+            oppo_decode, cfg=k.spec.actor, sampling=r.sampling, chunk_size=size, mesh=r.mesh,
+            kv_width=width if s.live_prefix else None,
+        )  # fmt: skip
         _, chunk = build(
             "decode", (rows, size, width), "actor", kernel, (run.params["actor"], state, cut)
         )
@@ -194,16 +215,18 @@ def _streamed(run: AbstractRun, build: Build, admission: Admission, chunks: dict
     states = {}
     for role in s.scorers:
         spec, params = getattr(k.scorer_specs, role), run.params[role]
-        prefill = make_scorer_admit(spec, s.prompt_width)
+        prefill = Kernel.of(oppo_admission_prefill, spec=spec, prompt_width=s.prompt_width)
         state, _ = build("admission prefill", ("prompts",), role, prefill, (params, on_scoring))
         _replays(build, role, spec, params, state, replays)
         for (size, width), chunk in chunks.items():
-            kernel = k.scorer_chunk(role, width if s.live_prefix else None)
-            args = (params, state, _scoring_copy(place, chunk))
+            live = width if s.live_prefix else None
+            kernel = Kernel.of(
+                oppo_streamed_scoring, spec=spec, kv_width=live, packed=k.packs_chunks
+            )
+            plan = None
             if k.packs_chunks:
-                args += (
-                    jax.tree.map(host_array, padding_plan(chunk_budget(s.slots, size), s.slots)),
-                )
+                plan = jax.tree.map(host_array, padding_plan(chunk_budget(s.slots, size), s.slots))
+            args = (params, state, _scoring_copy(place, chunk), plan)
             state, _ = build("streamed scoring", (size, width), role, kernel, args)
         states[role] = state
     get = lambda role, field: getattr(states[role], field) if role in states else None  # noqa: E731
@@ -243,7 +266,7 @@ def _sync_scoring(run: AbstractRun, build: Build) -> ScorerOutputs:
     for role in s.scorers:
         spec = getattr(k.scorer_specs, role)
         shape = (s.slots,) if spec.kind == "score" else (s.slots, s.response_len)
-        kernel = make_packed_scorer(spec, k.rollout.pad_id, s.slots)
+        kernel = Kernel.of(oppo_sync_scoring, spec=spec, pad_id=k.rollout.pad_id, num_slots=s.slots)
         args = (run.params[role], sds(shape, jnp.float32, repl), batch, sds((b,), i32, repl))
         out[role], _ = build("sync scoring", ("packed",), role, kernel, args)
     return ScorerOutputs(out.get("reference"), out.get("critic"), out.get("reward"))
@@ -259,7 +282,7 @@ def _update(run: AbstractRun, build: Build, batch, shape) -> None:
     indices = padding_indices(outer, shape, run.shapes.batch_size // ppo.num_minibatches)
     on_mesh = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), batch, batch_shardings(mesh))
     args = (run.train_state, on_mesh, jax.tree.map(host_array, indices), sds((), jnp.float32))
-    build("update", (shape,), "actor", update.jitted, args)
+    build("update", (shape,), "actor", Kernel(update.jitted), args)
 
 
 def registry_build(registry: Registry, compile_one: Callable) -> Build:
@@ -270,7 +293,7 @@ def registry_build(registry: Registry, compile_one: Callable) -> Build:
     seen: dict = {}
 
     def build(family, shape, role, fn, args):
-        key = (id(fn), jax.tree.structure(args), tuple(_aval_key(x) for x in jax.tree.leaves(args)))
+        key = (fn, jax.tree.structure(args), tuple(_aval_key(x) for x in jax.tree.leaves(args)))
         if key not in seen:
             seen[key] = compile_one(family, shape, role, fn, args)
             registry.add(seen[key])

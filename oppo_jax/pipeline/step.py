@@ -40,8 +40,7 @@ from oppo_jax.pipeline.step_scorers import StepScorers
 from oppo_jax.pipeline.timeline import Event, Timeline, busy_fraction, stage_times
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import CutRule
-from oppo_jax.scoring.kept import kept_bucket, row_ids
-from oppo_jax.scoring.replay import ReplayChunk, plan_replay
+from oppo_jax.scoring.carried import ReplayChunk, kept_bucket, plan_replay, row_ids
 from oppo_jax.scoring.stream import ScorerParams
 
 
@@ -54,7 +53,7 @@ class StepEngine:
     ref_params: Any  # reference weights, on the scoring group
     reward_params: Any  # reward-model weights on the scoring group; None with a reward_fn
     sample_key: jax.Array  # the run's sampling key: a token depends on (seed, prompt, position)
-    max_deferrals: int  # rollout.max_staleness: a sequence carried this often is at the bound
+    max_staleness: int  # rollout.max_staleness: a sequence carried this often is at the bound
     rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
     on_stale: str = "finish"  # rollout.on_stale: at the bound, finish | drop (AdmitRule)
 
@@ -119,28 +118,28 @@ def run_step(
     ``buffer`` gives up the sequences this step admits; the caller adds the returned carried
     ones to it. ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)].
     """
-    k, place, rollout = engine.kernels, engine.placement, engine.kernels.rollout
+    k: Kernels = engine.kernels  # named with its type: a reader's (or a walk's) way in
     timeline.begin_step()
     work = WorkLedger()  # each dispatch below records its tokens in it
     # 1. Admit: carried sequences first (FIFO), then new prompts, B + Δ of the slots;
-    slots = admit(buffer, prompts, admit_rule(engine, plan), *rollout_shape(rollout))
+    slots = admit(buffer, prompts, admit_rule(engine, plan), *rollout_shape(k.rollout))
     kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
     admission = device_admission(slots)
     #    the actor prefills them under the current parameters: every prompt, then each
     #    carried prefix replayed at its own length, which gives it this step's old log-probs.
     actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
-    replay = admission_replay(slots, rollout)
-    decoding, marker = k.admit(actor, admission, engine.sample_key, replay)
+    replay = admission_replay(slots, k.rollout)
+    decoding, marker = k.prefill_actor(actor, admission, engine.sample_key, replay)
     timeline.track("prefill actor", GENERATION, marker)
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
-    computed = admission_computed(slots.num_slots, rollout.prompt_width, replay)
+    computed = admission_computed(slots.num_slots, k.rollout.prompt_width, replay)
     work.add("admission", computed, admission_real(*lens, trained=1, frozen=0))
     # 2. Decode and stream until the cut rule holds. Streaming: the scorers are admitted too
     #    and prefill each chunk while the actor decodes the next. Not streaming: they score
     #    the batch after the cut.
     scorers = step_scorers(engine, train_state, timeline, work, slots)
     if schedule.stream:
-        scorers.admit(place.to_scoring(admission), replay, slots, kept)
+        scorers.admit(engine.placement.to_scoring(admission), replay, slots, kept)
     del kept  # its rows live on in the scorers' states only (memory: Δ_max rows once)
     rule = cut_rule(admission, plan)
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
@@ -163,7 +162,7 @@ def run_step(
     kl_coef = np.float32(plan.kl_coef)  # a host scalar: no eager device op to compile
     scored = scorers.outputs(decoding, selection.batch)
     # Only the prompt columns: one compilation with or without room for carried prefixes.
-    prompts_only = admission.replace(context=on_device(slots.context[:, : rollout.prompt_width]))
+    prompts_only = admission.replace(context=on_device(slots.context[:, : k.rollout.prompt_width]))
     rows = on_device(selection.batch, np.int32)
     batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
     timeline.track("build batch", GENERATION, stats["reward"])
@@ -205,7 +204,7 @@ def admit_rule(engine: StepEngine, plan: StepPlan) -> AdmitRule:
         plan.batch_size + plan.overcommit,
         engine.placement.num_slots(plan.reserved),
         room_for_prefix=plan.reserved > plan.batch_size,
-        max_staleness=engine.max_deferrals,
+        max_staleness=engine.max_staleness,
         group_size=plan.group_size,
         on_stale=engine.on_stale,
     )
@@ -249,7 +248,7 @@ def critic_params(engine: StepEngine, train_state):
 
 
 def admission_replay(slots: SlotBatch, rollout) -> list[ReplayChunk]:
-    """The replay of the slots' carried prefixes after their prompts (``scoring.replay``),
+    """The replay of the slots' carried prefixes after their prompts (``scoring.carried``),
     planned on the host from the admitted lengths."""
     shape = (rollout.prompt_width, rollout.max_response_len)
     return plan_replay(slots.context, slots.prompt_len, slots.prefix_len, shape)

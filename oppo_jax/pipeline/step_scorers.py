@@ -5,26 +5,42 @@ tokens in them in the step's ledger (``pipeline.accounting``).
 
 Streaming schedules ``admit`` the scorers (prompts, then the carried prefixes replayed or,
 for the frozen scorers, their kept rows restored) and ``feed`` them each decode chunk; the
-others score the batch once after the cut (``score_packed``).
+others score the batch once after the cut (``score_packed``): the host plans the batch's real
+tokens into calls of one packed shape (``scoring.packed``) and each scorer's
+``kernels.oppo_sync_scoring`` writes its calls' outputs at their slots. The frozen scorers'
+rows of carried sequences are kept at the cut and restored at the next admission
+(``keep_rows``, ``restore_rows``; ``scoring.carried``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from oppo_jax.base.shapes import chunk_budget
+from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
-from oppo_jax.pipeline.kernels import Kernels
-from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.scoring_kernels import keep_rows, packed_outputs, restore_rows
+from oppo_jax.pipeline.kernels import Kernels, oppo_sync_scoring
+from oppo_jax.pipeline.placement import Placement, move
 from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState
-from oppo_jax.scoring.kept import FROZEN, KeptCaches
-from oppo_jax.scoring.packed_chunks import plan_chunk
-from oppo_jax.scoring.replay import ReplayChunk
-from oppo_jax.scoring.stream import ScorerOutputs, ScorerParams, ScorerStates
+from oppo_jax.rollout.layout import assemble_sequences
+from oppo_jax.scoring.carried import FROZEN, KeptCaches, ReplayChunk, put_rows, take_rows
+from oppo_jax.scoring.packed import PackedBatch, ScoringCall, plan_packing
+from oppo_jax.scoring.stream import (
+    ScorerOutputs,
+    ScorerParams,
+    ScorerSpec,
+    ScorerStates,
+    padding_plan,
+    plan_chunk,
+)
 
 
 class StepScorers:
@@ -46,12 +62,6 @@ class StepScorers:
         self.states: ScorerStates | None = None
         self.packed: ScorerOutputs | None = None  # sync: the packed scoring's outputs
 
-    def dispatch(self, stage: str, role: str, kernel: Callable, *args):
-        """Call ``role``'s ``kernel`` with its parameters and track it on the timeline."""
-        state, marker = kernel(getattr(self.params, role), *args)
-        self.timeline.track(f"{stage} {role}", self.place.scoring_group, marker)
-        return state
-
     def admit(
         self,
         admission: Admission,
@@ -60,7 +70,7 @@ class StepScorers:
         kept: KeptCaches | None = None,
     ) -> None:
         """Prefill every scorer with the ``admission``'s prompts (on the scoring group), then
-        feed the carried prefixes of ``replay`` (``scoring.replay``). The frozen scorers take
+        feed the carried prefixes of ``replay`` (``scoring.carried``). The frozen scorers take
         the leading carried slots' rows from ``kept`` instead, when it holds those very
         sequences (``KeptCaches.usable_rows``). ``slots`` is the step's ``SlotBatch``."""
         k, width = self.kernels, self.kernels.rollout.prompt_width
@@ -71,12 +81,12 @@ class StepScorers:
         for role in self.roles:
             frozen = role in FROZEN
             params = getattr(self.params, role)
-            state, marker = k.scorer_admit(role)(params, admission)
+            state, marker = k.prefill_prompts(role, params, admission)
             if frozen and used > 0 and role in kept.states:
                 state = restore_rows(state, kept.states[role], used)
                 computed = admission_computed(admission.num_slots, width)
             else:
-                state, fed = k.replay(role, params, state, replay)
+                state, fed = k.replay_prefixes(role, params, state, replay)
                 marker = marker if fed is None else fed
                 computed = admission_computed(admission.num_slots, width, replay)
             self.timeline.track(f"prefill {role}", self.place.scoring_group, marker)
@@ -97,17 +107,20 @@ class StepScorers:
         on_scoring = self.place.to_scoring(chunk)
         if self.kernels.packs_chunks:
             plans = plan_chunk(counts, chunk.tokens.shape[1])
-            calls = [(on_scoring, plan) for plan in plans]
             computed = sum(plan["token_row"].size for plan in plans)
-        else:
-            calls, computed = [(on_scoring,)], chunk.tokens.shape[0] * chunk.tokens.shape[1]
+        else:  # one call over every slot
+            plans, computed = [None], chunk.tokens.shape[0] * chunk.tokens.shape[1]
         roles = len(self.roles)
         self.work.add("scoring", roles * computed, roles * int(np.sum(counts)))
         states = {role: getattr(self.states, role) for role in self.roles}
+        k = self.kernels
         for role in self.roles:
-            kernel = self.kernels.scorer_chunk(role, kv_width)
-            for args in calls:
-                states[role] = self.dispatch("score", role, kernel, states[role], *args)
+            params = getattr(self.params, role)
+            for plan in plans:
+                states[role], marker = k.score_streamed(
+                    role, params, states[role], on_scoring, kv_width, plan
+                )
+                self.timeline.track(f"score {role}", self.place.scoring_group, marker)
         self.states = ScorerStates(**states)
 
     def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots) -> None:
@@ -138,3 +151,108 @@ class StepScorers:
     def close(self) -> None:
         """Let go of the scorers' caches and of this step's critic copy."""
         self.states = self.params = self.packed = None
+
+
+def empty_outputs(spec: ScorerSpec, num_slots: int, sharding):
+    """The zero outputs a scorer's packed calls write into: [S, R], or [S] for a score (host
+    zeros moved over: no program compiles for them)."""
+    shape = (num_slots,) if spec.kind == "score" else (num_slots, spec.response_len)
+    return jax.device_put(np.zeros(shape, np.float32), sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("pad_id",))
+def gather_batch_sequences(state, rows, prompts, prompt_len, *, pad_id: int):
+    """(sequences [B, P + R]: prompt then the whole response, response lengths [B]) of the
+    batch ``rows`` [B] of a decode state, from the slots' prompts [S, P] and prompt_len [S]."""
+    response_len = state.num_generated[rows]
+    seqs = assemble_sequences(
+        prompts[rows], prompt_len[rows], state.tokens[rows], response_len, pad_id
+    )
+    return seqs, response_len
+
+
+def _replicated(place) -> NamedSharding:
+    """Where packed scoring's inputs live: replicated over the scoring mesh (the same layout
+    in a step and in a warm-up, so both hit one compilation)."""
+    return NamedSharding(place.scoring_mesh, PartitionSpec())
+
+
+def batch_sequences(kernels, place, decoding, rows: np.ndarray, slots):
+    """(sequences [B, P + R], response lengths [B]) of the batch ``rows`` (``slots``: the
+    step's ``SlotBatch``), replicated where the scorers run."""
+    prompts = np.asarray(slots.context[:, : kernels.rollout.prompt_width])
+    pad = kernels.rollout.pad_id
+    made = gather_batch_sequences(decoding, rows, prompts, slots.prompt_len, pad_id=pad)
+    return move(made, _replicated(place))
+
+
+def packed_inputs(sequences, response_len, prompt_len, plan: ScoringCall) -> PackedBatch:
+    """A PackedBatch from device sequences and a host plan (the plan's arrays go to the
+    sequences' devices)."""
+    sharding = getattr(sequences, "sharding", None)
+    put = functools.partial(jax.device_put, device=sharding)
+    return PackedBatch(
+        sequences=sequences,
+        prompt_len=put(np.asarray(prompt_len, np.int32)),
+        response_len=response_len,
+        seq=put(plan.seq),
+        col=put(plan.col),
+        row=put(plan.row),
+        offset=put(plan.offset),
+    )
+
+
+def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, int, int]:
+    """Every scorer's output over the batch ``rows``, their real tokens packed into calls of
+    one shape (``scoring.packed``); dispatched through ``scorers``
+    (pipeline.step_scorers.StepScorers). Returns (role -> [S, R] or [S] output, tokens
+    computed per scorer, real tokens per scorer)."""
+    k, place = scorers.kernels, scorers.place
+    r = k.rollout
+    rows = np.asarray(rows, np.int32)
+    prompt_len = slots.prompt_len[rows]
+    lengths = prompt_len + to_host(decoding.num_generated)[rows]  # the cut's only extra read
+    plans = plan_packing(lengths, r.prompt_width + r.max_response_len)
+    on_scoring = _replicated(place)
+    sequences, response_len = batch_sequences(k, place, decoding, rows, slots)
+    batches = [packed_inputs(sequences, response_len, prompt_len, plan) for plan in plans]
+    at = jax.device_put(rows, on_scoring)
+    out = {}
+    for role in scorers.roles:
+        spec = getattr(k.scorer_specs, role)
+        k.planned("sync scoring", ("packed",), role)
+        out[role] = empty_outputs(spec, slots.num_slots, on_scoring)
+        statics = dict(spec=spec, pad_id=r.pad_id, num_slots=slots.num_slots)
+        for batch in batches:
+            params = getattr(scorers.params, role)
+            out[role], marker = oppo_sync_scoring(params, out[role], batch, at, **statics)
+            scorers.timeline.track(f"score {role}", place.scoring_group, marker)
+    computed = sum(plan.computed_tokens for plan in plans)
+    return out, computed, sum(plan.real_tokens for plan in plans)
+
+
+def compile_packed_chunks(kernels, role: str, params, state, chunk, kv_width: int | None):
+    """Run ``role``'s packed chunk kernel at its one shape for a chunk like ``chunk``
+    (``shapes.chunk_budget``), reading ``kv_width`` columns, on a plan that packs no
+    token: what a warm-up compiles. Returns the state (donated along, unchanged)."""
+    slots, width = chunk.tokens.shape
+    plan = padding_plan(chunk_budget(slots, width), slots)
+    state, _ = kernels.score_streamed(role, params, state, chunk, kv_width, plan)
+    return state
+
+
+_take = jax.jit(take_rows)
+_put = jax.jit(put_rows, donate_argnums=(0,))
+
+
+def keep_rows(states: dict, slots: list[int], bucket: int, ids: list) -> KeptCaches:
+    """The frozen scorers' states of ``slots`` (carried rows, buffer order), gathered into a
+    ``bucket``-row block (padding repeats the last row and is never used)."""
+    rows = jnp.asarray(slots + [slots[-1]] * (bucket - len(slots)), jnp.int32)
+    return KeptCaches({role: _take(s, rows) for role, s in states.items()}, ids)
+
+
+def restore_rows(state, kept_state, used: int):
+    """``state`` (donated) with its first ``used`` slots taken from the kept block."""
+    use = np.arange(kept_state.num_fed.shape[0]) < used  # host flags: no eager device ops
+    return _put(state, kept_state, use)

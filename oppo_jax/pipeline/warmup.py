@@ -34,10 +34,10 @@ from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.program_walk import AbstractRun, registry_build, walk_programs
 from oppo_jax.pipeline.registry import Registry, compile_program
-from oppo_jax.pipeline.scoring_kernels import batch_sequences, keep_rows, restore_rows
 from oppo_jax.pipeline.step import device_admission
+from oppo_jax.pipeline.step_scorers import batch_sequences, keep_rows, restore_rows
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
-from oppo_jax.scoring.kept import FROZEN
+from oppo_jax.scoring.carried import FROZEN
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compilation or a cache read
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the persistent cache
@@ -170,7 +170,7 @@ def _slots(ctx, host):
     r, plan = engine.kernels.rollout, host.plan(cfg)
     slots = engine.placement.num_slots(plan.reserved)
     rule = AdmitRule(plan.batch_size + plan.overcommit, slots, plan.reserved > plan.batch_size,
-                     engine.max_deferrals, plan.group_size)  # fmt: skip
+                     engine.max_staleness, plan.group_size)  # fmt: skip
     fresh = _Prompts([(i, [r.pad_id + 2] * 2) for i in range(rule.num_sequences)])
     return admit(CarryBuffer(), fresh, rule, r.prompt_width, r.max_response_len, r.pad_id)
 
@@ -181,9 +181,9 @@ def compile_kept(ctx, host, state, rows: int) -> None:
     k, place = ctx.engine.kernels, ctx.engine.placement
     on_scoring, params = place.to_scoring(_admission(ctx, host)), scorer_params(ctx, state)
     roles = [r for r in k.scorer_specs.present() if r in FROZEN]
-    states = {r: k.scorer_admit(r)(params[r], on_scoring)[0] for r in roles}
+    states = {r: k.prefill_prompts(r, params[r], on_scoring)[0] for r in roles}
     kept = keep_rows(states, [0], rows, [])
-    fresh = {r: k.scorer_admit(r)(params[r], on_scoring)[0] for r in roles}
+    fresh = {r: k.prefill_prompts(r, params[r], on_scoring)[0] for r in roles}
     jax.block_until_ready([restore_rows(fresh[r], kept.states[r], 1) for r in roles])
 
 
@@ -192,7 +192,7 @@ def compile_batch_sequences(ctx, host, state) -> None:
     cut (``scoring_kernels.batch_sequences``), as a step without streaming does."""
     k, slots = ctx.engine.kernels, _slots(ctx, host)
     admission = device_admission(slots)
-    decoding, _ = k.admit(state.actor_model_params, admission, ctx.engine.sample_key, ())
+    decoding, _ = k.prefill_actor(state.actor_model_params, admission, ctx.engine.sample_key, ())
     rows = np.arange(host.plan(ctx.cfg).batch_size, dtype=np.int32)
     jax.block_until_ready(batch_sequences(k, ctx.engine.placement, decoding, rows, slots))
 

@@ -1,4 +1,4 @@
-"""The warm-up of slot compaction (``pipeline.slot_map``): every smaller slot bucket a step's
+"""The warm-up of slot compaction (``pipeline.decode_loop``): every smaller slot bucket a step's
 decode can move into, with the gathers and scatters of the move and the decode programs at
 that bucket, run once on throwaway states before the run measures anything.
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.pipeline.compile_plan import compaction_moves
-from oppo_jax.pipeline.slot_map import SlotMap
+from oppo_jax.pipeline.decode_loop import SlotMap
 from oppo_jax.pipeline.step import critic_params, on_device
 from oppo_jax.rollout.decode import CutRule
 
@@ -32,8 +32,7 @@ def _copy(tree):
 
 def _chunk(kernels, actor, state, rule, size, width):
     """One decode chunk on a copy of ``state``: (state, chunk)."""
-    w = () if width is None else (width,)
-    return kernels.decode(size, *w)(actor, _copy(state), rule)
+    return kernels.decode_tokens(actor, _copy(state), rule, size, width)
 
 
 def _at_bucket(kernels, actor, moved, pairs, slot_map: SlotMap, full_chunks: bool) -> None:
@@ -61,7 +60,7 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
         return 0
     actor = state.actor_model_params
     full_chunks = schedule.stream or engine.rewards is not None
-    decoding, _ = k.admit(actor, admission, engine.sample_key, ())  # new prompts only
+    decoding, _ = k.prefill_actor(actor, admission, engine.sample_key, ())  # new prompts only
     target = on_device(host.plan(ctx.cfg).batch_size, np.int32)
     rule = CutRule(admission.active, admission.must_finish, target)
     moves = compaction_moves(admission.active.shape[0], floor)

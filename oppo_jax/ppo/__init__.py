@@ -5,7 +5,7 @@ import importlib
 
 _NAMES = {
     **dict.fromkeys(
-        ("apply_missing_eos_penalty", "gae", "kl_estimate", "penalized_rewards"), "advantages"
+        ("apply_missing_eos_penalty", "gae", "kl_estimate", "penalized_rewards"), "estimators"
     ),  # fmt: skip
     **dict.fromkeys(
         ("AdaptiveKLController", "FixedKLController", "make_kl_controller"), "kl_control"

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from oppo_jax.config.schema import PPOConfig
-from oppo_jax.ppo.advantages import apply_missing_eos_penalty, penalized_rewards
 from oppo_jax.ppo.batch import PPOBatch
-from oppo_jax.ppo.estimators import estimator
+from oppo_jax.ppo.estimators import apply_missing_eos_penalty, estimator, penalized_rewards
 from oppo_jax.ppo.masked import masked_mean, masked_sum
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.admission import Admission
@@ -44,7 +43,7 @@ def build_batch(
     """Rewards with the KL penalty -> the ``ppo.advantage`` estimator's advantages and returns
     (``estimators``): gae: (optional reward whitening) -> GAE -> advantage whitening; a group
     estimator: the score (less β·Σ_t KL_t when ``kl_in_reward``, as TRL's RLOO) ->
-    ``group_advantages.token_advantages`` over groups of ``group_size`` rows.
+    ``estimators.token_advantages`` over groups of ``group_size`` rows.
 
     Returns the batch and rollout statistics: mean score, mean sequence KL (Σ_t KL_t,
     averaged over sequences), mean non-score reward, and the mean value.

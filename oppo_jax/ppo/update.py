@@ -45,8 +45,8 @@ from oppo_jax.parallel.sharding import (
     replicated,
     tracing_rules,
 )
-from oppo_jax.ppo.advantages import kl_estimate
 from oppo_jax.ppo.batch import PPOBatch
+from oppo_jax.ppo.estimators import kl_estimate
 from oppo_jax.ppo.finite import all_finite
 from oppo_jax.ppo.losses import aggregate, policy_loss, sequence_policy_loss
 from oppo_jax.ppo.off_policy import correction_weight

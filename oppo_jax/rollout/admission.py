@@ -3,7 +3,7 @@
 A slot holds a new prompt, or a carried sequence (prompt + the response it had when its last
 step was cut). The admission prefill here writes every slot's prompt into a fresh cache of
 P + R columns; a carried slot's response prefix is then replayed into that cache in chunks of
-its real length (``scoring.replay``, dispatched by ``pipeline.kernels.Kernels``), so no slot costs
+its real length (``scoring.carried``, dispatched by ``pipeline.kernels.Kernels``), so no slot costs
 more than its own tokens. Dimension letters: S slots, P prompt width, R response capacity,
 W = P + R context width, D model width.
 """
@@ -101,7 +101,7 @@ def prompt_prefill(
     """Prefill each slot's prompt (its first ``prompt_len`` context tokens) into a fresh cache
     of P + R columns per slot; ``shape`` is (P, R).
 
-    A carried prefix is not prefilled here: ``scoring.replay`` appends it afterwards. The call
+    A carried prefix is not prefilled here: ``scoring.carried`` appends it afterwards. The call
     runs in sequence chunks when its rows per device times P exceed
     ``prefill_chunks.PREFILL_TOKEN_BUDGET``, so its activations are one chunk's. Returns
     (cache, hidden state at each slot's last prompt token [S, D]), laid out along the slots

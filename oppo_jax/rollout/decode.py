@@ -62,7 +62,7 @@ def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None, kv_width=None)
 
 # What a replayed admission hands the decode: the slots' cache (prompt + carried prefix), the
 # hidden state at each slot's last context token, and the current policy's log-probs of the
-# carried prefix tokens [S, R] (zero past each prefix). ``scoring.replay`` builds it.
+# carried prefix tokens [S, R] (zero past each prefix). ``scoring.carried`` builds it.
 Prefilled = tuple[KVCache, Float[Array, "S D"], Float[Array, "S R"]]
 
 

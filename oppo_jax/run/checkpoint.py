@@ -125,7 +125,7 @@ class RunCheckpointer:
         """Start saving ``step``; False when orbax skips it (off-interval or not past latest).
 
         ``arrays``: an optional tree of arrays beside the train state (the frozen scorers' kept
-        caches, ``scoring.kept``), read back with ``restore_arrays``."""
+        caches, ``scoring.carried``), read back with ``restore_arrays``."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
         step = int(step)  # numpy and 0-d integers are welcome; orbax wants a Python int

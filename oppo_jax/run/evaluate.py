@@ -36,7 +36,7 @@ import numpy as np
 from oppo_jax.data.prompt_set import load_prompt_set
 from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
-from oppo_jax.pipeline.kernels import make_scorer_chunk
+from oppo_jax.pipeline.kernels import oppo_streamed_scoring
 from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rewards.arith import exact_match
 from oppo_jax.rollout.decode import CutRule
@@ -143,11 +143,11 @@ def _decode_all(ctx, k, actor, admission):
     n = int(np.sum(np.asarray(admission.active)))
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(n))
     key = jax.random.fold_in(ctx.engine.sample_key, EVAL_KEY)
-    state, _ = k.admit(actor, admission, key, ())  # new prompts only: nothing to replay
+    state, _ = k.prefill_actor(actor, admission, key, ())  # new prompts only: nothing to replay
     chunk_size = ctx.cfg.pipeline.chunk_size
-    decode = k.decode(chunk_size)  # over the whole cache: an evaluation is not timed
     for _ in range(k.rollout.max_response_len // chunk_size + 2):
-        state, chunk = decode(actor, state, rule)
+        # over the whole cache: an evaluation is not timed
+        state, chunk = k.decode_tokens(actor, state, rule, chunk_size)
         if jax.device_get(chunk.ready):
             return state
     raise RuntimeError("evaluation decode did not finish within the response length")
@@ -162,9 +162,12 @@ def _score(ctx, k, admission, decoding) -> tuple[np.ndarray | None, np.ndarray |
     for role, params in (("reference", engine.ref_params), ("reward", engine.reward_params)):
         if params is None:
             continue
-        state, _ = k.scorer_admit(role)(params, on_scoring)
+        state, _ = k.prefill_prompts(role, params, on_scoring)
         # Every slot's whole response in one call over every slot: an evaluation is not timed.
-        state, _ = make_scorer_chunk(getattr(k.scorer_specs, role))(params, state, chunk)
+        spec = getattr(k.scorer_specs, role)
+        state, _ = oppo_streamed_scoring(
+            params, state, chunk, None, spec=spec, kv_width=None, packed=False
+        )
         out[role] = state
     # β = 0: no reference is loaded, and the evaluation reports no KL
     ref = np.asarray(to_host(out["reference"].per_token)) if "reference" in out else None

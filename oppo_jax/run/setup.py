@@ -305,7 +305,7 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         else None,  # β = 0: no reference
         reward_params=reward and placement.scoring_params(reward.config, reward.params),
         sample_key=sampling_key(cfg.seed),
-        max_deferrals=cfg.rollout.max_staleness,
+        max_staleness=cfg.rollout.max_staleness,
         rewards=reward_functions(cfg, tok, prompts, eos_ids),  # reward.functions (host)
         on_stale=cfg.rollout.on_stale,
     )

@@ -44,7 +44,7 @@ def config_memory_report(
     # Higher layers, imported here only: the report itself needs no pipeline.
     from oppo_jax.pipeline.compile_plan import scorer_roles
     from oppo_jax.pipeline.schedule import Schedule
-    from oppo_jax.scoring.replay import row_bucket
+    from oppo_jax.scoring.carried import row_bucket
     from oppo_tools.abstract_checks import preset_models
 
     if cfg.model.preset is None:

@@ -47,7 +47,7 @@ from oppo_jax.rollout.decode import ChunkTokens, CutRule, admit_decode, decode_c
 from oppo_jax.rollout.sampling import SamplingConfig
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.run.trained_params import abstract_train_state
-from oppo_jax.scoring.replay import REPLAY_CHUNK, replay_chunk
+from oppo_jax.scoring.carried import REPLAY_CHUNK, replay_chunk
 from oppo_jax.scoring.stream import ROLES, ScorerSpec, score_chunk, scorer_admit
 from oppo_tools.memory.abstract import (
     KernelMemory,

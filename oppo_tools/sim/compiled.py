@@ -28,7 +28,7 @@ def hand_seconds(program: dict, cost: CostModel, shapes, minibatches: int) -> fl
     """The roofline formula's seconds for the work of ``program`` at its shape (``shapes``:
     the run's ``compile_plan.RunShapes``; ``minibatches`` per epoch); None for a family it has
     no formula for."""
-    from oppo_jax.scoring.replay import REPLAY_CHUNK  # (JAX: only when a report is priced)
+    from oppo_jax.scoring.carried import REPLAY_CHUNK  # (JAX: only when a report is priced)
 
     family, shape = program["family"], program["shape"]
     s, p = shapes.slots, shapes.prompt_width

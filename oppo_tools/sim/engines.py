@@ -80,7 +80,7 @@ class Engine:
     # segment start to the diagonal, none for padding (models.segment_attention, a GPU)
     segment_update_attention: bool = False
     # the prompt prefill of every slot, then each carried prefix fed in chunks of REPLAY_CHUNK
-    # over leading row buckets (scoring.replay; packing.replay_tokens); False: the split
+    # over leading row buckets (scoring.carried; packing.replay_tokens); False: the split
     # admission (``split_admission``) or every slot at the carried width
     replayed_admission: bool = False
 
@@ -119,12 +119,12 @@ PADDED = Engine("padded", decode_to_cut=False)
 FIXED = Engine("fixed")
 # This engine as built: the FEATURES that landed (see the docstring): the packed update
 # (624cce5), sync scoring at real widths and the frozen scorers' kept caches (d8a8bca), decode
-# over the live prefix (a952db9), streamed chunks scored packed (scoring.packed_chunks: the
+# over the live prefix (a952db9), streamed chunks scored packed (scoring.stream: the
 # token-wise layers over the chunk's real tokens in a pow2 bucket, attention over min(S, M)
 # rows; the cost model prices tokens). Slot compaction (78de8d3) is on by default only on the CPU
-# (``pipeline.slot_map.compaction_default``), so the accelerator projections leave it off and
+# (``pipeline.kernels.compaction_default``), so the accelerator projections leave it off and
 # a recorded trace stamps what its run did (``trace.step_trace``). Carried prefixes are
-# replayed at their own lengths after the prompt prefill (scoring.replay).
+# replayed at their own lengths after the prompt prefill (scoring.carried).
 BUILT = Engine(
     "built",
     packed_update=True,

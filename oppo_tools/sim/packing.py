@@ -9,15 +9,15 @@ rules (``oppo_jax.base.shapes``, JAX-free), not an idealised packing.
 - ``score_tokens``: ``sync`` scoring at real widths (``oppo_jax.scoring.packed``): the engine's
   calls of one shape (``oppo_jax.base.shapes.score_calls``); the scorers' admission prefill is
   skipped.
-- ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.packed_chunks``): whole
+- ``chunk_tokens``: a streamed chunk scored packed (``oppo_jax.scoring.stream``): whole
   calls of the engine's token budget (``oppo_jax.base.shapes.chunk_budget``) over its real tokens.
   S is the admission's slots even when the decode has compacted: packing scorers stay in that
-  layout (``oppo_jax.pipeline.slot_map``).
+  layout (``oppo_jax.pipeline.decode_loop``).
 - ``update_segment_pairs``: the query-key pairs the packed update's segment attention visits on
   a GPU (``models.segment_attention``): per first-fit row, each query block's key blocks from
   its first query's segment start to the diagonal (``row_segment_pairs``).
 - ``replay_tokens``: the built engine's replay of carried prefixes after the prompt prefill
-  (``oppo_jax.scoring.replay.plan_replay``): chunk j of ``REPLAY_CHUNK`` tokens runs over the
+  (``oppo_jax.scoring.carried.plan_replay``): chunk j of ``REPLAY_CHUNK`` tokens runs over the
   leading row bucket (a power of two >= 4, at most S) holding every prefix longer than j·c.
 - ``prefix_bucket`` / ``split_rows``: the fixed-shape engine's split admission before the
   replay (carried rows prefilled at P + pow2(longest prefix), the rest at P), which the
@@ -196,7 +196,7 @@ def row_segment_pairs(lengths, width: int, block: int | None = None) -> int:
     return int(visited.sum()) * block * block
 
 
-REPLAY_CHUNK = 32  # scoring.replay.REPLAY_CHUNK: prefix tokens per replay call
+REPLAY_CHUNK = 32  # scoring.carried.REPLAY_CHUNK: prefix tokens per replay call
 
 
 def replay_tokens(prefix, slots: int, chunk: int = REPLAY_CHUNK) -> int:

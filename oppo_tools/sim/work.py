@@ -108,11 +108,11 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         per_chunk = [b * f.chunk for b in buckets[: f.chunks - 1]]
         if engine.packed_chunk_scoring:  # each chunk's real tokens packed (packing.chunk_tokens)
             # over the admission's S slots, also once the decode has compacted: packing
-            # scorers stay in that layout (pipeline.slot_map)
+            # scorers stay in that layout (pipeline.decode_loop)
             scored = min(len(per_chunk), math.ceil(f.cut / f.chunk))  # chunks up to the cut
             made = [np.clip(new_tokens - j * f.chunk, 0, f.chunk) for j in range(scored)]
             per_chunk = [packing.chunk_tokens(counts, f.chunk) for counts in made]
-        if engine.replayed_admission:  # prompts, then each prefix in chunks (scoring.replay)
+        if engine.replayed_admission:  # prompts, then each prefix in chunks (scoring.carried)
             actor = f.slots * f.prompt_len + packing.replay_tokens(f.prefix, f.slots)
         else:
             k = f.carried_rows if engine.split_admission else f.slots

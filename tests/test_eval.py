@@ -85,3 +85,15 @@ def test_eval_shows_the_gold_rise_on_the_demo(demo_cache, tmp_path):
     assert (first["step"], last["step"]) == (0, 10)
     assert last["gold"] > first["gold"] + 0.05, (first, last)
     assert last["reward_fn/sentiment"] == pytest.approx(last["gold"], abs=1e-9)
+
+
+def test_two_evaluations_within_one_second_keep_two_event_files(tmp_path):
+    """Each evaluation's TensorBoard events go to a file of its own, even when two open within
+    the same second (the file name holds the second it was opened, and the step)."""
+    from oppo_jax.run.evaluate import _tensorboard
+
+    rows = [{"prompt": "p", "response": "r", "reward": 1.0}]
+    for step in (10, 20):
+        _tensorboard(tmp_path, step, {"step": step, "reward": 0.5}, rows)
+    files = sorted((tmp_path / "tensorboard").glob("*.eval"))
+    assert [f.name.rsplit(".", 2)[-2] for f in files] == ["step10", "step20"]

@@ -307,7 +307,10 @@ def _tensorboard(out: Path, step: int, record: dict, rows: list[dict]) -> None:
         from tensorboardX import SummaryWriter
     except ImportError:  # optional, as for the training metrics
         return
-    with SummaryWriter(str(out / "tensorboard"), filename_suffix=".eval") as tb:
+    # The event file is named by the second it opens: the step in its name keeps two
+    # evaluations of one second from writing the same file (the later one replaced the earlier).
+    suffix = f".step{step}.eval"
+    with SummaryWriter(str(out / "tensorboard"), filename_suffix=suffix) as tb:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float):
                 tb.add_scalar(f"eval/{key}", value, step)

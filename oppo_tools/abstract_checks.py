@@ -73,7 +73,7 @@ def abstract_update_check(cfg: Config, actor: ModelConfig, critic: ModelConfig, 
     indices = padding_indices(outer, shape, r.batch_size // ppo.num_minibatches)
     indices = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), indices)
     kl_coef = jax.ShapeDtypeStruct((), jnp.float32)
-    lowered = update.jitted.lower(abstract_state, batch, indices, kl_coef)
+    lowered = update.lower(abstract_state, batch, indices, kl_coef)
     return {
         "mesh": (m.data, m.fsdp, m.tensor),
         "actor_bytes_per_device": per_device_bytes(

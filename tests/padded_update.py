@@ -189,6 +189,8 @@ class PaddedUpdate:
             "update_tokens_computed": float(epochs * batch.tokens.size),
         }
 
+    update_batch = __call__  # as the step calls the run's update (PackedUpdate.update_batch)
+
 
 def make_padded_update(spec: UpdateSpec, mesh=None) -> PaddedUpdate:
     """The padded update jitted as a run jits the packed one (``make_update``)."""

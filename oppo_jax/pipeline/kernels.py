@@ -137,8 +137,9 @@ class Kernels:
     rollout: RolloutSpec
     # the reward model's architecture; None: reward functions alone score (oppo_jax.rewards)
     reward_model: ModelConfig | None
-    # (train state, batch, key, kl_coef, lengths=None) -> (train state, metrics); donates
-    update: Callable
+    # the run's update (``ppo.packed_update.PackedUpdate``; the tests' padded oracle has the
+    # same ``update_batch``), called through ``train_models``
+    update: Any
     # decode and streamed scoring read the cache's live prefix, a power-of-two width per program
     # (False: the whole P + R, one program; ``shapes.live_widths_pay``)
     live_prefix: bool = True
@@ -263,6 +264,12 @@ class Kernels:
         """(decode state, start) -> ChunkTokens of every response past ``start`` (sync scoring)."""
         width = self.rollout.max_response_len
         return jax.jit(lambda state, start: tokens_since(state, start, width, jnp.bool_(True)))
+
+    def train_models(self, train_state, batch, key, kl_coef, lengths=None):
+        """(train state, metrics): PPO epochs x minibatches on ``batch`` (the run's update,
+        ``ppo.packed_update.PackedUpdate.update_batch``: its one packed program, donating the
+        state)."""
+        return self.update.update_batch(train_state, batch, key, kl_coef, lengths=lengths)
 
     def experience(self, decoding, rows, admission, scored, kl_coef):
         """(PPOBatch, stats) of the batch ``rows`` (``ppo.experience.batch_from_rollout``)."""

@@ -281,8 +281,11 @@ def _update(run: AbstractRun, build: Build, batch, shape) -> None:
     outer = (ppo.ppo_epochs, ppo.num_minibatches, chunks)
     indices = padding_indices(outer, shape, run.shapes.batch_size // ppo.num_minibatches)
     on_mesh = jax.tree.map(lambda x, sh: sds(x.shape, x.dtype, sh), batch, batch_shardings(mesh))
-    args = (run.train_state, on_mesh, jax.tree.map(host_array, indices), sds((), jnp.float32))
-    build("update", (shape,), "actor", Kernel(update.jitted), args)
+    # The plan's indices are placed replicated before the call (``UpdateLayout.place``).
+    repl = NamedSharding(mesh, PartitionSpec())
+    indices = jax.tree.map(lambda x: sds(np.shape(x), np.asarray(x).dtype, repl), indices)
+    args = (run.train_state, on_mesh, indices, sds((), jnp.float32))
+    build("update", (shape,), "actor", Kernel(update), args)
 
 
 def registry_build(registry: Registry, compile_one: Callable) -> Build:

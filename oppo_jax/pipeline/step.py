@@ -177,7 +177,7 @@ def run_step(
     #    read), so reading its lengths here does not wait on the experience kernel.
     generated = np.asarray(to_host(outputs[2]))  # read once: the carry below reuses it
     lengths = (slots.prompt_len[selection.batch], generated[selection.batch])
-    train_state, update_metrics = k.update(
+    train_state, update_metrics = k.train_models(
         train_state, batch, plan.update_key, kl_coef, lengths=lengths
     )
     timeline.track("update", GENERATION, update_metrics["policy_loss"])

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oppo_jax.base.shapes import program_name
 from oppo_jax.models import lora
 from oppo_jax.models.heads import VOCAB_BLOCK, apply_head, token_logprobs_and_entropy
 from oppo_jax.models.transformer import Transformer
@@ -33,7 +32,6 @@ from oppo_jax.parallel.sharding import (
     DEFAULT_RULES,
     ShardingRules,
     batch_shards,
-    replicated,
     to_host,
 )
 from oppo_jax.ppo.batch import PPOBatch
@@ -54,12 +52,9 @@ from oppo_jax.ppo.update import (
     UpdateSpec,
     actor_objective,
     apply_if_finite,
-    batch_shardings,
     finish_update,
     train_state_shardings,
 )
-
-UPDATE = program_name("update")  # the update program's name in compile events
 
 
 def _response_hidden(cfg, params, mb: PackedMicrobatch):
@@ -194,6 +189,22 @@ def ppo_update_packed(
     return new_state, metrics
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "layout"), donate_argnames=("trained",))
+def oppo_update(trained, frozen, batch: PPOBatch, plan: PackIndices, kl_coef, *, spec, layout):
+    """The update's program: ``ppo_update_packed`` of the train state ``trained`` (donated)
+    with its LoRA bases ``frozen`` passed apart (None without LoRA; never donated, they also
+    serve the scorers and a donated array is deleted): (new state without its bases, metrics).
+    With a ``layout`` (a mesh), the state keeps its shardings, the batch its rows over the
+    batch axes, and the plan and the metrics are replicated."""
+    state = trained.replace(frozen=frozen)
+    if layout is not None:
+        state, batch, plan = layout.hold(state, batch, plan)
+    new, metrics = ppo_update_packed(spec, state, batch, plan, kl_coef, layout)
+    if layout is not None:
+        new, metrics = layout.hold_outputs(new, metrics)
+    return new.replace(frozen=None), metrics
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _permutations(key, num_rows: int, epochs: int):
     """The epochs' row permutations: epoch e permutes the rows by the e-th of ``key``'s
@@ -204,16 +215,28 @@ def _permutations(key, num_rows: int, epochs: int):
 
 
 class PackedUpdate:
-    """The packed update as the step calls it: plans on the host, then one jitted call.
+    """The packed update as the step calls it: plans on the host, then one call of
+    ``oppo_update``, which compiles once: every plan of a run has the config's one packed shape
+    (``oppo_jax.ppo.packing``); the shapes seen so far are in ``shapes``. ``layout`` (an
+    ``update.UpdateLayout``, None on one device) holds its arrays to a mesh's shardings."""
 
-    ``jitted(state, batch, plan, kl_coef)`` compiles once: every plan of a run has the
-    config's one packed shape (``oppo_jax.ppo.packing``); the shapes seen so far are in
-    ``shapes``.
-    """
-
-    def __init__(self, spec: UpdateSpec, jitted, row_multiple: int = 1):
-        self.spec, self.jitted, self.row_multiple = spec, jitted, row_multiple
+    def __init__(self, spec: UpdateSpec, layout: UpdateLayout | None = None):
+        self.spec, self.layout = spec, layout
+        self.row_multiple = 1 if layout is None else batch_shards(layout.mesh, layout.rules)
         self.shapes: set[tuple[int, int, int]] = set()
+
+    def train_on(self, state, batch: PPOBatch, indices: PackIndices, kl_coef):
+        """(new state, metrics): one call of ``oppo_update`` on a planned batch."""
+        statics = {"spec": self.spec, "layout": self.layout}
+        trained, frozen = state.replace(frozen=None), state.frozen
+        new, metrics = oppo_update(trained, frozen, batch, indices, kl_coef, **statics)
+        return new.replace(frozen=frozen), metrics
+
+    def lower(self, state, batch: PPOBatch, indices: PackIndices, kl_coef):
+        """``oppo_update`` lowered at (abstract) arguments like ``train_on``'s."""
+        statics = {"spec": self.spec, "layout": self.layout}
+        trained, frozen = state.replace(frozen=None), state.frozen
+        return oppo_update.lower(trained, frozen, batch, indices, kl_coef, **statics)
 
     def plan(self, batch: PPOBatch, key, lengths=None):
         """The step's packing plan (host side)."""
@@ -253,10 +276,16 @@ class PackedUpdate:
             width_factor=ppo.pack_width_factor,
         )
 
-    def __call__(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
+    def update_batch(self, state, batch: PPOBatch, key, kl_coef, lengths=None):
+        """(new state, metrics): PPO epochs x minibatches on ``batch``, shuffled by ``key``;
+        ``lengths`` = (prompt_len, response_len) host arrays of its rows (read from the batch
+        when not given)."""
         plan = self.plan(batch, key, lengths)
         self.shapes.add(plan.shape)
-        state, metrics = self.jitted(state, batch, plan.indices, kl_coef)
+        indices = plan.indices
+        if self.layout is not None:  # jit moves a mismatched batch itself on one process only
+            batch, indices = self.layout.place(batch, indices)
+        state, metrics = self.train_on(state, batch, indices, kl_coef)
         rows, width, slots = plan.shape
         return state, {
             **metrics,
@@ -267,23 +296,16 @@ class PackedUpdate:
             "update_slots": float(slots),
         }
 
+    __call__ = update_batch  # the update is called like a function
+
 
 @functools.cache
 def make_update(spec: UpdateSpec, mesh=None, rules: ShardingRules = DEFAULT_RULES):
-    """The run's update, jitted donating the state (not LoRA's frozen bases, which also serve
-    the scorers); on ``mesh`` with explicit shardings and the logical rules active while
-    tracing (``update.UpdateLayout``). One per (spec, mesh, rules), as the decode and scorer
-    kernels: a later run of the same spec in the process compiles nothing new."""
+    """The run's update (``oppo_update``, donating the state but LoRA's frozen bases); on
+    ``mesh`` with its arrays held to the train state's and the batch's shardings and the
+    logical rules active while tracing (``update.UpdateLayout``). One per (spec, mesh, rules):
+    the layout is the program's static setting, so a later run of the same spec in the
+    process compiles nothing new."""
     if mesh is None:
-        jitted = lora.jit_keeping_frozen(functools.partial(ppo_update_packed, spec), name=UPDATE)
-        return PackedUpdate(spec, jitted)
-    state_sh, repl = train_state_shardings(spec, mesh, rules), replicated(mesh)
-    jitted = lora.jit_keeping_frozen(
-        functools.partial(ppo_update_packed, spec, layout=UpdateLayout(mesh, rules, state_sh)),
-        # The plan's indices are small and replicated; the gathered rows are then laid out
-        # over the batch axes inside (``UpdateLayout.rows``).
-        in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
-        out_shardings=(state_sh, repl),
-        name=UPDATE,
-    )
-    return PackedUpdate(spec, jitted, row_multiple=batch_shards(mesh, rules))
+        return PackedUpdate(spec)
+    return PackedUpdate(spec, UpdateLayout(mesh, rules, train_state_shardings(spec, mesh, rules)))

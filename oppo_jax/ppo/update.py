@@ -111,11 +111,13 @@ class UpdateSpec:
         return getattr(self, f"{model}_tx")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class UpdateLayout:
     """Where a sharded update's arrays live: the mesh, its rules and the train state's shardings.
 
-    None in place of a layout (single device, plain jit) constrains nothing.
+    None in place of a layout (single device, plain jit) constrains nothing. A static setting
+    of the update's program, compared by identity (``packed_update.make_update`` keeps one per
+    spec, mesh and rules).
     """
 
     mesh: Mesh
@@ -138,6 +140,25 @@ class UpdateLayout:
             )
 
         return jax.tree.map(one, tree)
+
+    def place(self, batch, indices):
+        """The batch with its rows over the batch axes and the plan's indices replicated, moved
+        there before the call (jit moves a mismatched argument itself on one process only)."""
+        batch = jax.device_put(batch, batch_shardings(self.mesh, self.rules))
+        return batch, jax.device_put(indices, replicated(self.mesh))
+
+    def hold(self, state, batch, indices):
+        """Inside the program: (state, batch, indices) held to the shardings ``place`` gives and
+        the train state's (what explicit in_shardings would fix)."""
+        held = (self.state, batch_shardings(self.mesh, self.rules), replicated(self.mesh))
+        return jax.lax.with_sharding_constraint((state, batch, indices), held)
+
+    def hold_outputs(self, state, metrics):
+        """Inside the program: the new state on the train state's shardings, the metrics
+        replicated (what explicit out_shardings would fix)."""
+        return jax.lax.with_sharding_constraint(
+            (state, metrics), (self.state, replicated(self.mesh))
+        )
 
     def like_params(self, grads: dict):
         """{model: gradients} laid out like the parameters they belong to."""

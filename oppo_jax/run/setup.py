@@ -30,7 +30,6 @@ from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import (
     TrainState,
-    batch_shardings,
     make_sharded_init,
 )
 from oppo_jax.rewards.setup import reward_functions
@@ -241,23 +240,6 @@ def _placement(cfg: Config) -> Placement:
     return Placement(groups)
 
 
-class _BatchResharded:
-    """``update`` that first lays the PPO batch out on its row sharding. jit reshards a
-    mismatched argument by itself only when one process holds all of it; with several
-    processes (multi-host) the batch built by the experience kernel must be moved here. The
-    wrapped update's other attributes (its packed shapes, for the warm-up) show through."""
-
-    def __init__(self, update: Callable, mesh):
-        self.update, self.shardings = update, batch_shardings(mesh)
-
-    def __call__(self, state, batch, key, kl_coef, lengths=None):
-        batch = jax.device_put(batch, self.shardings)
-        return self.update(state, batch, key, kl_coef, lengths=lengths)
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["update"], name)
-
-
 def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainState]:
     """Load (or build) the models, the prompts and the kernels of ``cfg``; returns the run's
     context and its initial train state."""
@@ -289,7 +271,7 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         eos_ids = tuple({tok.eos_token_id} - {None}) or (1,)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     spec = update_spec(cfg, actor.config, critic_cfg)
-    update = _BatchResharded(make_update(spec, mesh), mesh)
+    update = make_update(spec, mesh)  # moves the batch onto its row shardings itself
     rollout = rollout_spec(cfg, eos_ids, pad_id, placement)
     if not cfg.reward.model_weight:  # (random models are built in pairs; drop the reward one)
         reward = None

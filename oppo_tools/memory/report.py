@@ -152,7 +152,7 @@ class _Run:
         outer = (ppo.ppo_epochs, ppo.num_minibatches, count)
         indices = padding_indices(outer, shape, s.batch_size // ppo.num_minibatches)
         indices = jax.tree.map(lambda x: sds(x.shape, x.dtype, repl), indices)
-        return packed.jitted, (state, batch, indices, kl_coef)
+        return packed, (state, batch, indices, kl_coef)
 
     def admit(self):
         """(the actor's admission: its prompt prefill and the decode state started from it;

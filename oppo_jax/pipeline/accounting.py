@@ -96,23 +96,29 @@ class WorkLedger:
         return record
 
 
-def admission_computed(num_slots: int, prompt_width: int, replay=()) -> int:
-    """Tokens one model's admission computes: every slot's prompt at the prompt width P
-    (``rollout.admission.prompt_prefill``), then each chunk of the carried prefixes' ``replay``
-    over its leading rows (``scoring.carried``). Example: S 8, P 16, one replay chunk of 4 rows
-    x 64 -> 8·16 + 256 = 384."""
-    return num_slots * prompt_width + sum(chunk.computed_tokens for chunk in replay)
+def admission_computed(num_slots: int, prompt_width: int, replay=(), shared: int = 1) -> int:
+    """Tokens one model's admission computes: every slot's prompt at the prompt width P, each
+    group of ``shared`` slots' once (``rollout.admission.prompt_prefill``), then each chunk of
+    the carried prefixes' ``replay`` over its leading rows (``scoring.carried``). Example: S 8,
+    P 16, one replay chunk of 4 rows x 64 -> 8·16 + 256 = 384; groups of 2: 4·16 + 256."""
+    prompts = num_slots // shared * prompt_width
+    return prompts + sum(chunk.computed_tokens for chunk in replay)
 
 
-def admission_real(prompt_len, prefix_len, active, carrying, trained: int, frozen: int) -> int:
+def admission_real(
+    prompt_len, prefix_len, active, carrying, trained: int, frozen: int, shared: int = 1
+) -> int:
     """Real admission tokens over all models: a trained model (actor, critic: new parameters)
     must prefill each occupied slot's prompt + carried prefix; a frozen scorer (reference,
     reward model) only the new prompts' tokens, since a carried row's cache from an earlier
-    step stays exact for it (the token-proportional engine keeps it)."""
+    step stays exact for it (the token-proportional engine keeps it). With groups of
+    ``shared`` slots sharing a prompt (``SlotBatch.shared_prompts``), a prompt counts once."""
     occupied = np.asarray(active, bool)
     prompt, prefix = np.asarray(prompt_len), np.asarray(prefix_len)
-    full = int((prompt + prefix)[occupied].sum())
-    fresh = int(prompt[occupied & ~np.asarray(carrying, bool)].sum())
+    once = np.arange(len(prompt)) % shared == 0  # each group's first slot
+    prompts = int(prompt[occupied & once].sum())
+    full = prompts + int(prefix[occupied].sum())
+    fresh = int(prompt[occupied & once & ~np.asarray(carrying, bool)].sum())
     return trained * full + frozen * fresh
 
 

@@ -112,6 +112,13 @@ def select_batch(
     return Selection(batch=batch, cut=int(finish_step[batch].max()) if len(batch) else 0)
 
 
+def prompt_sharing(num_slots: int, group_size: int) -> int:
+    """Slots sharing each prompt's prefill in an admission of ``num_slots`` slots holding
+    groups of ``group_size`` samples (``SlotBatch.shared_prompts``): G when S is a multiple
+    of G > 1, else 1. Example: (12, 4) -> 4; (10, 4) -> 1."""
+    return group_size if group_size > 1 and num_slots % group_size == 0 else 1
+
+
 @dataclasses.dataclass
 class SlotBatch:
     """The host's view of one step's slots (S = B + Δ_max), in admission order."""
@@ -138,6 +145,19 @@ class SlotBatch:
     def carrying(self) -> np.ndarray:
         """[S] bool: the slot brings work from an earlier step (a prefix, or a whole response)."""
         return (self.prefix_len > 0) | self.prefix_finished
+
+    def shared_prompts(self, group_size: int) -> int:
+        """G when the admission may prefill each group's prompt once (``group_size`` G > 1,
+        slots gG .. gG + G - 1 each empty or all holding samples of one prompt, as ``admit``
+        lays groups out), else 1 (G = 1, or S not a multiple of G: every slot prefilled).
+        Raises if a group of slots mixes prompts or empty slots: the carry's layout broken."""
+        g = prompt_sharing(self.num_slots, group_size)
+        if g == 1:
+            return 1
+        ids = np.where(self.active, self.prompt_ids, -1).reshape(-1, g)
+        if np.any(ids != ids[:, :1]):
+            raise RuntimeError(f"admitted slots are not whole groups of {g}: prompt ids {ids}")
+        return g
 
     def check_carried_first(self) -> None:
         """Raise unless carried sequences fill the leading slots and no other slot brings

@@ -86,12 +86,13 @@ def oppo_experience(decoding, rows, admission, scored, kl_coef, *, spec, rollout
     return batch_from_rollout(spec, rollout, decoding, rows, admission, scored, kl_coef)
 
 
-@kernel_jit("spec", "prompt_width")
-def oppo_admission_prefill(params, admission, *, spec, prompt_width):
+@kernel_jit("spec", "prompt_width", "group_size")
+def oppo_admission_prefill(params, admission, *, spec, prompt_width, group_size=1):
     """One model's prefill of the admission's prompts (its first ``prompt_width`` context
-    columns): (ScorerState, marker)."""
+    columns; with ``group_size`` G, each group of G slots' prompt once): (ScorerState,
+    marker)."""
     with tracing_rules(spec.mesh):
-        state = scorer_admit(spec, params, admission, prompt_width)
+        state = scorer_admit(spec, params, admission, prompt_width, group_size)
         return state, jnp.sum(state.num_fed)
 
 
@@ -190,14 +191,16 @@ class Kernels:
         temperature, on the generation mesh): what its admission prefill and replay run."""
         return actor_spec(self.spec.actor, self.rollout, self.spec.temperature)
 
-    def prefill_actor(self, params, admission, base_key, replay: Sequence[ReplayChunk]):
+    def prefill_actor(self, params, admission, base_key, replay, group_size: int = 1):
         """The actor's admission (``admit_actor``): (DecodeState, marker); ``replay`` is the
-        plan of the admission's carried prefixes (``()`` for new prompts only)."""
+        plan of the admission's carried prefixes (``()`` for new prompts only); ``group_size``
+        G: the slots hold groups of G samples of one prompt, each prompt prefilled once."""
         self.planned("admission prefill", ("prompts",))
         for chunk in replay:
             self.planned("replay", (chunk.tokens.shape[0], chunk.kv_width))
         self.planned("decode start", ("slots",))
-        return admit_actor(self.actor_spec, self.rollout, params, admission, base_key, replay)
+        spec, rollout = self.actor_spec, self.rollout
+        return admit_actor(spec, rollout, params, admission, base_key, replay, group_size)
 
     def replay_prefixes(self, role: str, params, state, replay: Sequence[ReplayChunk]):
         """``feed_replay`` of scorer ``role``: (state with ``replay`` fed, marker or None)."""
@@ -242,12 +245,15 @@ class Kernels:
             critic = ScorerSpec(self.spec.critic, "value", r, mesh=mesh)
         return ScorerSpecs(reference=reference, critic=critic, reward=reward)
 
-    def prefill_prompts(self, role: str, params, admission):
+    def prefill_prompts(self, role: str, params, admission, group_size: int = 1):
         """(ScorerState, marker): one role's prefill of the admission's prompts (its first P
-        context columns; the rest holds room for carried prefixes)."""
+        context columns; the rest holds room for carried prefixes), each group of
+        ``group_size`` slots' prompt once."""
         self.planned("admission prefill", ("prompts",), role)
         spec, width = getattr(self.scorer_specs, role), self.rollout.prompt_width
-        return oppo_admission_prefill(params, admission, spec=spec, prompt_width=width)
+        return oppo_admission_prefill(
+            params, admission, spec=spec, prompt_width=width, group_size=group_size
+        )
 
     def score_streamed(self, role: str, params, state, chunk, kv_width=None, plan=None):
         """(ScorerState, marker): one role's chunk prefill, reading the first ``kv_width``
@@ -302,14 +308,17 @@ def build_kernels(
     return Kernels(spec, rollout, reward_model, update, live_prefix=live)
 
 
-def admit_actor(spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_key, replay):
+def admit_actor(
+    spec: ScorerSpec, rollout: RolloutSpec, params, admission, base_key, replay, group_size=1
+):
     """The admission of the actor (``spec``: the actor as the log-prob consumer of its own
     carried prefixes, ``scoring.carried.actor_spec``): every slot's prompt prefilled, the
     carried prefixes of ``replay`` (``scoring.carried.plan_replay`` of the same slots, planned
     on the host from the step's host arrays: nothing is read back) fed after it, and the
-    decode state started from that cache: (DecodeState, marker)."""
-    width = rollout.prompt_width
-    prefilled, _ = oppo_admission_prefill(params, admission, spec=spec, prompt_width=width)
+    decode state started from that cache: (DecodeState, marker). ``group_size`` G: slots gG ..
+    gG + G - 1 share a prompt, prefilled once (``rollout.admission.prompt_prefill``)."""
+    statics = {"spec": spec, "prompt_width": rollout.prompt_width, "group_size": group_size}
+    prefilled, _ = oppo_admission_prefill(params, admission, **statics)
     p, _ = feed_replay(spec, params, prefilled, replay)
     made = (p.cache, p.last_hidden, p.per_token)
     return oppo_decode_start(params, admission, base_key, *made, cfg=spec.model, rollout=rollout)

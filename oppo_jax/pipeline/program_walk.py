@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.base.shapes import chunk_budget, score_rows_per_call, score_width
+from oppo_jax.pipeline.carry import prompt_sharing
 from oppo_jax.pipeline.compile_plan import RunShapes, plan_programs
 from oppo_jax.pipeline.kernels import (
     Kernels,
@@ -154,7 +155,10 @@ def _walk(run: AbstractRun, build: Build) -> None:
 def _actor_admission(run: AbstractRun, build: Build, admission: Admission, replays) -> Any:
     """The actor's prompt prefill, its replays of carried prefixes, the decode state."""
     k, s, actor = run.kernels, run.shapes, run.params["actor"]
-    prefill = Kernel.of(oppo_admission_prefill, spec=k.actor_spec, prompt_width=s.prompt_width)
+    g = _shared(run)
+    prefill = Kernel.of(
+        oppo_admission_prefill, spec=k.actor_spec, prompt_width=s.prompt_width, group_size=g
+    )
     prefilled, _ = build("admission prefill", ("prompts",), "actor", prefill, (actor, admission))
     _replays(build, "actor", k.actor_spec, actor, prefilled, replays)
     start = Kernel.of(oppo_decode_start, cfg=k.actor_spec.model, rollout=k.rollout)
@@ -162,6 +166,11 @@ def _actor_admission(run: AbstractRun, build: Build, admission: Admission, repla
     made = (prefilled.cache, prefilled.last_hidden, prefilled.per_token)
     decoding, _ = build("decode start", ("slots",), "actor", start, (actor, admission, key, *made))
     return decoding
+
+
+def _shared(run: AbstractRun) -> int:
+    """The slots sharing each prompt's prefill in the run's admissions."""
+    return prompt_sharing(run.shapes.slots, run.kernels.rollout.group_size)
 
 
 def _replays(build: Build, role: str, spec, params, state, replays) -> None:
@@ -215,7 +224,9 @@ def _streamed(run: AbstractRun, build: Build, admission: Admission, chunks: dict
     states = {}
     for role in s.scorers:
         spec, params = getattr(k.scorer_specs, role), run.params[role]
-        prefill = Kernel.of(oppo_admission_prefill, spec=spec, prompt_width=s.prompt_width)
+        prefill = Kernel.of(
+            oppo_admission_prefill, spec=spec, prompt_width=s.prompt_width, group_size=_shared(run)
+        )
         state, _ = build("admission prefill", ("prompts",), role, prefill, (params, on_scoring))
         _replays(build, role, spec, params, state, replays)
         for (size, width), chunk in chunks.items():

@@ -125,21 +125,21 @@ def run_step(
     slots = admit(buffer, prompts, admit_rule(engine, plan), *rollout_shape(k.rollout))
     kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
     admission = device_admission(slots)
-    #    the actor prefills them under the current parameters: every prompt, then each
-    #    carried prefix replayed at its own length, which gives it this step's old log-probs.
+    #    the actor prefills them under the current parameters: every prompt (each group's
+    #    once), then each carried prefix replayed at its own length (this step's old log-probs).
     actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
-    replay = admission_replay(slots, k.rollout)
-    decoding, marker = k.prefill_actor(actor, admission, engine.sample_key, replay)
+    replay, shared = admission_replay(slots, k.rollout), slots.shared_prompts(plan.group_size)
+    decoding, marker = k.prefill_actor(actor, admission, engine.sample_key, replay, shared)
     timeline.track("prefill actor", GENERATION, marker)
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
-    computed = admission_computed(slots.num_slots, k.rollout.prompt_width, replay)
-    work.add("admission", computed, admission_real(*lens, trained=1, frozen=0))
+    computed = admission_computed(slots.num_slots, k.rollout.prompt_width, replay, shared)
+    work.add("admission", computed, admission_real(*lens, trained=1, frozen=0, shared=shared))
     # 2. Decode and stream until the cut rule holds. Streaming: the scorers are admitted too
     #    and prefill each chunk while the actor decodes the next. Not streaming: they score
     #    the batch after the cut.
     scorers = step_scorers(engine, train_state, timeline, work, slots)
     if schedule.stream:
-        scorers.admit(engine.placement.to_scoring(admission), replay, slots, kept)
+        scorers.admit(engine.placement.to_scoring(admission), replay, slots, kept, shared)
     del kept  # its rows live on in the scorers' states only (memory: Δ_max rows once)
     rule = cut_rule(admission, plan)
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here

@@ -68,11 +68,13 @@ class StepScorers:
         replay: Sequence[ReplayChunk],
         slots,
         kept: KeptCaches | None = None,
+        shared: int = 1,
     ) -> None:
-        """Prefill every scorer with the ``admission``'s prompts (on the scoring group), then
-        feed the carried prefixes of ``replay`` (``scoring.carried``). The frozen scorers take
-        the leading carried slots' rows from ``kept`` instead, when it holds those very
-        sequences (``KeptCaches.usable_rows``). ``slots`` is the step's ``SlotBatch``."""
+        """Prefill every scorer with the ``admission``'s prompts (on the scoring group; each
+        group of ``shared`` slots' prompt once, ``SlotBatch.shared_prompts``), then feed the
+        carried prefixes of ``replay`` (``scoring.carried``). The frozen scorers take the
+        leading carried slots' rows from ``kept`` instead, when it holds those very sequences
+        (``KeptCaches.usable_rows``). ``slots`` is the step's ``SlotBatch``."""
         k, width = self.kernels, self.kernels.rollout.prompt_width
         carried = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(carried) if kept is not None else 0
@@ -81,17 +83,17 @@ class StepScorers:
         for role in self.roles:
             frozen = role in FROZEN
             params = getattr(self.params, role)
-            state, marker = k.prefill_prompts(role, params, admission)
+            state, marker = k.prefill_prompts(role, params, admission, shared)
             if frozen and used > 0 and role in kept.states:
                 state = restore_rows(state, kept.states[role], used)
-                computed = admission_computed(admission.num_slots, width)
+                computed = admission_computed(admission.num_slots, width, (), shared)
             else:
                 state, fed = k.replay_prefixes(role, params, state, replay)
                 marker = marker if fed is None else fed
-                computed = admission_computed(admission.num_slots, width, replay)
+                computed = admission_computed(admission.num_slots, width, replay, shared)
             self.timeline.track(f"prefill {role}", self.place.scoring_group, marker)
             # A trained scorer (the critic) needs every prefix again, a frozen one new prompts.
-            real = admission_real(*lens, trained=int(not frozen), frozen=int(frozen))
+            real = admission_real(*lens, int(not frozen), int(frozen), shared)
             self.work.add("admission", computed, real)
             states[role] = state
         self.states = ScorerStates(**states)

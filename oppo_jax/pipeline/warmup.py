@@ -30,7 +30,7 @@ from oppo_jax.base.shapes import family_of, packed_width
 from oppo_jax.models import kernel_check
 from oppo_jax.models.attention import implementations
 from oppo_jax.parallel.targets import Target
-from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
+from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit, prompt_sharing
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.program_walk import AbstractRun, registry_build, walk_programs
 from oppo_jax.pipeline.registry import Registry, compile_program
@@ -181,9 +181,10 @@ def compile_kept(ctx, host, state, rows: int) -> None:
     k, place = ctx.engine.kernels, ctx.engine.placement
     on_scoring, params = place.to_scoring(_admission(ctx, host)), scorer_params(ctx, state)
     roles = [r for r in k.scorer_specs.present() if r in FROZEN]
-    states = {r: k.prefill_prompts(r, params[r], on_scoring)[0] for r in roles}
+    g = prompt_sharing(on_scoring.num_slots, k.rollout.group_size)  # as the step's admissions
+    states = {r: k.prefill_prompts(r, params[r], on_scoring, g)[0] for r in roles}
     kept = keep_rows(states, [0], rows, [])
-    fresh = {r: k.prefill_prompts(r, params[r], on_scoring)[0] for r in roles}
+    fresh = {r: k.prefill_prompts(r, params[r], on_scoring, g)[0] for r in roles}
     jax.block_until_ready([restore_rows(fresh[r], kept.states[r], 1) for r in roles])
 
 
@@ -192,7 +193,8 @@ def compile_batch_sequences(ctx, host, state) -> None:
     cut (``scoring_kernels.batch_sequences``), as a step without streaming does."""
     k, slots = ctx.engine.kernels, _slots(ctx, host)
     admission = device_admission(slots)
-    decoding, _ = k.prefill_actor(state.actor_model_params, admission, ctx.engine.sample_key, ())
+    g = prompt_sharing(slots.num_slots, k.rollout.group_size)  # as the step's admissions
+    decoding, _ = k.prefill_actor(state.actor_model_params, admission, ctx.engine.sample_key, (), g)
     rows = np.arange(host.plan(ctx.cfg).batch_size, dtype=np.int32)
     jax.block_until_ready(batch_sequences(k, ctx.engine.placement, decoding, rows, slots))
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oppo_jax.pipeline.carry import prompt_sharing
 from oppo_jax.pipeline.compile_plan import compaction_moves
 from oppo_jax.pipeline.decode_loop import SlotMap
 from oppo_jax.pipeline.step import critic_params, on_device
@@ -60,7 +61,8 @@ def compile_compaction(ctx, schedule, host, state, admission, widths: dict) -> i
         return 0
     actor = state.actor_model_params
     full_chunks = schedule.stream or engine.rewards is not None
-    decoding, _ = k.prefill_actor(actor, admission, engine.sample_key, ())  # new prompts only
+    g = prompt_sharing(admission.num_slots, k.rollout.group_size)  # as the step's admissions
+    decoding, _ = k.prefill_actor(actor, admission, engine.sample_key, (), g)  # new prompts only
     target = on_device(host.plan(ctx.cfg).batch_size, np.int32)
     rule = CutRule(admission.active, admission.must_finish, target)
     moves = compaction_moves(admission.active.shape[0], floor)

@@ -11,6 +11,7 @@ W = P + R context width, D model width.
 from __future__ import annotations
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
@@ -97,9 +98,16 @@ def prompt_prefill(
     admission: Admission,
     shape: tuple[int, int],
     mesh: Mesh | None = None,
+    group_size: int = 1,
 ) -> tuple[KVCache, Float[Array, "S D"]]:
     """Prefill each slot's prompt (its first ``prompt_len`` context tokens) into a fresh cache
     of P + R columns per slot; ``shape`` is (P, R).
+
+    With ``group_size`` G > 1 the admission's slots hold groups: slots gG .. gG + G - 1 hold
+    G samples of one prompt (``pipeline.carry.admit``). Each prompt is then prefilled once, on
+    the group's first slot, and its cache and hidden state copied to the other G - 1 slots:
+    1/G of the prompt FLOPs, the same result as prefilling every slot (a row's prefill does
+    not depend on the other rows').
 
     A carried prefix is not prefilled here: ``scoring.carried`` appends it afterwards. The call
     runs in sequence chunks when its rows per device times P exceed
@@ -107,6 +115,14 @@ def prompt_prefill(
     (cache, hidden state at each slot's last prompt token [S, D]), laid out along the slots
     over ``mesh`` when one is given.
     """
+    if group_size > 1 and admission.num_slots % group_size == 0:
+        firsts = jax.tree.map(lambda x: x[::group_size], admission)  # each group's first slot
+        cache, last_hidden = prompt_prefill(cfg, params, firsts, shape)
+        shared = (cache, last_hidden)
+        # slots are axis 1 of the cache's keys and values [L, S, ...], axis 0 elsewhere
+        copy = lambda x: jnp.repeat(x, group_size, axis=1 if x.ndim == 5 else 0)  # noqa: E731
+        copied = jax.tree.map(copy, shared)
+        return constrain_slots(copied, mesh)
     prompt_width, response_len = shape
     slots = admission.num_slots
     # Born sharded along the slots: a replicated [L, S, K, P + R, Dh] buffer would not fit.

@@ -129,13 +129,15 @@ class ScorerStates:
         )
 
 
-def scorer_admit(spec: ScorerSpec, params, admission: Admission, prompt_width: int) -> ScorerState:
-    """Prefill every slot's prompt; no response token is fed yet (``num_fed`` 0). A carried
+def scorer_admit(
+    spec: ScorerSpec, params, admission: Admission, prompt_width: int, group_size: int = 1
+) -> ScorerState:
+    """Prefill every slot's prompt (each group's once: ``admission.prompt_prefill``'s
+    ``group_size``); no response token is fed yet (``num_fed`` 0). A carried
     prefix is fed afterwards, replayed in chunks (``scoring.carried``), or its kept state is
     restored (``scoring.carried``)."""
-    cache, last_hidden = prompt_prefill(
-        spec.model, params, admission, (prompt_width, spec.response_len), spec.mesh
-    )
+    shape = (prompt_width, spec.response_len)
+    cache, last_hidden = prompt_prefill(spec.model, params, admission, shape, spec.mesh, group_size)
     slots = admission.num_slots
     state = ScorerState(
         cache=cache,

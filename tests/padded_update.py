@@ -155,6 +155,33 @@ def ppo_update(
     return new_state, metrics
 
 
+def jit_keeping_frozen(fn, in_shardings=None, out_shardings=None, name: str = "inner"):
+    """``jax.jit`` of ``fn(state, *args) -> (state, aux)`` donating ``state`` except its
+    ``frozen`` bases: those arrays also serve the reference and reward scorers, and a donated
+    array is deleted. Has ``.lower(state, *args)`` like a jitted function; its program is
+    called ``name``."""
+
+    def inner(trained_state, frozen, *args):
+        new, aux = fn(trained_state.replace(frozen=frozen), *args)
+        return new.replace(frozen=None), aux
+
+    inner.__name__ = inner.__qualname__ = name
+
+    kwargs = {}
+    if in_shardings is not None:
+        state_sh = in_shardings[0]
+        kwargs["in_shardings"] = (state_sh.replace(frozen=None), state_sh.frozen, *in_shardings[1:])
+        kwargs["out_shardings"] = (out_shardings[0].replace(frozen=None), *out_shardings[1:])
+    jitted = jax.jit(inner, donate_argnums=(0,), **kwargs)
+
+    def call(state, *args):
+        new, aux = jitted(state.replace(frozen=None), state.frozen, *args)
+        return new.replace(frozen=state.frozen), aux
+
+    call.lower = lambda state, *args: jitted.lower(state.replace(frozen=None), state.frozen, *args)
+    return call
+
+
 def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_RULES):
     """``ppo_update`` jitted once over ``mesh`` with explicit shardings, donating the state,
     traced with ``rules`` active (see ``UpdateLayout``).
@@ -164,7 +191,7 @@ def make_sharded_update(spec: UpdateSpec, mesh, rules: ShardingRules = DEFAULT_R
     state_sh = train_state_shardings(spec, mesh, rules)
     repl = replicated(mesh)
     layout = UpdateLayout(mesh, rules, state_sh)
-    update = lora.jit_keeping_frozen(  # the frozen LoRA bases are not donated
+    update = jit_keeping_frozen(  # the frozen LoRA bases are not donated
         functools.partial(ppo_update, spec, layout=layout),
         in_shardings=(state_sh, batch_shardings(mesh, rules), repl, repl),
         out_shardings=(state_sh, repl),
@@ -195,5 +222,5 @@ class PaddedUpdate:
 def make_padded_update(spec: UpdateSpec, mesh=None) -> PaddedUpdate:
     """The padded update jitted as a run jits the packed one (``make_update``)."""
     if mesh is None:
-        return PaddedUpdate(spec, lora.jit_keeping_frozen(functools.partial(ppo_update, spec)))
+        return PaddedUpdate(spec, jit_keeping_frozen(functools.partial(ppo_update, spec)))
     return PaddedUpdate(spec, make_sharded_update(spec, mesh)[0])

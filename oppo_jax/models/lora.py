@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
@@ -162,30 +161,3 @@ def over_frozen(losses: dict, frozen: dict | None) -> dict:
         return lambda params, *args: fn(combine(params, frozen.get(model)), *args)
 
     return {model: under(fn, model) for model, fn in losses.items()}
-
-
-def jit_keeping_frozen(fn, in_shardings=None, out_shardings=None, name: str = "inner"):
-    """``jax.jit`` of ``fn(state, *args) -> (state, aux)`` donating ``state`` except its
-    ``frozen`` bases: those arrays also serve the reference and reward scorers, and a donated
-    array is deleted. Has ``.lower(state, *args)`` like a jitted function; its program is
-    called ``name``."""
-
-    def inner(trained_state, frozen, *args):
-        new, aux = fn(trained_state.replace(frozen=frozen), *args)
-        return new.replace(frozen=None), aux
-
-    inner.__name__ = inner.__qualname__ = name
-
-    kwargs = {}
-    if in_shardings is not None:
-        state_sh = in_shardings[0]
-        kwargs["in_shardings"] = (state_sh.replace(frozen=None), state_sh.frozen, *in_shardings[1:])
-        kwargs["out_shardings"] = (out_shardings[0].replace(frozen=None), *out_shardings[1:])
-    jitted = jax.jit(inner, donate_argnums=(0,), **kwargs)
-
-    def call(state, *args):
-        new, aux = jitted(state.replace(frozen=None), state.frozen, *args)
-        return new.replace(frozen=state.frozen), aux
-
-    call.lower = lambda state, *args: jitted.lower(state.replace(frozen=None), state.frozen, *args)
-    return call

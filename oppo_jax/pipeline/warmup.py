@@ -190,7 +190,7 @@ def compile_kept(ctx, host, state, rows: int) -> None:
 
 def compile_batch_sequences(ctx, host, state) -> None:
     """The batch's sequences gathered from a decode state for the packed scoring after the
-    cut (``scoring_kernels.batch_sequences``), as a step without streaming does."""
+    cut (``step_scorers.batch_sequences``), as a step without streaming does."""
     k, slots = ctx.engine.kernels, _slots(ctx, host)
     admission = device_admission(slots)
     g = prompt_sharing(slots.num_slots, k.rollout.group_size)  # as the step's admissions

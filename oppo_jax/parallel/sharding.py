@@ -100,19 +100,6 @@ def tracing_rules(mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> It
         yield
 
 
-def with_rules(fn, mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES):
-    """``fn`` traced under ``tracing_rules(mesh)``: wrap a function before ``jax.jit``."""
-    if mesh is None:
-        return fn
-
-    @functools.wraps(fn)
-    def traced(*args, **kwargs):
-        with tracing_rules(mesh, rules):
-            return fn(*args, **kwargs)
-
-    return traced
-
-
 @functools.lru_cache(maxsize=8)
 def _boxed_abstract(cfg: ModelConfig) -> Any:
     """Shapes of the boxed (LogicallyPartitioned) parameters, traced once per config."""

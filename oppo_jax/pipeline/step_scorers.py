@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from oppo_jax.base.shapes import chunk_budget
 from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
 from oppo_jax.pipeline.kernels import Kernels, oppo_sync_scoring
@@ -38,7 +37,6 @@ from oppo_jax.scoring.stream import (
     ScorerParams,
     ScorerSpec,
     ScorerStates,
-    padding_plan,
     plan_chunk,
 )
 
@@ -231,16 +229,6 @@ def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, in
             scorers.timeline.track(f"score {role}", place.scoring_group, marker)
     computed = sum(plan.computed_tokens for plan in plans)
     return out, computed, sum(plan.real_tokens for plan in plans)
-
-
-def compile_packed_chunks(kernels, role: str, params, state, chunk, kv_width: int | None):
-    """Run ``role``'s packed chunk kernel at its one shape for a chunk like ``chunk``
-    (``shapes.chunk_budget``), reading ``kv_width`` columns, on a plan that packs no
-    token: what a warm-up compiles. Returns the state (donated along, unchanged)."""
-    slots, width = chunk.tokens.shape
-    plan = padding_plan(chunk_budget(slots, width), slots)
-    state, _ = kernels.score_streamed(role, params, state, chunk, kv_width, plan)
-    return state
 
 
 _take = jax.jit(take_rows)

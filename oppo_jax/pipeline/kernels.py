@@ -212,12 +212,15 @@ class Kernels:
         """(state, ChunkTokens): the next ``chunk_size`` tokens of every running slot, reading
         the first ``kv_width`` cache columns (None: all), over the state's slots (the
         admission's, or a compacted bucket: the registry holds a program per bucket)."""
-        r = self.rollout
         self.planned("decode", (state.tokens.shape[0], chunk_size, self._width(kv_width)))
-        return oppo_decode(
-            params, state, rule, cfg=self.spec.actor, sampling=r.sampling,
-            chunk_size=chunk_size, mesh=r.mesh, kv_width=kv_width,
-        )  # fmt: skip
+        return oppo_decode(params, state, rule, **self.decode_settings(chunk_size, kv_width))
+
+    def decode_settings(self, chunk_size: int, kv_width: int | None = None) -> dict:
+        """``oppo_decode``'s static settings for chunks of ``chunk_size`` tokens reading
+        ``kv_width`` cache columns (None: all), as the step's decode and the registry use them."""
+        r = self.rollout
+        statics = {"cfg": self.spec.actor, "sampling": r.sampling, "mesh": r.mesh}
+        return statics | {"chunk_size": chunk_size, "kv_width": kv_width}
 
     def chunk_width(self, longest_context: int, chunk_size: int, chunks_before: int) -> int | None:
         """The live width for the chunk after ``chunks_before`` others of ``chunk_size``

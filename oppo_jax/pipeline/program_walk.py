@@ -192,11 +192,8 @@ def _decode(run: AbstractRun, build: Build, admission: Admission, decoding, shap
         state, cut = decoding, rule
         if rows != s.slots:  # a compacted bucket: the first ``rows`` slots, gathered
             state, cut = _bucket(decoding, s.slots, rows), _bucket(rule, s.slots, rows)
-        r = k.rollout
-        kernel = Kernel.of(
-            oppo_decode, cfg=k.spec.actor, sampling=r.sampling, chunk_size=size, mesh=r.mesh,
-            kv_width=width if s.live_prefix else None,
-        )  # fmt: skip
+        settings = k.decode_settings(size, width if s.live_prefix else None)
+        kernel = Kernel.of(oppo_decode, **settings)
         _, chunk = build(
             "decode", (rows, size, width), "actor", kernel, (run.params["actor"], state, cut)
         )

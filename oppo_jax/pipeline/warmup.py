@@ -30,11 +30,11 @@ from oppo_jax.base.shapes import family_of, packed_width
 from oppo_jax.models import kernel_check
 from oppo_jax.models.attention import implementations
 from oppo_jax.parallel.targets import Target
-from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit, prompt_sharing
+from oppo_jax.pipeline.carry import CarryBuffer, admit, prompt_sharing
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.program_walk import AbstractRun, registry_build, walk_programs
 from oppo_jax.pipeline.registry import Registry, compile_program
-from oppo_jax.pipeline.step import device_admission
+from oppo_jax.pipeline.step import admit_rule, device_admission, rollout_shape
 from oppo_jax.pipeline.step_scorers import batch_sequences, keep_rows, restore_rows
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
 from oppo_jax.scoring.carried import FROZEN
@@ -166,13 +166,10 @@ def _admission(ctx, host):
 
 def _slots(ctx, host):
     """The throwaway admission's ``SlotBatch`` on the host."""
-    cfg, engine = ctx.cfg, ctx.engine
-    r, plan = engine.kernels.rollout, host.plan(cfg)
-    slots = engine.placement.num_slots(plan.reserved)
-    rule = AdmitRule(plan.batch_size + plan.overcommit, slots, plan.reserved > plan.batch_size,
-                     engine.max_staleness, plan.group_size)  # fmt: skip
+    engine = ctx.engine
+    r, rule = engine.kernels.rollout, admit_rule(engine, host.plan(ctx.cfg))  # as a step's
     fresh = _Prompts([(i, [r.pad_id + 2] * 2) for i in range(rule.num_sequences)])
-    return admit(CarryBuffer(), fresh, rule, r.prompt_width, r.max_response_len, r.pad_id)
+    return admit(CarryBuffer(), fresh, rule, *rollout_shape(r))
 
 
 def compile_kept(ctx, host, state, rows: int) -> None:

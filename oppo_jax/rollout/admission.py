@@ -117,7 +117,8 @@ def prompt_prefill(
     """
     if group_size > 1 and admission.num_slots % group_size == 0:
         firsts = jax.tree.map(lambda x: x[::group_size], admission)  # each group's first slot
-        cache, last_hidden = prompt_prefill(cfg, params, firsts, shape)
+        # on the mesh too: the groups' first slots split over its batch axes where they divide
+        cache, last_hidden = prompt_prefill(cfg, params, firsts, shape, mesh)
         shared = (cache, last_hidden)
         # slots are axis 1 of the cache's keys and values [L, S, ...], axis 0 elsewhere
         copy = lambda x: jnp.repeat(x, group_size, axis=1 if x.ndim == 5 else 0)  # noqa: E731

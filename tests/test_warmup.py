@@ -210,6 +210,9 @@ def test_the_warmup_is_the_registry_and_an_unplanned_shape_raises(demo_cache):
     assert len(report["programs"]) == sum(planned.values())
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), before, state)))
     k = warmed.kernels
+    chunk = cfg.pipeline.chunk_size  # a planned chunk size: its decode program is found
+    decode = [p for p in registry.by_family()["decode"] if p.shape[1] == chunk]
+    assert decode and k.planned("decode", decode[0].shape) is None
     unplanned = _Tokens((8, 3))  # a chunk size of 3 tokens: in no plan here
     with pytest.raises(UnplannedProgram, match=r"decode program at shape \(8, 3, \d+\)"):
         k.decode_tokens(None, unplanned, None, 3)  # raised before anything is dispatched

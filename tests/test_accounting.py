@@ -176,6 +176,44 @@ def test_step_record_carries_tokens_and_efficiency_per_stage():
     assert 0 < record["efficiency"]["update"] <= 1.0
 
 
+def test_one_dispatch_wrapper_records_every_kernel_call_of_a_step():
+    """The timeline marks and the ledger come from ``StepRecorder.dispatched`` alone: one mark
+    per program dispatched (a decode chunk each, one actor admission, one batch, one update),
+    nothing recorded outside a step, and no other module marks the timeline or adds to a
+    ledger (a source scan of oppo_jax/)."""
+    import ast
+    from pathlib import Path
+
+    from oppo_jax.pipeline.accounting import StepRecorder
+
+    for mode in ("sync", "oppo"):
+        for _, result in _steps(*RUNS[mode]):
+            stages = [e.stage for e in result.events]
+            assert stages.count("decode") == len(result.work.decode_chunks) > 0
+            for once in ("prefill actor", "build batch", "update"):
+                assert stages.count(once) == 1, once
+            scored = sum(s.startswith("score ") for s in stages)
+            assert scored >= (1 if mode == "sync" else stages.count("decode") - 1)
+    recorder, timeline = StepRecorder(), Timeline()
+    recorder.dispatched("decode", jnp.zeros(()), tokens=("decode", 5, 5))  # no step open
+    work = recorder.start(timeline, "generation", "scoring")
+    recorder.dispatched("update", jnp.zeros(()), tokens=("update", 8, 6))
+    events, _ = recorder.stop()
+    recorder.dispatched("update", jnp.zeros(()), tokens=("update", 8, 6))  # after: ignored
+    assert [e.stage for e in events] == ["update"]
+    assert (work.computed["update"], work.real["update"], work.computed["decode"]) == (8, 6, 0)
+    # Nobody else records: Timeline.track and a ledger's add are called in accounting alone.
+    root = Path(__file__).resolve().parents[1] / "oppo_jax"
+    callers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name, owner = node.func.attr, ast.unparse(node.func.value)
+                if name == "track" or (name in ("add", "decode_chunk") and "work" in owner):
+                    callers.add(path.relative_to(root).as_posix())
+    assert callers == {"pipeline/accounting.py"}
+
+
 def test_ledger_helpers_on_hand_counted_cases():
     chunk = ReplayChunk(np.zeros((4, 64), np.int32), np.zeros(4, np.int32), 128)
     assert admission_computed(8, 16, [chunk]) == 8 * 16 + 4 * 64  # the docstring's example

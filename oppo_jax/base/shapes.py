@@ -113,6 +113,14 @@ def live_widths_pay(capacity: int, reads_lengths: bool) -> bool:
     return not reads_lengths and capacity >= LIVE_WIDTH_MIN_CAPACITY
 
 
+def compaction_default(backend: str) -> bool:
+    """Whether a backend ("cpu", "gpu", "tpu") compacts by default: on the CPU, where a decode
+    step costs in proportion to its slots. On GPU and TPU the ragged decode attention
+    (``models.ragged_decode``) already reads no keys of a finished slot: one mechanism for
+    finished slots per backend."""
+    return backend == "cpu"
+
+
 def compaction_floor(
     compact: bool,
     reads_lengths: bool,

@@ -1,4 +1,7 @@
-"""A step's work ledger: per stage, the tokens its kernels computed and the real tokens in them.
+"""A step's record of its dispatches: per stage, the tokens its kernels computed and the real
+tokens in them (``WorkLedger``), and each dispatch's timeline mark, both written by one
+dispatch wrapper (``StepRecorder.dispatched``, which every ``Kernels`` method that dispatches a
+program calls once).
 
 Each dispatch records its own work in the step's ``WorkLedger``: the *computed* tokens come
 from the shapes of the arrays the kernel is handed (so a kernel that changes its shapes — a
@@ -21,7 +24,8 @@ stage spends on real work:
                tokens of the batch's sequences
 
 ``metrics.jsonl`` and ``bench.json`` carry ``tokens_computed``, ``tokens_real`` and
-``efficiency`` per stage (``WorkLedger.to_record``). Plain Python and NumPy: no JAX.
+``efficiency`` per stage (``WorkLedger.to_record``). Plain Python and NumPy: no JAX (the
+timeline's markers are opaque here).
 """
 
 from __future__ import annotations
@@ -34,6 +38,52 @@ from oppo_jax.models.attention import ragged_decode
 from oppo_jax.models.ragged_decode import block_for
 
 STAGES = ("admission", "decode", "scoring", "update")
+
+
+class StepRecorder:
+    """The run's one dispatch wrapper for bookkeeping: every ``Kernels`` method that dispatches
+    a program reports it here once (``dispatched``: its timeline mark and its tokens), so the
+    step's orchestration (``run_step``, the decode loop, the scorers) records nothing itself.
+
+    ``start`` opens a step's record (its ``Timeline`` and a fresh ``WorkLedger``, returned)
+    and ``stop`` closes it. Outside a step (the warm-up, an evaluation between steps) nothing
+    is recorded, so a finished step's ledger never changes after it was returned."""
+
+    def __init__(self):
+        self.timeline = None  # pipeline.timeline.Timeline of the open step, or None
+        self.work: WorkLedger | None = None
+        self.groups: dict[str, str] = {}  # "generation" / "scoring" -> the device group's name
+
+    def start(self, timeline, generation_group: str, scoring_group: str) -> WorkLedger:
+        """Open a step's record (``timeline.begin_step``); the dispatches of the actor go to
+        the ``generation_group``, the scorers' to the ``scoring_group``. Returns its ledger."""
+        timeline.begin_step()
+        # Every stage listed, 0 where a schedule dispatched none (reward functions alone).
+        zeros = dict.fromkeys(STAGES, 0)
+        self.timeline, self.work = timeline, WorkLedger(dict(zeros), dict(zeros))
+        self.groups = {"generation": generation_group, "scoring": scoring_group}
+        return self.work
+
+    def stop(self) -> tuple[list, float]:
+        """Close the step's record (later dispatches are not recorded): the timeline's
+        (events, wall seconds) of the step (``Timeline.end_step``)."""
+        timeline, self.timeline, self.work = self.timeline, None, None
+        return timeline.end_step()
+
+    def dispatched(self, stage: str, marker, on: str = "generation", tokens=None) -> None:
+        """Record a program dispatched for ``stage``: its ``marker`` (an array completing
+        with it) on the timeline of device group ``on`` ("generation" or "scoring") and
+        ``tokens`` = (ledger stage, computed, real) in the ledger (None: none to count)."""
+        if self.timeline is None:
+            return
+        self.timeline.track(stage, self.groups[on], marker)
+        if tokens is not None:
+            self.work.add(*tokens)
+
+    def decode_chunk(self, slots: int, width: int) -> None:
+        """Log a decode chunk's slots and cache width (``WorkLedger.decode_chunk``)."""
+        if self.work is not None:
+            self.work.decode_chunk(slots, width)
 
 
 @dataclasses.dataclass
@@ -68,12 +118,6 @@ class WorkLedger:
         new = generated(lengths[2], lengths[1])
         self.add("decode", decode_computed(slots, steps, chunk_size), new)
         self.keys = decode_keys(slots, widths, steps, chunk_size, lengths, blocks)
-
-    def add_update(self, metrics: dict, trained_models: int) -> None:
-        """The update's work from its metrics (``update_tokens_computed`` and ``_real``: every
-        PPO epoch's pass over the batch, per model), for each of the ``trained_models``."""
-        computed, real = metrics["update_tokens_computed"], metrics["update_tokens_real"]
-        self.add("update", trained_models * int(computed), trained_models * int(real))
 
     def efficiency(self, stage: str) -> float | None:
         """real / computed of ``stage``; None when it computed nothing."""

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from oppo_jax.base.shapes import chunk_widths, compaction_floor, live_widths_pay
+import jax
+
+from oppo_jax.base.shapes import (
+    chunk_widths,
+    compaction_default,
+    compaction_floor,
+    live_widths_pay,
+)
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.packing import packed_shapes
@@ -76,7 +83,6 @@ def run_shapes(
     ``head_dim``: default its ``model.preset``'s, 128 without one)."""
     from oppo_jax.models.attention import reads_lengths
     from oppo_jax.models.model_config import PRESETS
-    from oppo_jax.pipeline.kernels import compaction_default
 
     schedule = schedule or Schedule.named(cfg.pipeline.mode)
     p, r, mesh = cfg.pipeline, cfg.rollout, cfg.mesh
@@ -85,6 +91,7 @@ def run_shapes(
     extra = delta * r.group_size  # Δ counts groups of G sequences
     slots = -(-(r.batch_size + extra) // shards) * shards
     sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
+    backend = backend or jax.default_backend()
     compact = compaction_default(backend) if p.compact_slots is None else p.compact_slots
     scoring_shards = cfg.mesh.scoring_devices if p.placement == "disaggregated" else shards
     if head_dim is None:

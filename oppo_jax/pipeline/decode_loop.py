@@ -29,11 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.parallel.sharding import to_host
-from oppo_jax.pipeline.accounting import WorkLedger
 from oppo_jax.pipeline.kernels import Kernels
-from oppo_jax.pipeline.placement import GENERATION
 from oppo_jax.pipeline.step_scorers import StepScorers
-from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.compaction import compact_bucket, compact_rows, put_slots, take_slots
 from oppo_jax.rollout.decode import ChunkTokens, CutRule, DecodeState
 
@@ -50,8 +47,6 @@ class Chunking:
 
 def decode_rollout(
     kernels: Kernels,
-    timeline: Timeline,
-    work: WorkLedger,
     params,
     state: DecodeState,
     chunking: Chunking,
@@ -60,8 +55,8 @@ def decode_rollout(
     """Decode until the cut rule allows the cut. With ``scorers`` (streaming), each chunk is
     fed to them once it is done (``StepScorers.feed``), in the admission's slot layout, with
     the live width it was decoded at and its token counts (read with the loop's flag, once the
-    next chunk is dispatched). Each chunk dispatched is logged in ``work``
-    (``WorkLedger.decode_chunk``).
+    next chunk is dispatched). ``Kernels.decode_tokens`` records each chunk it dispatches
+    (``StepRecorder``).
 
     Chunk i reads the cache's live prefix, sized on the host from the admitted lengths and i
     alone (``Kernels.chunk_width``). Where the kernels compact (``Kernels.compaction_floor``),
@@ -71,14 +66,11 @@ def decode_rollout(
     rule, size = chunking.rule, chunking.chunk_size
     floor = kernels.compaction_floor
     slot_map = None if floor is None else SlotMap(state.tokens.shape[0], minimum=floor)
-    capacity = kernels.rollout.prompt_width + kernels.rollout.max_response_len
     chunk = width = None
     for i in itertools.count(0):
         last, last_width = chunk, width
         width = kernels.chunk_width(chunking.longest_context, size, i)
-        work.decode_chunk(state.tokens.shape[0], capacity if width is None else width)
         state, chunk = kernels.decode_tokens(params, state, rule, size, width)
-        timeline.track("decode", GENERATION, chunk.count)
         if last is None:  # the first chunk: dispatched, nothing to read yet
             continue
         # chunk i is dispatched before the host reads chunk i - 1

@@ -3,7 +3,9 @@ functions: each kernel a module-level jitted function named for its compile plan
 (``oppo_decode``...), with its static settings as keyword arguments, its donation and its
 timing marker; ``Kernels`` calls them by name (a reader, or a static walk of the calls,
 follows a chunk from ``Kernels.decode_tokens`` into ``rollout.decode.decode_chunk``) after
-asking the run's registry for the program (``Kernels.planned``).
+asking the run's registry for the program (``Kernels.planned``), and reports each dispatch
+once to the run's ``StepRecorder`` (``pipeline.accounting``): its timeline mark and its tokens
+computed (from the shapes it was handed) and real (``real``: the caller's host lengths).
 
 A marker is a tiny fresh array that completes with its kernel; the timeline waits on it,
 because a kernel's state output is donated to the next call before the timeline looks.
@@ -19,11 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oppo_jax.base.shapes import compaction_floor, live_widths_pay
+from oppo_jax.base.shapes import compaction_default, compaction_floor, live_widths_pay
 from oppo_jax.models.attention import reads_lengths
 from oppo_jax.models.kv_cache import live_width
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel.sharding import batch_shards, tracing_rules
+from oppo_jax.pipeline.accounting import StepRecorder, admission_computed
 from oppo_jax.ppo.experience import batch_from_rollout
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.update import UpdateSpec
@@ -31,7 +34,7 @@ from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import CutRule, DecodeState, admit_decode, decode_chunk, tokens_since
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.carried import ReplayChunk, actor_spec, replay_chunk
-from oppo_jax.scoring.packed import PackedBatch, score_packed
+from oppo_jax.scoring.packed import PackedBatch, ScoringCall, score_packed
 from oppo_jax.scoring.stream import (
     ScorerSpec,
     ScorerSpecs,
@@ -122,14 +125,6 @@ def oppo_sync_scoring(params, out, batch: PackedBatch, slots, *, spec, pad_id, n
         return out, jnp.sum(scored)
 
 
-def compaction_default(backend: str | None = None) -> bool:
-    """Whether a backend compacts by default: on the CPU, where a decode step costs in
-    proportion to its slots. On GPU and TPU the ragged decode attention
-    (``models.ragged_decode``) already reads no keys of a finished slot: one mechanism for
-    finished slots per backend."""
-    return (backend or jax.default_backend()) == "cpu"
-
-
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The jitted functions of one run: admit, decode a chunk, score, build a batch, update."""
@@ -145,13 +140,15 @@ class Kernels:
     # (False: the whole P + R, one program; ``shapes.live_widths_pay``)
     live_prefix: bool = True
     # gather the running decode slots into smaller buckets as others finish (pipeline.decode_loop);
-    # None: the backend's default (slot_map.compaction_default: on for the CPU)
+    # None: the backend's default (shapes.compaction_default: on for the CPU)
     compact_slots: bool | None = None
     compact_min_slots: int = 1  # smallest bucket compaction moves into (runs: the config's)
     # the run's programs once compiled (``pipeline.registry.Registry``, the warm-up's): a
     # kernel asked for at a shape the registry does not hold raises ``UnplannedProgram``;
     # None (no warm-up): a kernel compiles when it first meets a shape
     registry: Any = None
+    # where each dispatch's timeline mark and tokens go (``run_step`` opens it per step)
+    recorder: StepRecorder = dataclasses.field(default_factory=StepRecorder, compare=False)
 
     def planned(self, family: str, shape: tuple, role: str = "actor") -> None:
         """Raise ``UnplannedProgram`` if the registry holds no ``family`` program at ``shape``
@@ -178,7 +175,8 @@ class Kernels:
         cross hosts)."""
         if jax.process_count() > 1:
             return None
-        compact = compaction_default() if self.compact_slots is None else self.compact_slots
+        backend = jax.default_backend()
+        compact = compaction_default(backend) if self.compact_slots is None else self.compact_slots
         gen = 1 if self.rollout.mesh is None else batch_shards(self.rollout.mesh)
         scoring = 1 if self.packs_chunks else 2
         actor, r = self.spec.actor, self.rollout
@@ -191,29 +189,45 @@ class Kernels:
         temperature, on the generation mesh): what its admission prefill and replay run."""
         return actor_spec(self.spec.actor, self.rollout, self.spec.temperature)
 
-    def prefill_actor(self, params, admission, base_key, replay, group_size: int = 1):
+    def prefill_actor(self, params, admission, base_key, replay, group_size=1, real=0):
         """The actor's admission (``admit_actor``): (DecodeState, marker); ``replay`` is the
         plan of the admission's carried prefixes (``()`` for new prompts only); ``group_size``
-        G: the slots hold groups of G samples of one prompt, each prompt prefilled once."""
+        G: the slots hold groups of G samples of one prompt, each prompt prefilled once;
+        ``real``: the admission's real tokens (``accounting.admission_real``)."""
         self.planned("admission prefill", ("prompts",))
         for chunk in replay:
             self.planned("replay", (chunk.tokens.shape[0], chunk.kv_width))
         self.planned("decode start", ("slots",))
         spec, rollout = self.actor_spec, self.rollout
-        return admit_actor(spec, rollout, params, admission, base_key, replay, group_size)
+        out = admit_actor(spec, rollout, params, admission, base_key, replay, group_size)
+        width = rollout.prompt_width
+        computed = admission_computed(admission.num_slots, width, replay, group_size)
+        self.recorder.dispatched("prefill actor", out[1], tokens=("admission", computed, real))
+        return out
 
     def replay_prefixes(self, role: str, params, state, replay: Sequence[ReplayChunk]):
         """``feed_replay`` of scorer ``role``: (state with ``replay`` fed, marker or None)."""
         for chunk in replay:
             self.planned("replay", (chunk.tokens.shape[0], chunk.kv_width), role)
-        return feed_replay(getattr(self.scorer_specs, role), params, state, replay)
+        state, marker = feed_replay(getattr(self.scorer_specs, role), params, state, replay)
+        if marker is not None:  # its real tokens are counted with the role's prompts
+            computed = admission_computed(0, 0, replay)
+            tokens = ("admission", computed, 0)
+            self.recorder.dispatched(f"prefill {role}", marker, "scoring", tokens)
+        return state, marker
 
     def decode_tokens(self, params, state, rule, chunk_size: int, kv_width: int | None = None):
         """(state, ChunkTokens): the next ``chunk_size`` tokens of every running slot, reading
         the first ``kv_width`` cache columns (None: all), over the state's slots (the
         admission's, or a compacted bucket: the registry holds a program per bucket)."""
-        self.planned("decode", (state.tokens.shape[0], chunk_size, self._width(kv_width)))
-        return oppo_decode(params, state, rule, **self.decode_settings(chunk_size, kv_width))
+        slots, width = state.tokens.shape[0], self._width(kv_width)
+        self.planned("decode", (slots, chunk_size, width))
+        self.recorder.decode_chunk(slots, width)  # priced once the rollout stops
+        state, chunk = oppo_decode(
+            params, state, rule, **self.decode_settings(chunk_size, kv_width)
+        )
+        self.recorder.dispatched("decode", chunk.count)
+        return state, chunk
 
     def decode_settings(self, chunk_size: int, kv_width: int | None = None) -> dict:
         """``oppo_decode``'s static settings for chunks of ``chunk_size`` tokens reading
@@ -248,25 +262,46 @@ class Kernels:
             critic = ScorerSpec(self.spec.critic, "value", r, mesh=mesh)
         return ScorerSpecs(reference=reference, critic=critic, reward=reward)
 
-    def prefill_prompts(self, role: str, params, admission, group_size: int = 1):
+    def prefill_prompts(self, role: str, params, admission, group_size: int = 1, real: int = 0):
         """(ScorerState, marker): one role's prefill of the admission's prompts (its first P
         context columns; the rest holds room for carried prefixes), each group of
-        ``group_size`` slots' prompt once."""
+        ``group_size`` slots' prompt once; ``real``: the role's real admission tokens."""
         self.planned("admission prefill", ("prompts",), role)
         spec, width = getattr(self.scorer_specs, role), self.rollout.prompt_width
-        return oppo_admission_prefill(
+        out = oppo_admission_prefill(
             params, admission, spec=spec, prompt_width=width, group_size=group_size
         )
+        computed = admission_computed(admission.num_slots, width, (), group_size)
+        self.recorder.dispatched(
+            f"prefill {role}", out[1], "scoring", ("admission", computed, real)
+        )
+        return out
 
-    def score_streamed(self, role: str, params, state, chunk, kv_width=None, plan=None):
+    def score_streamed(self, role: str, params, state, chunk, kv_width=None, plan=None, real=0):
         """(ScorerState, marker): one role's chunk prefill, reading the first ``kv_width``
-        cache columns (None: all): over the tokens a ``packed_chunks.plan_chunk`` ``plan``
-        packs where the scorers pack (``packs_chunks``), else over every slot."""
+        cache columns (None: all): over the tokens a ``scoring.stream.plan_chunk`` ``plan``
+        packs where the scorers pack (``packs_chunks``), else over every slot; ``real``: the
+        real tokens among them."""
         self.planned("streamed scoring", (chunk.tokens.shape[1], self._width(kv_width)), role)
         spec, packed = getattr(self.scorer_specs, role), self.packs_chunks
-        return oppo_streamed_scoring(
+        out = oppo_streamed_scoring(
             params, state, chunk, plan, spec=spec, kv_width=kv_width, packed=packed
         )
+        computed = plan["token_row"].size if packed else chunk.tokens.size
+        self.recorder.dispatched(f"score {role}", out[1], "scoring", ("scoring", computed, real))
+        return out
+
+    def score_batch(self, role: str, params, out, call: ScoringCall, batch: PackedBatch, at):
+        """(``out`` with this packed call's sequences written at their slots ``at``, marker):
+        one role's ``oppo_sync_scoring`` of the batch's call ``call`` (its host plan) packed
+        into ``batch``."""
+        self.planned("sync scoring", ("packed",), role)
+        spec, num_slots = getattr(self.scorer_specs, role), out.shape[0]
+        statics = dict(spec=spec, pad_id=self.rollout.pad_id, num_slots=num_slots)
+        out, marker = oppo_sync_scoring(params, out, batch, at, **statics)
+        tokens = ("scoring", call.computed_tokens, call.real_tokens)
+        self.recorder.dispatched(f"score {role}", marker, "scoring", tokens)
+        return out, marker
 
     @functools.cached_property
     def responses(self) -> Callable:
@@ -278,14 +313,21 @@ class Kernels:
         """(train state, metrics): PPO epochs x minibatches on ``batch`` (the run's update,
         ``ppo.packed_update.PackedUpdate.update_batch``: its one packed program, donating the
         state)."""
-        return self.update.update_batch(train_state, batch, key, kl_coef, lengths=lengths)
+        out = self.update.update_batch(train_state, batch, key, kl_coef, lengths=lengths)
+        metrics, models = out[1], len(self.spec.trained)
+        computed, real = metrics["update_tokens_computed"], metrics["update_tokens_real"]
+        tokens = ("update", models * int(computed), models * int(real))
+        self.recorder.dispatched("update", metrics["policy_loss"], tokens=tokens)
+        return out
 
     def experience(self, decoding, rows, admission, scored, kl_coef):
         """(PPOBatch, stats) of the batch ``rows`` (``ppo.experience.batch_from_rollout``)."""
         self.planned("experience", ("batch",))
-        return oppo_experience(
+        batch, stats = oppo_experience(
             decoding, rows, admission, scored, kl_coef, spec=self.spec, rollout=self.rollout
         )
+        self.recorder.dispatched("build batch", stats["reward"])
+        return batch, stats
 
 
 def build_kernels(

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from oppo_jax.parallel.sharding import to_host
-from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
+from oppo_jax.pipeline.accounting import WorkLedger, admission_real
 from oppo_jax.pipeline.carry import (
     AdmitRule,
     Carried,
@@ -119,8 +119,8 @@ def run_step(
     ones to it. ``prompts`` has ``take(k)`` -> [(prompt_id, tokens)].
     """
     k: Kernels = engine.kernels  # named with its type: a reader's (or a walk's) way in
-    timeline.begin_step()
-    work = WorkLedger()  # each dispatch below records its tokens in it
+    # The step's record: every kernel call below marks the timeline and counts its tokens.
+    work = k.recorder.start(timeline, GENERATION, engine.placement.scoring_group)
     # 1. Admit: carried sequences first (FIFO), then new prompts, B + Δ of the slots;
     slots = admit(buffer, prompts, admit_rule(engine, plan), *rollout_shape(k.rollout))
     kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
@@ -129,15 +129,13 @@ def run_step(
     #    once), then each carried prefix replayed at its own length (this step's old log-probs).
     actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
     replay, shared = admission_replay(slots, k.rollout), slots.shared_prompts(plan.group_size)
-    decoding, marker = k.prefill_actor(actor, admission, engine.sample_key, replay, shared)
-    timeline.track("prefill actor", GENERATION, marker)
     lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
-    computed = admission_computed(slots.num_slots, k.rollout.prompt_width, replay, shared)
-    work.add("admission", computed, admission_real(*lens, trained=1, frozen=0, shared=shared))
+    real = admission_real(*lens, trained=1, frozen=0, shared=shared)
+    decoding, _ = k.prefill_actor(actor, admission, engine.sample_key, replay, shared, real)
     # 2. Decode and stream until the cut rule holds. Streaming: the scorers are admitted too
     #    and prefill each chunk while the actor decodes the next. Not streaming: they score
     #    the batch after the cut.
-    scorers = step_scorers(engine, train_state, timeline, work, slots)
+    scorers = step_scorers(engine, train_state, slots)
     if schedule.stream:
         scorers.admit(engine.placement.to_scoring(admission), replay, slots, kept, shared)
     del kept  # its rows live on in the scorers' states only (memory: Δ_max rows once)
@@ -145,7 +143,7 @@ def run_step(
     longest = int(np.max(slots.prompt_len + slots.prefix_len))  # live widths start here
     chunking = Chunking(rule, plan.chunk_size, longest)
     streamed = scorers if schedule.stream else None
-    decoding = decode_rollout(k, timeline, work, actor, decoding, chunking, streamed)
+    decoding = decode_rollout(k, actor, decoding, chunking, streamed)
     # 3. Cut: the first B/G completed groups, in the fixed batch order.
     finish_step, decode_steps = to_host((decoding.finish_step, decoding.step))
     must = (slots.active, slots.must_finish)
@@ -165,7 +163,6 @@ def run_step(
     prompts_only = admission.replace(context=on_device(slots.context[:, : k.rollout.prompt_width]))
     rows = on_device(selection.batch, np.int32)
     batch, stats = k.experience(decoding, rows, prompts_only, scored, kl_coef)
-    timeline.track("build batch", GENERATION, stats["reward"])
     stats.update(scorers.rewards.metrics if scorers.rewards is not None else {})
     # Drop the KV caches (actor and scorers) before the update: their buffers are freed as
     # soon as the experience kernel has read them, so the update has that memory.
@@ -180,8 +177,6 @@ def run_step(
     train_state, update_metrics = k.train_models(
         train_state, batch, plan.update_key, kl_coef, lengths=lengths
     )
-    timeline.track("update", GENERATION, update_metrics["policy_loss"])
-    work.add_update(update_metrics, trained_models=len(k.spec.trained))
     # 5. Carry: sequences not taken keep the tokens they had at the cut (read while the
     #    update runs) and the frozen scorers' rows kept at the cut.
     host = _read_rollout(outputs[:2], generated, finish_step)
@@ -190,7 +185,7 @@ def run_step(
     carried = carry_out(slots, selection, host, plan.step)
     if new_kept is not None:
         new_kept.ids, buffer.kept = row_ids(carried), new_kept
-    events, wall = timeline.end_step()
+    events, wall = k.recorder.stop()  # later calls record nothing in this step
     result = StepResult(
         {**stats, **update_metrics}, selection, slots, host, events, wall, batch, work
     )
@@ -225,7 +220,7 @@ def rollout_shape(rollout) -> tuple[int, int, int]:
     return rollout.prompt_width, rollout.max_response_len, rollout.pad_id
 
 
-def step_scorers(engine: StepEngine, train_state, timeline: Timeline, work, slots) -> StepScorers:
+def step_scorers(engine: StepEngine, train_state, slots) -> StepScorers:
     """The step's scorers: the frozen ones' parameters, this step's critic placed on the
     scoring group, and the reward functions' runner for these ``slots`` (if any)."""
     k, place = engine.kernels, engine.placement
@@ -236,7 +231,7 @@ def step_scorers(engine: StepEngine, train_state, timeline: Timeline, work, slot
     )
     # Reward functions run on host threads: each sequence is scored as soon as it ends.
     rewards = engine.rewards.start(slots) if engine.rewards is not None else None
-    return StepScorers(k, place, params, timeline, work, rewards)
+    return StepScorers(k, place, params, rewards)
 
 
 def critic_params(engine: StepEngine, train_state):

@@ -1,7 +1,7 @@
 """The consumers of one step's rollout on the scoring group: the reference, the critic, the
 reward model and the reward functions. Every chunk and every batch reaches them through
-``StepScorers``, and each call it dispatches records the tokens it computed and the real
-tokens in them in the step's ledger (``pipeline.accounting``).
+``StepScorers``, whose calls go through ``Kernels`` (each one records its timeline mark and
+tokens in the step's record, ``pipeline.accounting.StepRecorder``).
 
 Streaming schedules ``admit`` the scorers (prompts, then the carried prefixes replayed or,
 for the frozen scorers, their kept rows restored) and ``feed`` them each decode chunk; the
@@ -23,10 +23,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oppo_jax.parallel.sharding import to_host
-from oppo_jax.pipeline.accounting import WorkLedger, admission_computed, admission_real
-from oppo_jax.pipeline.kernels import Kernels, oppo_sync_scoring
+from oppo_jax.pipeline.accounting import admission_real
+from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import Placement, move
-from oppo_jax.pipeline.timeline import Timeline
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ChunkTokens, DecodeState
 from oppo_jax.rollout.layout import assemble_sequences
@@ -50,12 +49,10 @@ class StepScorers:
         kernels: Kernels,
         place: Placement,
         params: ScorerParams,
-        timeline: Timeline,
-        work: WorkLedger,
         rewards=None,
     ):
         self.kernels, self.place, self.params = kernels, place, params
-        self.timeline, self.work, self.rewards = timeline, work, rewards
+        self.rewards = rewards
         self.roles = kernels.scorer_specs.present()
         self.states: ScorerStates | None = None
         self.packed: ScorerOutputs | None = None  # sync: the packed scoring's outputs
@@ -73,7 +70,7 @@ class StepScorers:
         carried prefixes of ``replay`` (``scoring.carried``). The frozen scorers take the
         leading carried slots' rows from ``kept`` instead, when it holds those very sequences
         (``KeptCaches.usable_rows``). ``slots`` is the step's ``SlotBatch``."""
-        k, width = self.kernels, self.kernels.rollout.prompt_width
+        k = self.kernels
         carried = [c for c, d in zip(slots.entries, slots.deferrals, strict=True) if d > 0]
         used = kept.usable_rows(carried) if kept is not None else 0
         lens = (slots.prompt_len, slots.prefix_len, slots.active, slots.carrying)
@@ -81,18 +78,13 @@ class StepScorers:
         for role in self.roles:
             frozen = role in FROZEN
             params = getattr(self.params, role)
-            state, marker = k.prefill_prompts(role, params, admission, shared)
-            if frozen and used > 0 and role in kept.states:
-                state = restore_rows(state, kept.states[role], used)
-                computed = admission_computed(admission.num_slots, width, (), shared)
-            else:
-                state, fed = k.replay_prefixes(role, params, state, replay)
-                marker = marker if fed is None else fed
-                computed = admission_computed(admission.num_slots, width, replay, shared)
-            self.timeline.track(f"prefill {role}", self.place.scoring_group, marker)
             # A trained scorer (the critic) needs every prefix again, a frozen one new prompts.
             real = admission_real(*lens, int(not frozen), int(frozen), shared)
-            self.work.add("admission", computed, real)
+            state, _ = k.prefill_prompts(role, params, admission, shared, real)
+            if frozen and used > 0 and role in kept.states:
+                state = restore_rows(state, kept.states[role], used)
+            else:
+                state, _ = k.replay_prefixes(role, params, state, replay)
             states[role] = state
         self.states = ScorerStates(**states)
 
@@ -105,32 +97,26 @@ class StepScorers:
         if self.rewards is not None:
             self.rewards.feed(chunk)
         on_scoring = self.place.to_scoring(chunk)
-        if self.kernels.packs_chunks:
-            plans = plan_chunk(counts, chunk.tokens.shape[1])
-            computed = sum(plan["token_row"].size for plan in plans)
+        if self.kernels.packs_chunks:  # each packed call: its plan and its real tokens
+            calls = [(p, int(p["count"].sum())) for p in plan_chunk(counts, chunk.tokens.shape[1])]
         else:  # one call over every slot
-            plans, computed = [None], chunk.tokens.shape[0] * chunk.tokens.shape[1]
-        roles = len(self.roles)
-        self.work.add("scoring", roles * computed, roles * int(np.sum(counts)))
+            calls = [(None, int(np.sum(counts)))]
         states = {role: getattr(self.states, role) for role in self.roles}
         k = self.kernels
         for role in self.roles:
             params = getattr(self.params, role)
-            for plan in plans:
-                states[role], marker = k.score_streamed(
-                    role, params, states[role], on_scoring, kv_width, plan
+            for plan, real in calls:
+                states[role], _ = k.score_streamed(
+                    role, params, states[role], on_scoring, kv_width, plan, real
                 )
-                self.timeline.track(f"score {role}", self.place.scoring_group, marker)
         self.states = ScorerStates(**states)
 
     def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots) -> None:
         """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
         if not self.roles:  # reward functions alone: no model reads the batch's sequences
-            self.work.add("scoring", 0, 0)  # the ledger's stages are every schedule's
             self.packed = ScorerOutputs(None, None, None)
             return
-        out, computed, real = packed_outputs(self, decoding, rows, slots)
-        self.work.add("scoring", computed * len(self.roles), real * len(self.roles))
+        out = packed_outputs(self, decoding, rows, slots)
         self.packed = ScorerOutputs(out.get("reference"), out.get("critic"), out.get("reward"))
 
     def keep(self, slots: list[int], bucket: int) -> KeptCaches | None:
@@ -202,11 +188,10 @@ def packed_inputs(sequences, response_len, prompt_len, plan: ScoringCall) -> Pac
     )
 
 
-def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, int, int]:
+def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> dict:
     """Every scorer's output over the batch ``rows``, their real tokens packed into calls of
     one shape (``scoring.packed``); dispatched through ``scorers``
-    (pipeline.step_scorers.StepScorers). Returns (role -> [S, R] or [S] output, tokens
-    computed per scorer, real tokens per scorer)."""
+    (pipeline.step_scorers.StepScorers). Returns role -> [S, R] or [S] output."""
     k, place = scorers.kernels, scorers.place
     r = k.rollout
     rows = np.asarray(rows, np.int32)
@@ -219,16 +204,11 @@ def packed_outputs(scorers, decoding, rows: np.ndarray, slots) -> tuple[dict, in
     at = jax.device_put(rows, on_scoring)
     out = {}
     for role in scorers.roles:
-        spec = getattr(k.scorer_specs, role)
-        k.planned("sync scoring", ("packed",), role)
-        out[role] = empty_outputs(spec, slots.num_slots, on_scoring)
-        statics = dict(spec=spec, pad_id=r.pad_id, num_slots=slots.num_slots)
-        for batch in batches:
-            params = getattr(scorers.params, role)
-            out[role], marker = oppo_sync_scoring(params, out[role], batch, at, **statics)
-            scorers.timeline.track(f"score {role}", place.scoring_group, marker)
-    computed = sum(plan.computed_tokens for plan in plans)
-    return out, computed, sum(plan.real_tokens for plan in plans)
+        out[role] = empty_outputs(getattr(k.scorer_specs, role), slots.num_slots, on_scoring)
+        params = getattr(scorers.params, role)
+        for plan, batch in zip(plans, batches, strict=True):
+            out[role], _ = k.score_batch(role, params, out[role], plan, batch, at)
+    return out
 
 
 _take = jax.jit(take_rows)

@@ -122,7 +122,7 @@ FIXED = Engine("fixed")
 # over the live prefix (a952db9), streamed chunks scored packed (scoring.stream: the
 # token-wise layers over the chunk's real tokens in a pow2 bucket, attention over min(S, M)
 # rows; the cost model prices tokens). Slot compaction (78de8d3) is on by default only on the CPU
-# (``pipeline.kernels.compaction_default``), so the accelerator projections leave it off and
+# (``base.shapes.compaction_default``), so the accelerator projections leave it off and
 # a recorded trace stamps what its run did (``trace.step_trace``). Carried prefixes are
 # replayed at their own lengths after the prompt prefill (scoring.carried).
 BUILT = Engine(

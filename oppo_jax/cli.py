@@ -91,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="gold score for time-to-target (default: 70%% of the way to the "
                        "worst schedule's final gold)")  # fmt: skip
     bench.add_argument(
+        "--schedules",
+        default="sync,intra,inter,oppo",
+        help="comma-separated schedules to run, sync among them (default: %(default)s)",
+    )
+    bench.add_argument(
         "--no-precompile",
         dest="precompile",
         action="store_false",
@@ -280,8 +285,16 @@ def _bench(args) -> int:
     from oppo_tools.bench import bench_summary_lines, run_bench
 
     steps = cfg.train.steps if args.steps is None else args.steps  # 0 is refused, not "default"
+    schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
     result = run_bench(
-        cfg, args.out, steps, args.seeds, args.warmup, args.target_gold, precompile=args.precompile
+        cfg,
+        args.out,
+        steps,
+        args.seeds,
+        args.warmup,
+        args.target_gold,
+        precompile=args.precompile,
+        schedules=schedules,
     )
     print(f"\nWrote {args.out}/bench.json")
     print("\n".join(bench_summary_lines(result)))

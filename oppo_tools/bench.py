@@ -15,6 +15,7 @@ import json
 import platform
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -54,14 +55,15 @@ class _Lane:
     events: list = dataclasses.field(default_factory=list)  # timeline of the last step
 
 
-def _lanes(cfg: Config, ctx: RunContext, state, seeds: int) -> list[_Lane]:
-    """One lane per (seed, schedule), each set up exactly as ``train`` sets up a run."""
+def _lanes(cfg: Config, ctx: RunContext, state, seeds: int, names) -> list[_Lane]:
+    """One lane per (seed, schedule of ``names``), each set up exactly as ``train`` sets up a
+    run."""
     lanes = []
     for seed in range(cfg.seed, cfg.seed + seeds):
         seed_cfg = dataclasses.replace(cfg, seed=seed)
         engine = dataclasses.replace(ctx.engine, sample_key=sampling_key(seed))
         seed_ctx = dataclasses.replace(ctx, cfg=seed_cfg, engine=engine)
-        for schedule in SCHEDULES.values():
+        for schedule in (SCHEDULES[name] for name in names):
             host = HostState.fresh(seed_cfg, schedule, seed_ctx.prompt_iterator())
             lane_state = jax.tree.map(jnp.copy, state)  # each lane's update donates its own
             lanes.append(_Lane(schedule, seed, seed_ctx, host, lane_state))
@@ -128,8 +130,10 @@ def run_bench(
     target_gold: float | None = None,
     progress: bool = True,
     precompile: bool = True,
+    schedules: Sequence[str] = tuple(SCHEDULES),
 ) -> dict:
-    """Run the four schedules interleaved and write ``bench.json`` and plots to ``out_dir``.
+    """Run the ``schedules`` (default: all four; ``sync``, the reference, among them)
+    interleaved and write ``bench.json`` and plots to ``out_dir``.
 
     ``precompile`` compiles every shape each schedule can meet before measuring
     (``pipeline.warmup.warm_up``, as ``train`` does); off, shapes compile when first met,
@@ -137,21 +141,22 @@ def run_bench(
     where compiling is slow."""
 
     check_counts(steps, seeds, warmup)  # before anything is built or written
+    names = check_schedules(schedules)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx, state = prepare_run(cfg, progress)
-    lanes, timeline = _lanes(cfg, ctx, state, seeds), Timeline()
+    lanes, timeline, n = _lanes(cfg, ctx, state, seeds, names), Timeline(), len(names)
     if precompile:  # every shape of every schedule (one seed's lanes): ``train``'s warm-up
-        _warm_up(lanes[: len(SCHEDULES)], progress)
-        for i, lane in enumerate(lanes[len(SCHEDULES) :]):  # other seeds: the same programs
-            registry = lanes[i % len(SCHEDULES)].ctx.kernels.registry
+        _warm_up(lanes[:n], progress)
+        for i, lane in enumerate(lanes[n:]):  # other seeds: the same programs
+            registry = lanes[i % n].ctx.kernels.registry
             kernels = dataclasses.replace(lane.ctx.kernels, registry=registry)
             engine = dataclasses.replace(lane.ctx.engine, kernels=kernels)
             lane.ctx = dataclasses.replace(lane.ctx, engine=engine)
     compiles = warm.CompileCounter()
     bar = tqdm(total=(warmup + steps) * len(lanes), disable=not progress, unit="step")
     for step in range(warmup + steps):
-        rotation = step % len(SCHEDULES)  # who goes first rotates, against order effects
+        rotation = step % n  # who goes first rotates, against order effects
         for lane in lanes[rotation:] + lanes[:rotation]:
             carried = [len(c["response"]) for c in lane.host.buffer.state()]  # for the trace
             # the smallest bucket its decode compacts into, for the trace (0: no compaction)
@@ -168,7 +173,7 @@ def run_bench(
                 lane.events = result.events
             bar.update(1)
     bar.close()
-    return _write(cfg, out, lanes, steps, seeds, target_gold)
+    return _write(cfg, out, lanes, steps, seeds, target_gold, names)
 
 
 def _warm_up(lanes: list, progress: bool) -> None:
@@ -194,16 +199,30 @@ def check_counts(steps: int, seeds: int, warmup: int) -> None:
             raise InputError(f"bench {flag} {value}: must be an integer >= {least}")
 
 
+def check_schedules(schedules: Sequence[str]) -> tuple[str, ...]:
+    """The schedules to run, in ``SCHEDULES``' order; ``InputError`` naming an unknown or
+    repeated one, or a list without ``sync`` (every ratio is against it)."""
+    names = tuple(schedules)
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or len(set(names)) != len(names) or "sync" not in names:
+        raise InputError(
+            f"bench --schedules {','.join(names)}: name each of {', '.join(SCHEDULES)} at most "
+            "once, sync included (every speed-up is against it)"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+        )
+    return tuple(n for n in SCHEDULES if n in names)
+
+
 def _paired_ratio(base: list[list[float]], other: list[list[float]]) -> float:
     """Median over (seed, step) of base / other step time."""
     pairs = [a / b for xs, ys in zip(base, other, strict=True) for a, b in zip(xs, ys, strict=True)]
     return statistics.median(pairs)
 
 
-def _write(cfg, out, lanes, steps, seeds, target_gold) -> dict:
+def _write(cfg, out, lanes, steps, seeds, target_gold, names) -> dict:
 
     tail = max(1, min(5, steps // 3))
-    by_name = {name: [lane for lane in lanes if lane.schedule.name == name] for name in SCHEDULES}
+    by_name = {name: [lane for lane in lanes if lane.schedule.name == name] for name in names}
     has_gold = all("gold" in r for lane in lanes for r in lane.records)
     if not has_gold:
         target_gold = None

@@ -34,6 +34,22 @@ def test_counts_a_bench_cannot_run_are_refused_before_it_starts(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("names", "says"),
+    [("oppo", "sync included"), ("sync,opo", "unknown: opo"), ("sync,oppo,sync", "at most once")],
+)
+def test_schedules_a_bench_cannot_run_are_refused_before_it_starts(
+    tmp_path, monkeypatch, capsys, names, says
+):
+    monkeypatch.setattr(bench, "prepare_run", _never)
+    out = tmp_path / "bench"
+    assert main(["bench", "--out", str(out), "--schedules", names]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--schedules {names}" in err and says in err, err
+    assert not out.exists()
+    assert bench.check_schedules(["oppo", "sync"]) == ("sync", "oppo")  # the schedules' order
+
+
 def _result(paired_oppo: float | None) -> dict:
     bound = {"ideal_step_s": 0.08, "measured_over_ideal": 1.25}
     schedule = {"step_time_median_s": 0.1, "final_gold": None, "final_gold_spread": None,

@@ -100,11 +100,14 @@ def test_small_random_model_trains_and_benches_end_to_end(tmp_path, monkeypatch,
     assert "gold" not in records[0] and np.isfinite(records[-1]["policy_loss"])
     assert all(r["response_len_max"] <= 16 for r in records)
     bench = tmp_path / "bench"
-    argv = ["bench", "--out", str(bench), "--steps", "2", "--warmup", "1", "--set", *SMALL]
+    # sync and oppo: the reference and the schedule with every mechanism (--schedules)
+    argv = ["bench", "--out", str(bench), "--steps", "2", "--warmup", "1", "--schedules",
+            "oppo,sync", "--set", *SMALL]  # fmt: skip
     assert main(argv) == 0
     result = json.loads((bench / "bench.json").read_text())
     assert result["workload"]["target_gold"] is None
     assert "no gold score" in result["workload"]["no_gold"]
+    assert list(result["schedules"]) == ["sync", "oppo"]  # in the schedules' own order
     for s in result["schedules"].values():
         assert s["time_to_target_s"] is None and s["final_gold"] is None
         assert s["ideal_bound"]["ideal_step_s"] > 0

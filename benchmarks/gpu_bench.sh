@@ -4,7 +4,7 @@
 # (configs/bench_longtail_gpu.yaml). Budget: 8 minutes, compilation included.
 #
 #   benchmarks/gpu_bench.sh [--smoke] [--out DIR] [--steps N] [--warmup N] [--attention K]
-#                           [--compact on|off|auto]
+#                           [--compact on|off|auto] [--schedules sync,oppo]
 #
 # --attention: model.attention (default auto: cuDNN flash attention on the GPU for the bf16
 # models, the ragged decode kernel for decode steps, each row reading only its own keys, and
@@ -16,6 +16,7 @@
 # simulator projects that slot compaction pays on accelerators too at long responses
 # (docs/PROJECTIONS.md §4); a run with `--compact on --out runs/gpu_bench_compact` beside the
 # default one measures it.
+# --schedules: the schedules to bench, sync among them (default: all four).
 #
 # Needs nothing downloaded: the models are random weights built from the preset, the prompts
 # random token ids. The project is not installed: the script puts the repository on
@@ -42,6 +43,7 @@ STEPS=""
 WARMUP=""
 ATTENTION=auto
 COMPACT=auto
+SCHEDULES=sync,intra,inter,oppo
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --smoke) SMOKE=1; shift ;;
@@ -50,7 +52,8 @@ while [[ $# -gt 0 ]]; do
     --warmup) WARMUP="$2"; shift 2 ;;
     --attention) ATTENTION="$2"; shift 2 ;;
     --compact) COMPACT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --schedules) SCHEDULES="$2"; shift 2 ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -131,7 +134,7 @@ fi
 
 start=$(date +%s)
 "$PYTHON" -m oppo_jax.cli bench "$CONFIG" --out "$OUT" --steps "$STEPS" --warmup "$WARMUP" \
-  --no-precompile \
+  --no-precompile --schedules "$SCHEDULES" \
   ${SET[@]+--set "${SET[@]}"}
 elapsed=$(( $(date +%s) - start ))
 

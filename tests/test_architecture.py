@@ -696,3 +696,23 @@ def test_the_cycle_debt_ratchet():
     assert cycle_debt_paid(_tree(**paid), debt) == ["oppo_jax.models.a -> oppo_jax.models"]
     no_cycle = {**modules, "models.__init__": ""}
     assert cycle_debt_paid(_tree(**no_cycle), debt) == ["oppo_jax.models.a -> oppo_jax.models"]
+
+
+def test_the_suite_type_checks_the_engine_and_every_tool_but_the_simulators_inner_modules():
+    """pyproject's ``--jaxtyping-packages`` names oppo_jax and each module or package of
+    oppo_tools (a new tool is checked once it is listed); of the simulator only its entry
+    points, ``sim.cli`` and ``sim.project`` (why: the comment beside ``addopts``)."""
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    flag = re.search(r"--jaxtyping-packages=(\S+)", addopts["ini_options"]["addopts"])
+    listed = set(flag.group(1).split(",")) - {"beartype.beartype"}
+    tools = {
+        f"oppo_tools.{p.stem}"
+        for p in (ROOT / "oppo_tools").iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()
+    }
+    want = (
+        {"oppo_jax"} | tools - {"oppo_tools.sim"} | {"oppo_tools.sim.cli", "oppo_tools.sim.project"}
+    )
+    assert listed == want

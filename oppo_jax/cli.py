@@ -67,39 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         help="skip the warm-up that compiles every shape before step 0 (it briefly holds a "
         "second copy of the train state); steps then compile shapes when they first meet them",
     )
-    bench = sub.add_parser("bench", help="sync, intra, inter and oppo side by side, one process")
-    _config_args(bench)
-    bench.add_argument(
-        "--out", default="runs/bench", help="output directory (default: %(default)s)"
-    )
-    bench.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="measured steps per schedule (default: the config's train.steps)",
-    )
-    bench.add_argument(
-        "--seeds", type=int, default=1, help="seeds per schedule (default: %(default)s)"
-    )
-    bench.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="unmeasured first steps per schedule (default: %(default)s)",
-    )
-    bench.add_argument("--target-gold", type=float, default=None,
-                       help="gold score for time-to-target (default: 70%% of the way to the "
-                       "worst schedule's final gold)")  # fmt: skip
-    bench.add_argument(
-        "--schedules",
-        default="sync,intra,inter,oppo",
-        help="comma-separated schedules to run, sync among them (default: %(default)s)",
-    )
-    bench.add_argument(
-        "--no-precompile",
-        dest="precompile",
-        action="store_false",
-        help="compile shapes when first met, not in a warm-up up front (default: up front)",
+    _bench_parser(
+        sub.add_parser("bench", help="sync, intra, inter and oppo side by side, one process")
     )
     export = sub.add_parser("export", help="a run's actor in Hugging Face format")
     export.add_argument("run", help="run directory (holds config.yaml and checkpoints/)")
@@ -277,24 +246,55 @@ def _train(args) -> int:
     return 0
 
 
+def _bench_parser(bench) -> None:
+    """``oppo-jax bench``'s options."""
+    _config_args(bench)
+    bench.add_argument(
+        "--out", default="runs/bench", help="output directory (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="measured steps per schedule (default: the config's train.steps)",
+    )
+    bench.add_argument(
+        "--seeds", type=int, default=1, help="seeds per schedule (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="unmeasured first steps per schedule (default: %(default)s)",
+    )
+    bench.add_argument("--target-gold", type=float, default=None,
+                       help="gold score for time-to-target (default: 70%% of the way to the "
+                       "worst schedule's final gold)")  # fmt: skip
+    bench.add_argument(
+        "--schedules",
+        default="sync,intra,inter,oppo",
+        help="comma-separated schedules to run, sync among them (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--no-precompile",
+        dest="precompile",
+        action="store_false",
+        help="compile shapes when first met, not in a warm-up up front (default: up front)",
+    )
+
+
 def _bench(args) -> int:
     from oppo_jax.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     _ensure_cpu_devices(cfg)
-    from oppo_tools.bench import bench_summary_lines, run_bench
+    from oppo_tools.bench import BenchCounts, bench_summary_lines, run_bench
 
     steps = cfg.train.steps if args.steps is None else args.steps  # 0 is refused, not "default"
     schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    counts = BenchCounts(steps, args.seeds, args.warmup)
     result = run_bench(
-        cfg,
-        args.out,
-        steps,
-        args.seeds,
-        args.warmup,
-        args.target_gold,
-        precompile=args.precompile,
-        schedules=schedules,
+        cfg, args.out, counts, args.target_gold, precompile=args.precompile, schedules=schedules
     )
     print(f"\nWrote {args.out}/bench.json")
     print("\n".join(bench_summary_lines(result)))

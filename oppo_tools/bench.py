@@ -121,12 +121,20 @@ def _summary(name: str, lanes: list[_Lane], target: float | None, tail: int) -> 
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class BenchCounts:
+    """How long a bench runs: measured ``steps`` per (schedule, seed), ``seeds`` per schedule,
+    after ``warmup`` unmeasured steps each."""
+
+    steps: int
+    seeds: int = 1
+    warmup: int = 2
+
+
 def run_bench(
     cfg: Config,
     out_dir: str | Path,
-    steps: int,
-    seeds: int = 1,
-    warmup: int = 2,
+    counts: BenchCounts,
     target_gold: float | None = None,
     progress: bool = True,
     precompile: bool = True,
@@ -140,6 +148,7 @@ def run_bench(
     inside measured steps (each record's ``compiles`` says which), which saves start-up time
     where compiling is slow."""
 
+    steps, seeds, warmup = counts.steps, counts.seeds, counts.warmup
     check_counts(steps, seeds, warmup)  # before anything is built or written
     names = check_schedules(schedules)
     out = Path(out_dir)

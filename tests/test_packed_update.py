@@ -314,9 +314,12 @@ def test_sharded_packed_update_equals_single_device(root):
         "print(json.dumps(run(sys.argv[1])))"
     )
     repo = Path(__file__).resolve().parents[1]
-    # Fail fast when it deadlocks (XLA's default waits 40 s per collective before aborting).
+    # XLA's default waits 40 s per collective before aborting. 20 s aborted all three tries of a
+    # CI run at 2026-12-07 14:27 (the other worker busy: 8 fake devices' threads on 2 cores
+    # reach a collective far apart), so the wait is 60 s: a starved device arrives, and a real
+    # deadlock still ends each try in about a minute.
     flags = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_call_terminate_timeout_seconds=20"
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_call_terminate_timeout_seconds=60"
     )
     env = {**os.environ, "XLA_FLAGS": flags}
     for _ in range(3):

@@ -177,7 +177,8 @@ def run_bench(
             record["compiles"], record["compile_s"] = compiles.take()
             if step >= warmup:  # the first steps compile
                 prompt_width = cfg.rollout.max_prompt_len
-                record["trace"] = step_trace(result, carried, prompt_width, compacted)
+                shared = result.slots.shared_prompts(cfg.rollout.group_size)
+                record["trace"] = step_trace(result, carried, prompt_width, compacted, shared)
                 lane.records.append(record)
                 lane.events = result.events
             bar.update(1)

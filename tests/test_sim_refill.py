@@ -41,7 +41,7 @@ def test_refill_with_one_row_per_sample_and_equal_lengths_is_the_schedule_withou
     left to refill or carry, so refill prices each step as sync and as oppo with Δ = 0."""
     w = Workload(8, chunk_size=8, prompt_len=16, capacity=64, placement="colocated", steps=4,
                  seed=None, group_size=group_size)  # fmt: skip
-    refill = Refill(every=16, slots=8, shared_prefill=False, carry_kv="replay")
+    refill = Refill(every=16, slots=8, shared_prefill=True, carry_kv="replay")
     records = simulate_refill(COST, w, [40], ACTIVE, refill)
     for schedule in ("sync", "oppo"):
         other = simulate(COST, schedule, w, [40], ACTIVE).step_times
@@ -54,7 +54,7 @@ def test_max_staleness_zero_is_sync_whatever_the_lengths():
     w = Workload(8, chunk_size=4, prompt_len=8, capacity=100, placement="colocated", steps=12,
                  seed=3, group_size=2)  # fmt: skip
     lengths = np.random.default_rng(0).integers(1, 100, 500)
-    refill = Refill(every=8, slots=16, shared_prefill=False, carry_kv="replay", max_staleness=0)
+    refill = Refill(every=8, slots=16, shared_prefill=True, carry_kv="replay", max_staleness=0)
     records = simulate_refill(COST, w, lengths, ACTIVE, refill)
     sync = simulate(COST, "sync", w, lengths, ACTIVE).step_times
     np.testing.assert_allclose(_steps(records), sync, rtol=1e-12)
@@ -114,7 +114,7 @@ def test_refill_never_loses_to_no_refill_and_never_beats_its_bound(config, media
     oppo = simulate(cost, "oppo", w, lengths, engine).step_times.mean()
     fine = dataclasses.replace(w, chunk_size=32)
     for every in (32, 64):
-        refill = Refill(every, w.slots, False, "keep", w.max_deferrals)
+        refill = Refill(every, w.slots, True, "keep", w.max_deferrals)
         assert _steps(simulate_refill(cost, fine, lengths, engine, refill)).mean() <= oppo
     sync = simulate(cost, "sync", w, lengths, engine)
     update = np.mean([r["stage_time_s"]["update"] for r in sync.records])
@@ -124,24 +124,41 @@ def test_refill_never_loses_to_no_refill_and_never_beats_its_bound(config, media
 
 
 def test_the_bound_reproduces_the_issue_figures():
-    """Issue 44 quotes the cost model's bound for the 7B GH200 GRPO config: 1.67× at the
-    config's lengths and 1.95× at median 512 (S = B, prompts once), refill alone 1.36× and
-    1.76×, S = 2B about 2.2× at median 512."""
+    """Issue 44 quotes the cost model's bound for the 7B GH200 GRPO config against sync as it
+    then ran (each sample's prompt prefilled): 1.67× at the config's lengths and 1.95× at
+    median 512 (S = B, prompts once), refill alone 1.36× and 1.76×, S = 2B about 2.2× at
+    median 512. sync as built since 7e10f72 prefills each group's prompt once (the engine's
+    ``shared_prompt_kv``): 14% faster at the config's lengths (P 512, median 103), so the same
+    bounds are 1.43×, 1.83×, 1.16×, 1.65× and 2.04× (1.50× at S = 2B at the config's lengths)."""
     p = build_projection("qwen2.5-7b:gh200", GRPO)
     p = dataclasses.replace(p, workload=dataclasses.replace(p.workload, steps=30))
     got = {}
     for label, proj in (("config", p), ("512", p.with_regime(1, 512))):
         lengths = proj.lengths.sample(seed=0)
-        sync = simulate(proj.cost_model(), "sync", proj.workload, lengths, proj.built_engine)
-        update = np.mean([r["stage_time_s"]["update"] for r in sync.records])
-        t = sync.step_times.mean()
-        for rows, shared in ((112, True), (112, False), (224, True)):
-            got[label, rows, shared] = t / bound(proj, lengths, rows, shared, update)
-    assert got["config", 112, True] == pytest.approx(1.67, abs=0.02)
-    assert got["512", 112, True] == pytest.approx(1.95, abs=0.02)
-    assert got["config", 112, False] == pytest.approx(1.36, abs=0.02)
-    assert got["512", 112, False] == pytest.approx(1.76, abs=0.02)
-    assert got["512", 224, True] == pytest.approx(2.2, abs=0.05)
+        for engine in ("filed", "built"):
+            sync_engine = proj.built_engine
+            if engine == "filed":
+                sync_engine = dataclasses.replace(sync_engine, shared_prompt_kv=False)
+            sync = simulate(proj.cost_model(), "sync", proj.workload, lengths, sync_engine)
+            update = np.mean([r["stage_time_s"]["update"] for r in sync.records])
+            t = sync.step_times.mean()
+            for rows, shared in ((112, True), (112, False), (224, True)):
+                got[engine, label, rows, shared] = t / bound(proj, lengths, rows, shared, update)
+    want = {
+        ("filed", "config", 112, True): (1.67, 0.02),
+        ("filed", "512", 112, True): (1.95, 0.02),
+        ("filed", "config", 112, False): (1.36, 0.02),
+        ("filed", "512", 112, False): (1.76, 0.02),
+        ("filed", "512", 224, True): (2.2, 0.05),
+        ("built", "config", 112, True): (1.43, 0.02),
+        ("built", "512", 112, True): (1.83, 0.02),
+        ("built", "config", 112, False): (1.16, 0.02),
+        ("built", "512", 112, False): (1.65, 0.02),
+        ("built", "config", 224, True): (1.50, 0.02),
+        ("built", "512", 224, True): (2.04, 0.02),
+    }
+    for key, (value, tol) in want.items():
+        assert got[key] == pytest.approx(value, abs=tol), key
 
 
 def test_refill_settings_come_from_flags_then_the_config_then_defaults():

@@ -50,6 +50,9 @@ FEATURES = (
     # carried prefixes replayed after the prompt prefill in chunks at their own lengths, not
     # all carried rows prefilled at P + pow2(longest prefix)
     "replayed_admission",
+    # each group's prompt prefilled once and its K and V copied to the group's other slots
+    # (rollout.admission.prompt_prefill), where S is a multiple of G
+    "shared_prompt_kv",
 )
 
 
@@ -83,6 +86,8 @@ class Engine:
     # over leading row buckets (scoring.carried; packing.replay_tokens); False: the split
     # admission (``split_admission``) or every slot at the carried width
     replayed_admission: bool = False
+    # a prompt prefilled once per group of G slots (S a multiple of G), not once per slot
+    shared_prompt_kv: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -124,7 +129,8 @@ FIXED = Engine("fixed")
 # rows; the cost model prices tokens). Slot compaction (78de8d3) is on by default only on the CPU
 # (``base.shapes.compaction_default``), so the accelerator projections leave it off and
 # a recorded trace stamps what its run did (``trace.step_trace``). Carried prefixes are
-# replayed at their own lengths after the prompt prefill (scoring.carried).
+# replayed at their own lengths after the prompt prefill (scoring.carried), and each group's
+# prompt is prefilled once, its K and V copied to the group's other slots (7e10f72).
 BUILT = Engine(
     "built",
     packed_update=True,
@@ -133,12 +139,15 @@ BUILT = Engine(
     kept_scorer_caches=True,
     packed_chunk_scoring=True,
     replayed_admission=True,
+    shared_prompt_kv=True,
 )
 # On a GPU and a TPU the decode step's attention runs the ragged kernel (models.ragged_decode:
 # "auto" picks it there), so each running row reads its own keys and finished rows none (in
 # blocks of 128 keys on a GPU, 1024 on a TPU); on a GPU the packed update's attention runs the
 # segment kernel (models.segment_attention): ``built_for``.
-ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True)
+ACTIVE = Engine(
+    "active", token_proportional=True, kept_scorer_caches=True, shared_prompt_kv=True
+)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 
 

@@ -31,7 +31,7 @@ import dataclasses
 
 import numpy as np
 
-from oppo_jax.pipeline.carry import select_batch
+from oppo_jax.pipeline.carry import prompt_sharing, select_batch
 from oppo_jax.pipeline.events import Event, busy_fraction, stage_times
 from oppo_jax.pipeline.schedule import SCHEDULES, Schedule
 from oppo_tools.sim.engine import Plan
@@ -113,7 +113,12 @@ def _plan(cost: CostModel, work: Work, streamed: bool, disagg: bool) -> Plan:
     """The step's stages in dispatch order (see the module docstring)."""
     gen, sco = "generation", "scoring" if disagg else "generation"
     p, at = Plan(), cost.host_admit_s + cost.host_setup_s
-    actor = p.add("prefill actor", gen, cost.admit_s(work.actor_tokens), at=cost.host_admit_s)
+    # a shared prompt's K and V copied to its group's slots: read and written, like the
+    # decode's cache reads (``sim.refill`` prices its admissions alike)
+    copies = 2 * cost.decode_c * work.copied_positions
+    actor = p.add(
+        "prefill actor", gen, cost.admit_s(work.actor_tokens) + copies, at=cost.host_admit_s
+    )
     scoring = None
     if streamed:
         scoring = p.add("prefill scorers", sco, cost.scoring_s(work.scorer_admit_tokens), at=at)
@@ -183,6 +188,7 @@ def _step(run: _Run, seqs: list[_Seq]):
         batch_lengths=np.array([seqs[i].length for i in batch]),
         chunks=chunks,
         update_groups=w.update_groups,
+        shared_prompts=prompt_sharing(f.size, w.group_size),
     )
     work = step_work(engine, facts, run.cost.n_scorers, run.cost.trained_scorers)
     plan = _plan(run.cost, work, run.schedule.stream, w.placement == "disaggregated")
@@ -199,6 +205,7 @@ def _step(run: _Run, seqs: list[_Seq]):
         "carried_rows": facts.carried_rows,
         "response_capacity": run.capacity,
         "prefix": prefix.tolist(),
+        "shared_prompts": facts.shared_prompts,
         "finish": facts.finish.tolist(),
         "lengths": facts.batch_lengths.tolist(),
         "cut": cut,

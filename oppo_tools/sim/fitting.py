@@ -119,6 +119,7 @@ def _rows(records: list[dict], engine: Engine, streamed: bool) -> list[dict]:
                 "decode": [n, *decode],
                 "scorer": [k * calls, admit + scored],
                 "actor": [1.0, work.actor_tokens],
+                "copied": work.copied_positions,  # a shared prompt's K and V copied
                 "update": [1.0, work.update_tokens],
             }
         )
@@ -198,6 +199,8 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
     x = np.array([r["decode"] for r in rows], float)
     dec, rate = _decode_and_rate(x, solo("decode"), shared("decode"))
     own = {k: solo(k) + rate * shared(k) for k in ("prefill actor", "scorer", "update")}
+    # the shared prompts' K and V copies, priced by the decode's cache-read rate (``_plan``)
+    own["prefill actor"] = own["prefill actor"] - 2 * dec[3] * np.array([r["copied"] for r in rows])
     pre = _fit(np.array([r["scorer"] for r in rows], float), own["scorer"])
     adm = _fit(np.array([r["actor"] for r in rows], float), own["prefill actor"])
     upd = _fit(np.array([r["update"] for r in rows], float), own["update"])

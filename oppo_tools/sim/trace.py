@@ -26,12 +26,14 @@ def step_trace(
     carried_in: list[int],
     prompt_width: int,
     compacted: int = 0,
+    shared_prompts: int = 1,
 ) -> dict:
     """The trace of one measured step (a ``StepResult``); ``carried_in`` are the response
     lengths of the carried sequences it admitted first (the carry buffer before the step).
     ``engine`` stamps the engine that ran it (``engines.BUILT``, with ``compacted``: the
     smallest slot bucket its decode compacted into, 0 when it did not: what the calibration
-    fits)."""
+    fits); ``shared_prompts``: slots sharing each prompt's prefill
+    (``SlotBatch.shared_prompts``)."""
     finish = np.asarray(result.rollout.finish_step)
     slots, capacity = finish.size, int(np.asarray(result.rollout.tokens).shape[1])
     prefix = [int(n) for n in carried_in[:slots]]
@@ -41,6 +43,7 @@ def step_trace(
         "prompt_width": prompt_width,
         "response_capacity": capacity,
         "prefix": prefix,
+        "shared_prompts": shared_prompts,
         "finish": finish.tolist(),
         "lengths": [int(n) for n in result.response_len],
         "cut": int(result.selection.cut),

@@ -46,6 +46,8 @@ class StepFacts:
     chunks: int  # decode chunks dispatched
     # how the packed update splits the batch (a trace's step: as one microbatch)
     update_groups: packing.UpdateGroups = packing.UpdateGroups()
+    # slots sharing each prompt's prefill where the engine shares it (``prompt_sharing``)
+    shared_prompts: int = 1
 
     @classmethod
     def of_trace(cls, trace: dict, chunk: int, chunks: int) -> StepFacts:
@@ -64,6 +66,7 @@ class StepFacts:
             cut=int(trace["cut"]),
             batch_lengths=np.asarray(trace["lengths"]),
             chunks=chunks,
+            shared_prompts=int(trace.get("shared_prompts", 1)),
         )
 
 
@@ -82,6 +85,9 @@ class Work:
     # all scorers' admission when not streaming (None: as when streaming); 0: skipped, as
     # the packed sync scoring does (it scores prompt + response at once)
     sync_admit_tokens: float | None = None
+    # prompt positions whose K and V one model copies from a group's first slot to its others
+    # (a shared prompt prefill; priced as cache reads and writes, ``CostModel.copy_kv_s``)
+    copied_positions: float = 0.0
 
 
 def decode_chunks(engine: Engine, cut: int, chunk: int) -> int:
@@ -95,13 +101,16 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
     """The work of one step (module docstring); ``trained_scorers`` of the ``n_scorers`` are
     trained (the critic) and always re-prefill carried rows."""
     f = facts
+    # prompt tokens one model prefills per slot: P, or P / G where a group shares its prompt
+    share = f.shared_prompts if engine.shared_prompt_kv else 1
+    per_slot = f.prompt_len / share
     ends = np.where(f.finish < 0, f.cut + 1, f.finish)  # running at position t iff t < end
     new_tokens = np.minimum(ends, f.cut)  # response tokens each slot made up to the cut
     real_new = float(new_tokens.sum())
     if engine.token_proportional:
         decode, per_chunk = _active_decode(f, ends)
-        actor = float(f.prefix.sum()) + f.slots * f.prompt_len
-        new_rows = int((f.prefix == 0).sum()) * f.prompt_len
+        actor = float(f.prefix.sum()) + f.slots * per_slot
+        new_rows = int((f.prefix == 0).sum()) * per_slot
         sync = real_new
     else:
         decode, buckets = _fixed_decode(engine, f, ends)
@@ -113,7 +122,7 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
             made = [np.clip(new_tokens - j * f.chunk, 0, f.chunk) for j in range(scored)]
             per_chunk = [packing.chunk_tokens(counts, f.chunk) for counts in made]
         if engine.replayed_admission:  # prompts, then each prefix in chunks (scoring.carried)
-            actor = f.slots * f.prompt_len + packing.replay_tokens(f.prefix, f.slots)
+            actor = f.slots * per_slot + packing.replay_tokens(f.prefix, f.slots)
         else:
             k = f.carried_rows if engine.split_admission else f.slots
             actor = k * f.width + (f.slots - k) * f.prompt_len
@@ -126,7 +135,7 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P
-        kept = new_rows if engine.token_proportional else f.slots * f.prompt_len
+        kept = new_rows if engine.token_proportional else f.slots * per_slot
     admit = float(trained_scorers * actor + frozen * kept)
     sync_admit = None if engine.token_proportional else trained_scorers * actor + frozen * actor
     if engine.real_width_scoring and not engine.token_proportional:
@@ -140,6 +149,8 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         update_tokens=float(update),
         update_pairs=float(pairs),
         sync_admit_tokens=None if sync_admit is None else float(sync_admit),
+        # every slot's prompt K and V copied from its group's first slot (the refill's pricing)
+        copied_positions=float(f.slots * f.prompt_len) if share > 1 else 0.0,
     )
 
 

@@ -173,7 +173,7 @@ def first_fit_decreasing(lengths, width: int, max_items: int | None = None) -> l
     lengths = np.asarray(lengths)
     cap = len(lengths) if max_items is None else max_items
     # Plain lists: a bin scan in Python beats a NumPy call per item at every size a step
-    # plans (4-8x at 112 items, 1.5x at 3000 items in 200 bins).
+    # plans (BENCHMARKS.md, "Host work between steps": the packed update's bin packing).
     rows: list[list[int]] = []
     room: list[int] = []  # each bin's room left
     slots: list[int] = []  # items each bin may still take

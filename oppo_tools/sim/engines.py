@@ -145,9 +145,7 @@ BUILT = Engine(
 # "auto" picks it there), so each running row reads its own keys and finished rows none (in
 # blocks of 128 keys on a GPU, 1024 on a TPU); on a GPU the packed update's attention runs the
 # segment kernel (models.segment_attention): ``built_for``.
-ACTIVE = Engine(
-    "active", token_proportional=True, kept_scorer_caches=True, shared_prompt_kv=True
-)
+ACTIVE = Engine("active", token_proportional=True, kept_scorer_caches=True, shared_prompt_kv=True)
 ENGINES = {"built": BUILT, "active": ACTIVE, "fixed": FIXED, "padded": PADDED}
 
 

@@ -53,6 +53,17 @@ def test_a_group_prefilled_once_equals_every_slot_prefilled(kind):
     np.testing.assert_array_equal(k, np.repeat(k[:, :, :1], G, axis=2))
 
 
+def test_a_group_size_that_does_not_divide_the_slots_is_refused():
+    """The caller decides the sharing (``prompt_sharing`` passes 1 when G does not divide S);
+    the prefill does not fall back on its own."""
+    spec = ScorerSpec(ACTOR, "logprob", R, temperature=0.7)
+    params = init_params(ACTOR, jax.random.key(1))
+    admission = device_admission(_grouped_slots(3))  # 4 groups of 3: 12 slots
+    assert prompt_sharing(admission.num_slots, 5) == 1
+    with pytest.raises(ValueError, match="group_size 5 does not divide the 12 slots"):
+        scorer_admit(spec, params, admission, P, group_size=5)
+
+
 def test_shared_prompts_follows_the_layout_and_refuses_mixed_groups():
     slots = _grouped_slots(2)
     assert slots.shared_prompts(G) == G and slots.shared_prompts(1) == 1

@@ -107,7 +107,9 @@ def prompt_prefill(
     G samples of one prompt (``pipeline.carry.admit``). Each prompt is then prefilled once, on
     the group's first slot, and its cache and hidden state copied to the other G - 1 slots:
     1/G of the prompt FLOPs, the same result as prefilling every slot (a row's prefill does
-    not depend on the other rows').
+    not depend on the other rows'). The caller decides whether slots share
+    (``pipeline.carry.prompt_sharing``: G must divide S, else it passes 1); a G that does not
+    divide S is refused.
 
     A carried prefix is not prefilled here: ``scoring.carried`` appends it afterwards. The call
     runs in sequence chunks when its rows per device times P exceed
@@ -115,7 +117,12 @@ def prompt_prefill(
     (cache, hidden state at each slot's last prompt token [S, D]), laid out along the slots
     over ``mesh`` when one is given.
     """
-    if group_size > 1 and admission.num_slots % group_size == 0:
+    if group_size > 1:
+        if admission.num_slots % group_size:
+            raise ValueError(
+                f"prompt_prefill: group_size {group_size} does not divide the "
+                f"{admission.num_slots} slots (pipeline.carry.prompt_sharing passes 1 then)"
+            )
         firsts = jax.tree.map(lambda x: x[::group_size], admission)  # each group's first slot
         # on the mesh too: the groups' first slots split over its batch axes where they divide
         cache, last_hidden = prompt_prefill(cfg, params, firsts, shape, mesh)

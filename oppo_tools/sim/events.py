@@ -113,9 +113,7 @@ def _plan(cost: CostModel, work: Work, streamed: bool, disagg: bool) -> Plan:
     """The step's stages in dispatch order (see the module docstring)."""
     gen, sco = "generation", "scoring" if disagg else "generation"
     p, at = Plan(), cost.host_admit_s + cost.host_setup_s
-    # a shared prompt's K and V copied to its group's slots: read and written, like the
-    # decode's cache reads (``sim.refill`` prices its admissions alike)
-    copies = 2 * cost.decode_c * work.copied_positions
+    copies = cost.copy_kv_s(work.copied_positions)  # a shared prompt's K and V, to its slots
     actor = p.add(
         "prefill actor", gen, cost.admit_s(work.actor_tokens) + copies, at=cost.host_admit_s
     )

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from oppo_tools.sim.engines import Engine, recorded_engine
-from oppo_tools.sim.model import CostModel
+from oppo_tools.sim.model import CostModel, kv_copy_s
 from oppo_tools.sim.trace import observe, scorer_names
 from oppo_tools.sim.work import StepFacts, step_work
 
@@ -199,8 +199,9 @@ def calibrate_traces(records: list[dict], streamed: bool = True) -> CostModel:
     x = np.array([r["decode"] for r in rows], float)
     dec, rate = _decode_and_rate(x, solo("decode"), shared("decode"))
     own = {k: solo(k) + rate * shared(k) for k in ("prefill actor", "scorer", "update")}
-    # the shared prompts' K and V copies, priced by the decode's cache-read rate (``_plan``)
-    own["prefill actor"] = own["prefill actor"] - 2 * dec[3] * np.array([r["copied"] for r in rows])
+    # the shared prompts' K and V copies, at the fitted decode's cache-read rate (``_plan``)
+    copies = np.array([kv_copy_s(float(dec[3]), r["copied"]) for r in rows])
+    own["prefill actor"] = own["prefill actor"] - copies
     pre = _fit(np.array([r["scorer"] for r in rows], float), own["scorer"])
     adm = _fit(np.array([r["actor"] for r in rows], float), own["prefill actor"])
     upd = _fit(np.array([r["update"] for r in rows], float), own["update"])

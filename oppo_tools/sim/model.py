@@ -74,6 +74,11 @@ class CostModel:
         in all (summed over the scorers)."""
         return self.n_scorers * self.prefill_p0 + self.prefill_p1 * tokens
 
+    def copy_kv_s(self, positions: Num) -> float:
+        """Copying ``positions`` cache positions' K and V into other slots (a group's shared
+        prompt): each read and written at the decode's cache-read rate (``kv_copy_s``)."""
+        return kv_copy_s(self.decode_c, positions)
+
     def admit_s(self, tokens: Num) -> float:
         """The actor's admission prefill of ``tokens`` tokens."""
         return self.admit_p0 + self.admit_p1 * tokens
@@ -86,3 +91,11 @@ class CostModel:
     def to_dict(self) -> dict:
         """Plain JSON form."""
         return dataclasses.asdict(self)
+
+
+def kv_copy_s(decode_c: float, positions: Num) -> float:
+    """Seconds to copy ``positions`` cache positions' K and V at ``decode_c`` seconds per
+    position read (``CostModel.decode_c``): K and V, 2 reads a position. One formula for the
+    built engine's shared prompt (``sim.events``), the refill rows (``sim.refill``) and the
+    calibration, which takes the copies out before it fits the admission (``sim.fitting``)."""
+    return 2 * decode_c * positions

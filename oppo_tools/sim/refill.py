@@ -176,7 +176,7 @@ def _admit(run: _Run, led: _Ledger, step: int) -> None:
     led.prompt_tokens += w.prompt_len * prompts
     _prefill(run, led, w.prompt_len * prompts, "admit", run.cost.n_scorers)
     if r.shared_prefill and started and w.group_size > 1:  # each row copies the group's KV
-        led.gen["admit"] += 2 * run.cost.decode_c * w.prompt_len * started
+        led.gen["admit"] += run.cost.copy_kv_s(w.prompt_len * started)
 
 
 def _completion(g: _Group, t: int) -> int | float:

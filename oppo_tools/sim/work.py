@@ -86,7 +86,7 @@ class Work:
     # the packed sync scoring does (it scores prompt + response at once)
     sync_admit_tokens: float | None = None
     # prompt positions whose K and V one model copies from a group's first slot to its others
-    # (a shared prompt prefill; priced as cache reads and writes, ``CostModel.copy_kv_s``)
+    # (a shared prompt prefill; ``CostModel.copy_kv_s`` prices them)
     copied_positions: float = 0.0
 
 

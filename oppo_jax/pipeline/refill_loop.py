@@ -1,0 +1,184 @@
+"""The decode loop of a refilling rollout (issue 44): refill points every ``every`` positions,
+where the host harvests finished rows, places waiting and new samples into the free ones
+(``pipeline.refill.Pool`` decides, from the finish positions it reads) and hands the device
+the stop rule for the next interval; between two points the actor decodes ``every / C``
+chunks with no read, stopping at the cut wherever it falls.
+
+Chunk size: refill points sit at multiples of ``every``, a multiple of C, and the decode of
+an interval does not depend on how it is chunked, so C changes no token and no decision.
+
+The programs it adds (each recorded by the step's ``StepRecorder`` like every kernel): the
+store prefill of the groups admitted at a point (``refill_prompts``, Q groups in a
+power-of-two bucket) and the placement of samples into rows (``refill_place``, M rows in a
+power-of-two bucket, the rows given as data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from oppo_jax.base.shapes import pow2_at_least
+from oppo_jax.parallel.sharding import to_host, tracing_rules
+from oppo_jax.pipeline.kernels import Kernels, kernel_jit
+from oppo_jax.pipeline.refill import Group, Harvest, Placement, Pool
+from oppo_jax.rollout.decode import CutRule, DecodeState
+from oppo_jax.rollout.refill import PromptStore, empty_rows, place_samples, prefill_store
+
+
+@kernel_jit("cfg", "rollout")
+def oppo_refill_prompts(params, prompts, prompt_len, prompt_id, *, cfg, rollout):
+    """``prefill_store`` of Q prompts: (PromptStore, marker)."""
+    with tracing_rules(rollout.mesh):
+        store = prefill_store(cfg, params, prompts, prompt_len, prompt_id, rollout)
+        return store, store.cache.length + 0
+
+
+@kernel_jit("rollout", donate=("state",))
+def oppo_refill_place(state, store, rows, source, sample_index, *, rollout):
+    """``place_samples`` into M rows, donating the state: (state, marker)."""
+    with tracing_rules(rollout.mesh):
+        state = place_samples(state, store, rows, source, sample_index, rollout)
+        return state, state.num_generated + 0
+
+
+@kernel_jit("cfg", "rollout", "rows")
+def oppo_refill_empty(base_key, *, cfg, rollout, rows):
+    """``empty_rows``: the state a refilling rollout starts from."""
+    with tracing_rules(rollout.mesh):
+        return empty_rows(cfg, rollout, rows, base_key)
+
+
+@dataclasses.dataclass
+class Stores:
+    """The prompt stores of groups with samples still waiting for a row: gid -> (store, its
+    index in the store)."""
+
+    of: dict[int, tuple[PromptStore, int]] = dataclasses.field(default_factory=dict)
+
+    def forget_placed(self, pool: Pool) -> None:
+        """Drop the stores no waiting sample needs any more (their buffers go)."""
+        waiting = {g.gid for g in pool.groups if any(s.waiting for s in g.samples)}
+        self.of = {gid: v for gid, v in self.of.items() if gid in waiting}
+
+
+def start_rows(k: Kernels, base_key, rows: int) -> DecodeState:
+    """A refilling run's first decode state: ``rows`` empty rows."""
+    return oppo_refill_empty(base_key, cfg=k.spec.actor, rollout=k.rollout, rows=rows)
+
+
+def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> None:
+    """Prefill the prompts of the groups admitted at a refill point, once each, into one store
+    of a power-of-two bucket of rows (the padding rows hold empty prompts)."""
+    if not groups:
+        return
+    r, q = k.rollout, pow2_at_least(len(groups))
+    prompts = np.full((q, r.prompt_width), r.pad_id, np.int32)
+    prompt_len, prompt_id = np.zeros(q, np.int32), np.zeros(q, np.int32)
+    for i, g in enumerate(groups):
+        prompts[i, : len(g.prompt)], prompt_len[i], prompt_id[i] = (
+            g.prompt,
+            len(g.prompt),
+            g.prompt_id,
+        )
+    k.planned("refill prompts", (q,))
+    store, marker = oppo_refill_prompts(
+        params, *map(jax.device_put, (prompts, prompt_len, prompt_id)), cfg=k.spec.actor, rollout=r
+    )
+    real = int(prompt_len.sum())
+    k.recorder.dispatched("prefill actor", marker, tokens=("admission", q * r.prompt_width, real))
+    for i, g in enumerate(groups):
+        stores.of[g.gid] = (store, i)
+
+
+def place(k: Kernels, state: DecodeState, placed: list[Placement], stores: Stores):
+    """Place the samples of ``placed`` into their rows: one call per store they come from, of
+    a power-of-two bucket of rows (padding entries name row S: dropped)."""
+    by_store: dict[int, list[tuple[Placement, int]]] = {}
+    held: dict[int, PromptStore] = {}
+    for p in placed:
+        store, index = stores.of[p.gid]
+        by_store.setdefault(id(store), []).append((p, index))
+        held[id(store)] = store
+    s = state.tokens.shape[0]
+    for key, entries in by_store.items():
+        m = pow2_at_least(len(entries))
+        rows, source, sample = np.full(m, s, np.int32), np.zeros(m, np.int32), np.zeros(m, np.int32)
+        for i, (p, index) in enumerate(entries):
+            rows[i], source[i], sample[i] = p.row, index, p.sample_index
+        k.planned("refill place", (m,))
+        args = map(jax.device_put, (rows, source, sample))
+        state, marker = oppo_refill_place(state, held[key], *args, rollout=k.rollout)
+        k.recorder.dispatched("admit rows", marker)
+    return state
+
+
+def harvest(state: DecodeState, pool: Pool, step: int) -> np.ndarray:
+    """Read the rows' finish flags; every held row whose sample has finished leaves its outputs
+    to the pool, which frees it (one small read, and the rows' tokens when any finished).
+    Returns each row's response length."""
+    finished, finish_step, generated = map(
+        np.asarray, to_host((state.finished, state.finish_step, state.num_generated))
+    )
+    done = [row for row in pool.holder() if finished[row]]
+    if not done:
+        return generated
+    tokens, logprobs = map(np.asarray, to_host((state.tokens, state.logprobs)))
+    for row in done:
+        n = int(generated[row])
+        pool.harvest(row, Harvest(tokens[row, :n], logprobs[row, :n], int(finish_step[row])), step)
+    return generated
+
+
+def interval_rule(pool: Pool, step: int) -> CutRule:
+    """The device's stop rule until the next refill point (``Pool.cut_rule``)."""
+    active, must, target, group = pool.cut_rule(step)
+    put = jax.device_put
+    return CutRule(put(active), put(must), put(np.int32(target)), put(group))
+
+
+def longest_context(state: DecodeState, pool: Pool) -> int:
+    """The longest context (prompt + response) of a held row, read with the cache lengths."""
+    lengths = np.asarray(to_host(state.cache.length))
+    rows = list(pool.holder())
+    return int(lengths[rows].max()) if rows else 1
+
+
+@dataclasses.dataclass
+class Rollout:
+    """What a refilling run's rollout carries from step to step: the decode rows, the pool
+    that says what each holds, and the stores of groups still waiting for rows."""
+
+    state: DecodeState
+    pool: Pool
+    stores: Stores = dataclasses.field(default_factory=Stores)
+
+
+def refill_rollout(k: Kernels, params, run: Rollout, step: int, prompts, chunk_size: int) -> None:
+    """Decode step ``step``'s rollout with refill points until the batch can be taken
+    (``Pool.cut_ready``), leaving ``run`` at the cut (rows still decoding keep their place for
+    the next step). ``prompts.take(k)`` -> [(prompt_id, tokens)] gives the new groups'
+    prompts, in admission order."""
+    pool, stores, state = run.pool, run.stores, run.state
+    every = pool.rule.every
+    if every % chunk_size:
+        raise ValueError(f"refill every {every} tokens: not a multiple of C = {chunk_size}")
+    while True:
+        generated = harvest(state, pool, step)
+        if pool.cut_ready(step):
+            pool.stamp(step, generated)
+            run.state = state
+            return
+        placed, new = pool.refill(step, prompts)
+        prefill_groups(k, params, new, stores)
+        state = place(k, state, placed, stores)
+        stores.forget_placed(pool)
+        if not pool.holder():
+            raise RuntimeError("refill: no row decodes and the batch cannot be taken")
+        rule, longest = interval_rule(pool, step), longest_context(state, pool)
+        for i in range(every // chunk_size):
+            width = k.chunk_width(longest, chunk_size, i)
+            state, _ = k.decode_tokens(params, state, rule, chunk_size, width)
+        run.state = state  # donated on: the run holds the live one

@@ -15,6 +15,7 @@ from oppo_jax.base.errors import Interrupted, NonFiniteError, Preempted
 from oppo_jax.config import Config, to_yaml
 from oppo_jax.pipeline.carry import dropped_slots, staleness_counts
 from oppo_jax.pipeline.host_state import HostState
+from oppo_jax.pipeline.refill_step import run_refill_step
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult, run_step
 from oppo_jax.pipeline.timeline import Timeline, TraceWriter
@@ -53,9 +54,10 @@ def _staleness(plan: StepPlan, result: StepResult, carried: int, bound: int) -> 
     tokens = max(int(result.response_len.sum()), 1)
     ages = staleness_counts(slots, rows, result.response_len, plan.step, bound)
     dropped = {int(slots.prompt_ids[i]) for i in dropped_slots(slots, result.selection)}
+    dropped = result.refill["dropped"] if result.refill is not None else len(dropped)
     return {
         "carried": carried,
-        "dropped": len(dropped),  # prompts (groups) dropped at the bound (rollout.on_stale)
+        "dropped": dropped,  # prompts (groups) dropped at the bound (rollout.on_stale)
         "overcommit": plan.overcommit // plan.group_size,  # Δ, groups
         "deferral_age_mean": float(slots.deferrals[rows].mean()),
         "deferral_age_max": int(slots.deferrals[rows].max()),
@@ -116,10 +118,15 @@ def step_and_observe(ctx: RunContext, schedule: Schedule, host: HostState, train
     """One step of a run under ``schedule``: plan it, run it, carry, and feed the controllers.
     Returns (new train state, its PendingRecord, StepResult)."""
     plan = host.plan(ctx.cfg)
-    train_state, carried, result = run_step(
-        ctx.engine, schedule, plan, train_state, host.buffer, host.prompts, timeline
-    )
-    host.buffer.extend(carried)
+    if host.refill is not None:  # the groups in flight stay in the rows (host.refill)
+        train_state, carried, result = run_refill_step(
+            ctx.engine, schedule, plan, train_state, host.refill, host.prompts, timeline
+        )
+    else:
+        train_state, carried, result = run_step(
+            ctx.engine, schedule, plan, train_state, host.buffer, host.prompts, timeline
+        )
+        host.buffer.extend(carried)
     noted = host.observe(plan, result)
     record = PendingRecord(ctx, plan, dataclasses.replace(result, batch=None), len(carried), noted)
     return train_state, record, result
@@ -184,7 +191,10 @@ def _run(cfg: Config, out: Path, ckpt_dir: Path, resume, progress, warmup, stop)
     report = {}
     if warmup is None:
         warmup = os.environ.get(WARMUP_ENV, "on").strip().lower() != "off"
-    if warmup and host.step < cfg.train.steps:
+    if warmup and host.refill is not None:  # its programs are not in the compile plan yet
+        print("warm-up: not built for refilling runs (rollout.refill_every); each step compiles "
+              "the programs it meets first", flush=True)  # fmt: skip
+    elif warmup and host.step < cfg.train.steps:
         stop.before_start = "the warm-up, which compiles the run's programs"
         report, ctx = warm_up(ctx, schedule, host, train_state, progress)
         (out / "warmup.json").write_text(json.dumps(report, indent=2))

@@ -40,7 +40,7 @@ MAX_FUNCTION_LINES = 60  # from the ``def`` line to the body's last, decorators 
 # test fails when one grows, and when one is back under its cap or gone (then delete the entry).
 OVER_CAP = {
     "oppo_jax/pipeline/step.py:run_step": 86,
-    "oppo_jax/run/setup.py:prepare_run": 64,
+    "oppo_jax/run/setup.py:prepare_run": 63,
     "oppo_tools/memory/report.py:memory_report": 84,
     "oppo_tools/sim/cli.py:_parser": 90,
 }

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from oppo_jax.models import init_params
 from oppo_jax.pipeline.kernels import build_kernels
-from oppo_jax.pipeline.refill import Harvest, Pool, RefillRule
+from oppo_jax.pipeline.refill import Pool, RefillRule
 from oppo_jax.pipeline.refill_loop import Rollout, refill_rollout, start_rows
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.admission import Admission
@@ -63,7 +63,8 @@ def _refilling_run(chunk_size: int, steps: int, rows: int = 6, every: int = 8):
         batches.append([g.prompt_id for g in batch])
         for g in batch:
             for s in g.samples:
-                outputs[(g.prompt_id, s.index)] = (s.result.tokens, s.result.logprobs)
+                assert s.versions == [step] * len(s.tokens) or step > 0
+                outputs[(g.prompt_id, s.index)] = (np.array(s.tokens), np.array(s.behaviour))
     return batches, outputs, params, key
 
 
@@ -132,9 +133,8 @@ def _drive(rule: RefillRule, lengths, seed: int, steps: int) -> tuple[list[dict]
             for row, (g, s) in list(pool.holder().items()):
                 if made[g.gid, s.index] == length[g.gid, s.index]:
                     n = made[g.gid, s.index]
-                    pool.harvest(
-                        row, Harvest(np.zeros(n), np.zeros(n), finish[g.gid, s.index]), step
-                    )
+                    s.read(step, np.zeros(n, int), np.zeros(n), replayed=True)
+                    pool.harvest(row, finish[g.gid, s.index])
             if pool.cut_ready(step):
                 break
             _, new = pool.refill(step, prompts)
@@ -157,13 +157,12 @@ def _drive(rule: RefillRule, lengths, seed: int, steps: int) -> tuple[list[dict]
                     made[g.gid, s.index] += 1
                     if made[g.gid, s.index] == length[g.gid, s.index]:
                         finish[g.gid, s.index] = position
-        generated = np.zeros(rule.rows, int)
-        for row, (g, s) in pool.holder().items():
-            generated[row] = made[g.gid, s.index]
-        pool.stamp(step, generated)
+        for g, s in pool.holder().values():  # rows decoding on: read at the cut
+            n = made[g.gid, s.index]
+            s.read(step, np.zeros(n, int), np.zeros(n), replayed=True)
         batch, dropped = pool.take_batch(step)
         stale = collections.Counter(step - v for g in batch for s in g.samples for v in s.versions)
-        lens = [len(s.result.tokens) for g in batch for s in g.samples]
+        lens = [len(s.tokens) for g in batch for s in g.samples]
         records.append({
             "decode_steps": steps_run, "decode_tokens": tokens,
             "staleness": dict(sorted(stale.items())),

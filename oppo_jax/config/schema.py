@@ -79,6 +79,16 @@ class RolloutConfig:
     # trained first) | drop (if the cut leaves it out it is dropped, never trained, its prompt
     # counted in the step's `dropped`)
     on_stale: str = "finish"
+    # continuous refill (the carrying schedules, inter | oppo): every this many decode positions
+    # (a multiple of pipeline.chunk_size) the rows whose sequence ended take samples of new
+    # prompts' groups, and the groups in flight at the cut decode on into the next step in
+    # their rows; the B + Δ·G rows stay busy. 0 = off (rows of ended sequences idle until the
+    # cut, and the groups left at the cut are carried and re-admitted)
+    refill_every: int = 0
+    # refill: the rows in flight when the weights change: replay (their prompt and response so
+    # far re-prefilled under the new weights: exact, and a resume equals the run) | keep (their
+    # stale keys and values kept: no replay cost; a resume replays them once)
+    carry_kv: str = "replay"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "ppo.importance_sampling_level": ("token", "sequence", "sequence_sum"),
     "ppo.off_policy_correction": ("none", "tis", "mis"),
     "rollout.on_stale": ("finish", "drop"),
+    "rollout.carry_kv": ("replay", "keep"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "pipeline.mode": ("sync", "intra", "inter", "oppo"),
     "pipeline.placement": ("colocated", "disaggregated"),
@@ -55,7 +56,8 @@ _NONNEGATIVE = (
     "rollout.top_k", "ppo.kl_coef", "ppo.vf_coef", "ppo.entropy_coef",
     "optim.actor_lr", "optim.critic_lr", "optim.weight_decay", "optim.warmup_steps",
     "mesh.scoring_devices", "pipeline.overcommit", "pipeline.overcommit_min",
-    "pipeline.overcommit_max", "rollout.max_staleness", "train.checkpoint_every",
+    "pipeline.overcommit_max", "rollout.max_staleness", "rollout.refill_every",
+    "train.checkpoint_every",
     "train.sft_steps", "train.rm_steps", "model.lora_rank",
 )  # fmt: skip
 _POSITIVE_FLOATS = (
@@ -241,7 +243,7 @@ def _relation_problems(cfg: Config) -> list[str]:
             f"pipeline.overcommit{'_max' if p.adaptive_overcommit else ''}={largest_delta}: "
             f"must be <= rollout.batch_size / rollout.group_size ({b}/{g})={b // g} (groups)"
         )
-    problems += _staleness_problems(cfg, largest_delta)
+    problems += _staleness_problems(cfg, largest_delta) + _refill_problems(cfg)
     if p.placement == "disaggregated" and mesh.scoring_devices < 1:
         problems.append(
             f"mesh.scoring_devices={mesh.scoring_devices}: must be >= 1 when "
@@ -267,6 +269,26 @@ def _staleness_problems(cfg: Config, largest_delta: int) -> list[str]:
             "rollout.on_stale=drop, max_staleness >= 1, or pipeline.overcommit=0"
         ]
     return []
+
+
+def _refill_problems(cfg: Config) -> list[str]:
+    """Continuous refill (rollout.refill_every): what the built engine runs it with."""
+    r, p = cfg.rollout, cfg.pipeline
+    if not r.refill_every:
+        return []
+    key, problems = f"rollout.refill_every={r.refill_every}", []
+    sizes = {p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else ())}
+    if p.mode not in ("inter", "oppo"):
+        problems.append(f"{key}: refill is a carrying schedule's; pipeline.mode={p.mode}")
+    if any(r.refill_every % c for c in sizes):
+        problems.append(f"{key}: must be a multiple of every chunk size ({sorted(sizes)})")
+    if p.adaptive_overcommit or p.compact_slots or p.placement != "colocated":
+        problems.append(
+            f"{key}: refill decodes a fixed B + Δ·G rows on one mesh; set "
+            "pipeline.adaptive_overcommit=false, pipeline.compact_slots=null or false and "
+            "pipeline.placement=colocated"
+        )
+    return problems
 
 
 def _group_problems(cfg: Config) -> list[str]:

@@ -119,6 +119,13 @@ class WorkLedger:
         self.add("decode", decode_computed(slots, steps, chunk_size), new)
         self.keys = decode_keys(slots, widths, steps, chunk_size, lengths, blocks)
 
+    def close_refill_decode(self, steps: int, chunk_size: int, real: int) -> None:
+        """Price a refilling rollout's decode chunks as ``close_decode`` does; ``real``: the
+        tokens its samples sampled in the step (a row holds several samples a step, so its
+        length does not say). Its keys are not counted."""
+        slots = [s for s, _ in self.decode_chunks]
+        self.add("decode", decode_computed(slots, steps, chunk_size), real)
+
     def efficiency(self, stage: str) -> float | None:
         """real / computed of ``stage``; None when it computed nothing."""
         computed = self.computed.get(stage, 0)

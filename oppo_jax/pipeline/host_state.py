@@ -16,6 +16,8 @@ from oppo_jax.pipeline.carry import CarryBuffer
 from oppo_jax.pipeline.chunk_control import ChunkSizeController
 from oppo_jax.pipeline.overcommit import OvercommitController
 from oppo_jax.pipeline.placement import Placement, move
+from oppo_jax.pipeline.refill import Pool, RefillRule
+from oppo_jax.pipeline.refill_loop import Rollout
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.pipeline.step import StepPlan, StepResult
 from oppo_jax.ppo.kl_control import make_kl_controller
@@ -51,6 +53,20 @@ def _update_keys(seed, first):
     return tuple(keys[i] for i in range(KEY_BLOCK))  # separate arrays: no slicing per step
 
 
+def refill_rollout(cfg: Config) -> Rollout | None:
+    """A refilling run's rollout before its first step (None: refill off): B + Δ·G rows, the
+    pool's rule from the config."""
+    r, p = cfg.rollout, cfg.pipeline
+    if not r.refill_every:
+        return None
+    g = r.group_size
+    rule = RefillRule(
+        r.batch_size + p.overcommit * g, r.refill_every, r.batch_size // g, g,
+        r.max_staleness, r.on_stale,
+    )  # fmt: skip
+    return Rollout(None, Pool(rule))
+
+
 def _read(result: StepResult, key: str) -> float:
     """One of the step's metrics on the host (``np.asarray``: a quarter of ``device_get``'s
     cost on a cold cache, right after the step)."""
@@ -69,6 +85,7 @@ class HostState:
     buffer: CarryBuffer  # sequences carried into the next step
     nonfinite_in_a_row: int = 0  # consecutive steps whose update was skipped (NaN/Inf)
     nonfinite_total: int = 0  # all skipped updates of the run
+    refill: Rollout | None = None  # a refilling run's rows and their groups (rollout.refill_every)
     # (seed, first step, keys): the block of update keys the next steps take theirs from
     _keys: tuple = dataclasses.field(default=(None, 0, ()), repr=False)
 
@@ -93,6 +110,7 @@ class HostState:
                 p.adaptive_overcommit and schedule.carry,
             ),
             buffer=CarryBuffer(),
+            refill=refill_rollout(cfg),
         )
 
     def plan(self, cfg: Config) -> StepPlan:
@@ -142,6 +160,7 @@ class HostState:
             "buffer": self.buffer.state(),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "nonfinite_total": self.nonfinite_total,
+            **({"refill": self.refill.pool.state()} if self.refill is not None else {}),
         }
 
     def arrays(self) -> dict | None:
@@ -169,3 +188,5 @@ class HostState:
         self.buffer = CarryBuffer.from_state(data["buffer"])
         self.nonfinite_in_a_row = int(data.get("nonfinite_in_a_row", 0))
         self.nonfinite_total = int(data.get("nonfinite_total", 0))
+        if self.refill is not None:  # the rows are rebuilt from it (replayed) at the next step
+            self.refill = Rollout(None, Pool.from_state(self.refill.pool.rule, data["refill"]))

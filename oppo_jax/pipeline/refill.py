@@ -32,26 +32,37 @@ ON_STALE = ("finish", "drop")
 
 
 @dataclasses.dataclass
-class Harvest:
-    """A finished sample's outputs, read from its row."""
-
-    tokens: np.ndarray  # [n] response tokens
-    logprobs: np.ndarray  # [n] log-probs recorded when they were sampled
-    finish_position: int  # decode position (the rollout's lockstep clock) it finished at
-
-
-@dataclasses.dataclass
 class Sample:
-    """One of a group's G samples."""
+    """One of a group's G samples: where it decodes, and its response so far."""
 
     index: int  # its sample index (its sampling keys' index)
     row: int | None = None  # the decode row it holds while it decodes
-    result: Harvest | None = None  # set once it has finished and left its row
+    finished_at: int | None = None  # position it finished at (its step's clock), once it has
+    tokens: list[int] = dataclasses.field(default_factory=list)  # response so far
+    behaviour: list[float] = dataclasses.field(default_factory=list)  # log-prob when sampled
     versions: list[int] = dataclasses.field(default_factory=list)  # step that sampled each token
+    # this step's log-prob of each token (PPO's old log-probs) when ``scored_at`` is the step
+    # training it: read from its row, where a replay computed the older tokens' too
+    old: list[float] = dataclasses.field(default_factory=list)
+    scored_at: int = -1  # the step whose weights computed ``old``
 
     @property
     def waiting(self) -> bool:
-        return self.row is None and self.result is None
+        return self.row is None and self.finished_at is None
+
+    def read(self, step: int, tokens, logprobs, replayed: bool) -> None:
+        """Its row's response (``tokens``, ``logprobs``: this step's arrays over its length)
+        in step ``step``: the tokens past the last read were sampled in it, with those
+        log-probs; ``replayed``: the row's earlier log-probs are this step's too."""
+        n, seen = len(tokens), len(self.versions)
+        self.tokens = [int(t) for t in tokens]
+        self.behaviour += [float(x) for x in logprobs[seen:n]]
+        self.versions += [step] * (n - seen)
+        if replayed or seen == 0:
+            self.old, self.scored_at = [float(x) for x in logprobs[:n]], step
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -67,7 +78,14 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        return all(s.result is not None for s in self.samples)
+        return all(s.finished_at is not None for s in self.samples)
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "samples": [s.to_json() for s in self.samples]}
+
+    @classmethod
+    def from_json(cls, state: dict) -> Group:
+        return cls(**{**state, "samples": [Sample(**s) for s in state["samples"]]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,20 +141,13 @@ class Pool:
         held = self.holder()
         return [r for r in range(self.rule.rows) if r not in held]
 
-    def harvest(self, row: int, result: Harvest, step: int) -> None:
-        """The sample in ``row`` finished in step ``step``: its outputs leave the row, which is
-        free; the tokens it made since the last stamp were sampled in ``step``."""
+    def harvest(self, row: int, finished_at: int) -> None:
+        """The sample in ``row`` finished at position ``finished_at`` (its response read
+        already, ``Sample.read``): it leaves the row, which is free."""
         group, sample = self.holder()[row]
-        sample.row, sample.result = None, result
-        sample.versions += [step] * (len(result.tokens) - len(sample.versions))
+        sample.row, sample.finished_at = None, finished_at
         if group.complete and group.completed_at is None:
-            group.completed_at = max(s.result.finish_position for s in group.samples)
-
-    def stamp(self, step: int, generated) -> None:
-        """At the cut: the tokens each row's sample made in ``step`` (``generated[row]``: its
-        response length now) were sampled in it; it decodes on into the next step."""
-        for row, (_, sample) in self.holder().items():
-            sample.versions += [step] * (int(generated[row]) - len(sample.versions))
+            group.completed_at = max(s.finished_at for s in group.samples)
 
     def refill(self, step: int, prompts) -> tuple[list[Placement], list[Group]]:
         """A refill point's decisions: (placements in row order, the groups admitted here,
@@ -199,6 +210,16 @@ class Pool:
             active[rows], group[rows], must[rows] = True, rows[0], is_due
         return active, must, max(target, 0), group
 
+    def state(self) -> dict:
+        """The pool as plain JSON (checkpoints): every untrained group, its samples' rows and
+        responses so far."""
+        return {"next_gid": self.next_gid, "groups": [g.to_json() for g in self.groups]}
+
+    @classmethod
+    def from_state(cls, rule: RefillRule, state: dict) -> Pool:
+        groups = [Group.from_json(g) for g in state["groups"]]
+        return cls(rule, groups, int(state["next_gid"]))
+
     def take_batch(self, step: int) -> tuple[list[Group], list[Group]]:
         """At the cut: (the batch's B/G groups in batch order, the due groups dropped). The
         groups left stay in the pool; complete ones wait with their outputs."""
@@ -212,7 +233,10 @@ class Pool:
                 s.row = None
         gone = taken | {g.gid for g in dropped}
         self.groups = [g for g in self.groups if g.gid not in gone]
-        for g in self.groups:
+        for g in self.groups:  # complete ones wait, in order, before those of the next step
             if g.completed_at is not None:
                 g.completed_at = -1
+            for x in g.samples:
+                if x.finished_at is not None:
+                    x.finished_at = -1
         return batch, dropped

@@ -23,7 +23,7 @@ import numpy as np
 from oppo_jax.base.shapes import pow2_at_least
 from oppo_jax.parallel.sharding import to_host, tracing_rules
 from oppo_jax.pipeline.kernels import Kernels, kernel_jit
-from oppo_jax.pipeline.refill import Group, Harvest, Placement, Pool
+from oppo_jax.pipeline.refill import Group, Placement, Pool
 from oppo_jax.rollout.decode import CutRule, DecodeState
 from oppo_jax.rollout.refill import PromptStore, empty_rows, place_samples, prefill_store
 
@@ -115,21 +115,26 @@ def place(k: Kernels, state: DecodeState, placed: list[Placement], stores: Store
     return state
 
 
-def harvest(state: DecodeState, pool: Pool, step: int) -> np.ndarray:
-    """Read the rows' finish flags; every held row whose sample has finished leaves its outputs
-    to the pool, which frees it (one small read, and the rows' tokens when any finished).
-    Returns each row's response length."""
-    finished, finish_step, generated = map(
-        np.asarray, to_host((state.finished, state.finish_step, state.num_generated))
-    )
+def harvest(state: DecodeState, pool: Pool, step: int, replayed: bool) -> None:
+    """Read the rows' finish flags; every held row whose sample has finished leaves its response
+    to the pool, which frees the row (one small read, and the rows' tokens when any finished).
+    ``replayed``: this step's admission replayed the rows' earlier tokens."""
+    finished, finish_step = map(np.asarray, to_host((state.finished, state.finish_step)))
     done = [row for row in pool.holder() if finished[row]]
-    if not done:
-        return generated
-    tokens, logprobs = map(np.asarray, to_host((state.tokens, state.logprobs)))
-    for row in done:
-        n = int(generated[row])
-        pool.harvest(row, Harvest(tokens[row, :n], logprobs[row, :n], int(finish_step[row])), step)
-    return generated
+    if done:
+        held = pool.holder()
+        read_rows(state, {row: held[row][1] for row in done}, step, replayed)
+        for row in done:
+            pool.harvest(row, int(finish_step[row]))
+
+
+def read_rows(state: DecodeState, samples: dict, step: int, replayed: bool) -> None:
+    """Each row's response so far into its sample (``samples``: row -> Sample)."""
+    tokens, logprobs, n = map(
+        np.asarray, to_host((state.tokens, state.logprobs, state.num_generated))
+    )
+    for row, sample in samples.items():
+        sample.read(step, tokens[row, : n[row]], logprobs[row, : n[row]], replayed)
 
 
 def interval_rule(pool: Pool, step: int) -> CutRule:
@@ -151,28 +156,33 @@ class Rollout:
     """What a refilling run's rollout carries from step to step: the decode rows, the pool
     that says what each holds, and the stores of groups still waiting for rows."""
 
-    state: DecodeState
+    state: DecodeState | None  # None: not started, or resumed (the rows are rebuilt)
     pool: Pool
     stores: Stores = dataclasses.field(default_factory=Stores)
 
 
-def refill_rollout(k: Kernels, params, run: Rollout, step: int, prompts, chunk_size: int) -> None:
+def refill_rollout(
+    k: Kernels, params, run: Rollout, step: int, prompts, chunk_size: int, replayed: bool = True
+) -> None:
     """Decode step ``step``'s rollout with refill points until the batch can be taken
     (``Pool.cut_ready``), leaving ``run`` at the cut (rows still decoding keep their place for
-    the next step). ``prompts.take(k)`` -> [(prompt_id, tokens)] gives the new groups'
-    prompts, in admission order."""
+    the next step, their responses so far read into their samples). ``prompts.take(k)`` ->
+    [(prompt_id, tokens)] gives the new groups' prompts, in admission order. ``replayed``:
+    the step began by replaying the rows' earlier tokens under ``params`` (carry_kv replay)."""
     pool, stores, state = run.pool, run.stores, run.state
     every = pool.rule.every
     if every % chunk_size:
         raise ValueError(f"refill every {every} tokens: not a multiple of C = {chunk_size}")
     while True:
-        generated = harvest(state, pool, step)
-        if pool.cut_ready(step):
-            pool.stamp(step, generated)
+        harvest(state, pool, step, replayed)
+        if pool.cut_ready(step):  # rows decoding on: their responses so far, for the carry
+            read_rows(state, {row: x for row, (_, x) in pool.holder().items()}, step, replayed)
             run.state = state
             return
-        placed, new = pool.refill(step, prompts)
-        prefill_groups(k, params, new, stores)
+        placed, _ = pool.refill(step, prompts)
+        # the groups admitted here, and waiting ones whose prompts a replay left unprefilled
+        unstored = {p.gid for p in placed if p.gid not in stores.of}
+        prefill_groups(k, params, [g for g in pool.groups if g.gid in unstored], stores)
         state = place(k, state, placed, stores)
         stores.forget_placed(pool)
         if not pool.holder():

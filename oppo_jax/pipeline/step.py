@@ -56,6 +56,7 @@ class StepEngine:
     max_staleness: int  # rollout.max_staleness: a sequence carried this often is at the bound
     rewards: Any = None  # oppo_jax.rewards.RewardFunctions (reward.functions), or None
     on_stale: str = "finish"  # rollout.on_stale: at the bound, finish | drop (AdmitRule)
+    carry_kv: str = "replay"  # rollout.carry_kv: refilling rows under new weights, replay | keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class StepResult:
     wall_s: float  # the step's wall time
     batch: Any = None  # the PPOBatch the update consumed (device arrays, for inspection)
     work: WorkLedger | None = None  # tokens computed / real per stage (pipeline.accounting)
+    refill: dict | None = None  # a refilling step's groups dropped and still in flight
 
     @property
     def responses(self) -> np.ndarray:

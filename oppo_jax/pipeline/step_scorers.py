@@ -27,7 +27,7 @@ from oppo_jax.pipeline.accounting import admission_real
 from oppo_jax.pipeline.kernels import Kernels
 from oppo_jax.pipeline.placement import Placement, move
 from oppo_jax.rollout.admission import Admission
-from oppo_jax.rollout.decode import ChunkTokens, DecodeState
+from oppo_jax.rollout.decode import ChunkTokens, Responses
 from oppo_jax.rollout.layout import assemble_sequences
 from oppo_jax.scoring.carried import FROZEN, KeptCaches, ReplayChunk, put_rows, take_rows
 from oppo_jax.scoring.packed import PackedBatch, ScoringCall, plan_packing
@@ -111,7 +111,7 @@ class StepScorers:
                 )
         self.states = ScorerStates(**states)
 
-    def score_packed(self, decoding: DecodeState, rows: np.ndarray, slots) -> None:
+    def score_packed(self, decoding: Responses, rows: np.ndarray, slots) -> None:
         """Score the batch ``rows`` once, their real tokens packed (``scoring.packed``)."""
         if not self.roles:  # reward functions alone: no model reads the batch's sequences
             self.packed = ScorerOutputs(None, None, None)
@@ -127,7 +127,7 @@ class StepScorers:
         frozen = {r: getattr(self.states, r) for r in self.roles if r in FROZEN}
         return keep_rows(frozen, slots, bucket, [])
 
-    def outputs(self, decoding: DecodeState, rows: np.ndarray) -> ScorerOutputs:
+    def outputs(self, decoding: Responses, rows: np.ndarray) -> ScorerOutputs:
         """The scores of the batch ``rows`` on the generation group, with the reward functions'
         values combined in (``rewards.runner.StepRewards.combine``: waits for them)."""
         out = self.packed if self.packed is not None else self.states.outputs()

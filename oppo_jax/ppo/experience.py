@@ -16,7 +16,7 @@ from oppo_jax.ppo.estimators import apply_missing_eos_penalty, estimator, penali
 from oppo_jax.ppo.masked import masked_mean, masked_sum
 from oppo_jax.ppo.update import UpdateSpec
 from oppo_jax.rollout.admission import Admission
-from oppo_jax.rollout.decode import DecodeState
+from oppo_jax.rollout.decode import Responses
 from oppo_jax.rollout.layout import assemble_sequences, response_mask
 from oppo_jax.rollout.spec import RolloutSpec
 from oppo_jax.scoring.stream import ScorerOutputs
@@ -79,7 +79,7 @@ def build_batch(
 def batch_from_rollout(
     spec: UpdateSpec,
     rollout: RolloutSpec,
-    decoded: DecodeState,
+    decoded: Responses,
     rows: Int[Array, " B"],
     admission: Admission,
     scored: ScorerOutputs,

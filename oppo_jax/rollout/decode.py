@@ -56,6 +56,20 @@ class DecodeState:
         return self.tokens.shape[1]
 
 
+@flax.struct.dataclass
+class ResponseBatch:
+    """Responses as the scorers and the experience read a decode state's (its tokens,
+    log-probs and lengths), gathered from elsewhere: a refilling run's batch, whose samples
+    left their rows as they finished (``pipeline.refill_step``)."""
+
+    tokens: Int[Array, "B R"]
+    logprobs: Float[Array, "B R"]  # PPO's old log-probs: this step's weights
+    num_generated: Int[Array, " B"]
+
+
+Responses = DecodeState | ResponseBatch  # what the batch's consumers read responses from
+
+
 def _apply(cfg: ModelConfig, params, tokens, cache, n_valid=None, kv_width=None):
     return Transformer(cfg).apply({"params": params}, tokens, cache, n_valid, kv_width=kv_width)
 

@@ -240,6 +240,12 @@ def _placement(cfg: Config) -> Placement:
     return Placement(groups)
 
 
+def staleness_settings(rollout) -> dict:
+    """The engine's settings of carried groups (``StepEngine``), from ``cfg.rollout``."""
+    keys = ("max_staleness", "on_stale", "carry_kv")
+    return {key: getattr(rollout, key) for key in keys}
+
+
 def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainState]:
     """Load (or build) the models, the prompts and the kernels of ``cfg``; returns the run's
     context and its initial train state."""
@@ -287,9 +293,8 @@ def prepare_run(cfg: Config, progress: bool = True) -> tuple[RunContext, TrainSt
         else None,  # β = 0: no reference
         reward_params=reward and placement.scoring_params(reward.config, reward.params),
         sample_key=sampling_key(cfg.seed),
-        max_staleness=cfg.rollout.max_staleness,
         rewards=reward_functions(cfg, tok, prompts, eos_ids),  # reward.functions (host)
-        on_stale=cfg.rollout.on_stale,
+        **staleness_settings(cfg.rollout),
     )
     critic_base = reward.params if reward and cfg.model.critic_init == "reward" else actor.params
     actor_trained, critic_trained, frozen = initial_params(

@@ -221,13 +221,16 @@ def _decode(run: _Run, led: _Ledger, t: int, stop: int, step: int) -> None:
     if cost.n_scorers:
         led.last_score = cost.scoring_s(cost.n_scorers * float(ran.sum()))
         led.sco["score"] += led.last_score
+    ended: dict[int, int] = {}  # group -> position of its last sample to end in the interval
     for (g, s), n in zip(live, ran.tolist(), strict=True):
         s.made += n
         s.versions[step] += n
         if s.made == s.length:
             s.row = False
-            if g.done is None and not any(x.made < x.length for x in g.samples):
-                g.done = t + n
+            ended[g.gid] = max(ended.get(g.gid, t), t + n)
+    for g, _ in live:  # a group completes with its last sample, whatever the rows' order
+        if g.done is None and g.gid in ended and not any(x.made < x.length for x in g.samples):
+            g.done = ended[g.gid]
 
 
 def _take(run: _Run, step: int) -> tuple[list[_Group], int]:

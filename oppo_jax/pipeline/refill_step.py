@@ -1,0 +1,213 @@
+"""One PPO step of a refilling run (``rollout.refill_every``; issue 44): the rows in flight
+resume (replayed under the new weights, or kept), the rollout refills rows until the cut
+(``pipeline.refill_loop``), the batch's B/G groups come out of the pool, are scored and
+trained; every other group decodes on into the next step in its rows.
+
+The same contract as ``pipeline.step.run_step``: it returns (train state, sequences in flight,
+StepResult), the result's ``slots`` and ``rollout`` holding the batch's B samples in batch
+order (``selection.batch`` = 0..B-1), so the run's records read it as any step's.
+
+What differs from a carrying step without refill:
+- the batch is read from the pool, not from the rows: the scorers (reference, critic, reward
+  model) score it after the cut, packed (``StepScorers.score_packed``), and the reward
+  functions take every sequence at the cut; chunk streaming to the scorers is not built for
+  refilling rows (``oppo`` and ``inter`` then run alike);
+- PPO's old log-probs: a token sampled in this step has the one its decode recorded, and a row
+  replayed at the step's start has this step's for its earlier tokens; a sample that finished
+  in an earlier step (or a kept row's) gets this step's by one packed forward of the actor over
+  those samples (``old_logprobs``). The behaviour log-probs are those recorded at sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from oppo_jax.parallel.sharding import to_host
+from oppo_jax.pipeline.carry import HostRollout, Selection, SlotBatch
+from oppo_jax.pipeline.kernels import Kernels, oppo_sync_scoring
+from oppo_jax.pipeline.placement import GENERATION
+from oppo_jax.pipeline.refill import Group, Pool
+from oppo_jax.pipeline.refill_loop import Rollout, refill_rollout, start_rows
+from oppo_jax.pipeline.step import StepResult, critic_params, on_device
+from oppo_jax.pipeline.step_scorers import StepScorers, gather_batch_sequences, packed_inputs
+from oppo_jax.rollout.admission import Admission
+from oppo_jax.rollout.decode import ResponseBatch
+from oppo_jax.scoring.carried import plan_replay
+from oppo_jax.scoring.packed import plan_packing
+from oppo_jax.scoring.stream import ScorerParams
+
+
+def run_refill_step(engine, schedule, plan, train_state, run: Rollout, prompts, timeline):
+    """One step of a refilling run; see the module docstring. ``run`` (the rows and their
+    pool) is updated in place and lives on into the next step."""
+    del schedule  # inter and oppo alike: the batch is scored after the cut
+    k: Kernels = engine.kernels
+    work = k.recorder.start(timeline, GENERATION, engine.placement.scoring_group)
+    actor = train_state.actor_model_params
+    replayed = resume_rows(k, actor, run, engine.sample_key, engine.carry_kv)
+    start = int(np.asarray(to_host(run.state.step)))
+    refill_rollout(k, actor, run, plan.step, prompts, plan.chunk_size, replayed)
+    steps = int(np.asarray(to_host(run.state.step))) - start
+    groups, dropped = run.pool.take_batch(plan.step)
+    real = sampled_in(plan.step, [*groups, *dropped, *run.pool.groups])
+    slots, host = batch_of(groups, k.rollout, plan.step, engine.max_staleness)
+    rows = np.arange(len(host.num_generated), dtype=np.int32)
+    view = ResponseBatch(*map(on_device, (host.tokens, host.logprobs, host.num_generated)))
+    view = view.replace(logprobs=old_logprobs(k, actor, view, slots, plan.step, groups))
+    scorers = refill_scorers(engine, train_state, slots, host.num_generated)
+    scorers.score_packed(view, rows, slots)
+    kl_coef = np.float32(plan.kl_coef)
+    scored = scorers.outputs(view, rows)
+    batch, stats = k.experience(view, on_device(rows), experience_admission(slots), scored, kl_coef)
+    stats.update(scorers.rewards.metrics if scorers.rewards is not None else {})
+    scorers.close()
+    lengths = (slots.prompt_len, host.num_generated)
+    train_state, update_metrics = k.train_models(
+        train_state, batch, plan.update_key, kl_coef, lengths=lengths
+    )
+    work.close_refill_decode(steps, plan.chunk_size, real)
+    events, wall = k.recorder.stop()
+    metrics, selection = {**stats, **update_metrics}, Selection(rows, steps)
+    result = StepResult(metrics, selection, slots, host, events, wall, batch, work)
+    result.refill = {"dropped": len(dropped), "in_flight_groups": len(run.pool.groups)}
+    in_flight = [s for g in run.pool.groups for s in g.samples]
+    return train_state, in_flight, result
+
+
+def resume_rows(k: Kernels, params, run: Rollout, key, carry_kv: str) -> bool:
+    """Make ``run.state`` this step's rows: empty ones at a run's start; the rows in flight
+    replayed under ``params`` (carry_kv replay, and after a resume whatever the setting:
+    their keys and values are not in a checkpoint), or kept as they are. Returns whether the
+    rows' earlier tokens now have this step's log-probs (they were replayed)."""
+    if run.state is None and not run.pool.holder():
+        run.state = start_rows(k, key, run.pool.rule.rows)
+        return True
+    if run.state is not None and carry_kv == "keep":
+        return False
+    held = held_rows(run.pool, k.rollout)
+    shape = (k.rollout.prompt_width, k.rollout.max_response_len)
+    replay = plan_replay(held["context"], held["prompt_len"], held["prefix_len"], shape)
+    real = int(held["prompt_len"].sum() + held["prefix_len"].sum())
+    admission = Admission(**{name: on_device(x) for name, x in held.items()})
+    run.state, _ = k.prefill_actor(params, admission, key, replay, 1, real)
+    run.stores.of.clear()  # their prompts' keys and values were the old weights'
+    return True
+
+
+def held_rows(pool: Pool, rollout) -> dict[str, np.ndarray]:
+    """The rows in flight as an admission's host arrays (``Admission``'s fields): row r holds
+    its sample's prompt and response so far; free rows are empty."""
+    s, p, r = pool.rule.rows, rollout.prompt_width, rollout.max_response_len
+    context = np.full((s, p + r), rollout.pad_id, np.int32)
+    prompt_len, prefix_len = np.zeros(s, np.int32), np.zeros(s, np.int32)
+    prompt_id, sample_index = np.zeros(s, np.int32), np.zeros(s, np.int32)
+    active = np.zeros(s, bool)
+    for row, (g, x) in pool.holder().items():
+        seq = g.prompt + x.tokens
+        context[row, : len(seq)] = seq
+        prompt_len[row], prefix_len[row] = len(g.prompt), len(x.tokens)
+        prompt_id[row], sample_index[row], active[row] = g.prompt_id, x.index, True
+    return dict(
+        context=context, prompt_len=prompt_len, prefix_len=prefix_len,
+        prefix_finished=np.zeros(s, bool), prefix_behaviour=np.zeros((s, r), np.float32),
+        prompt_id=prompt_id, sample_index=sample_index, active=active,
+        must_finish=np.zeros(s, bool),
+    )  # fmt: skip
+
+
+def batch_of(groups: list[Group], rollout, step: int, bound: int):
+    """The batch's samples (groups in batch order, each's samples in index order) as the
+    host's (SlotBatch, HostRollout) of B rows. A slot's ``prefix_len`` counts its tokens
+    sampled in earlier steps (``prefix_behaviour``, ``prefix_version``: theirs); ``logprobs``
+    holds this step's log-probs where the pool has them (zero where ``old_logprobs`` adds
+    them)."""
+    samples = [(g, x) for g in groups for x in g.samples]
+    b, p, r = len(samples), rollout.prompt_width, rollout.max_response_len
+    slots = SlotBatch(
+        context=np.full((b, p + r), rollout.pad_id, np.int32),
+        prompt_len=np.zeros(b, np.int32),
+        prefix_len=np.zeros(b, np.int32),
+        prefix_finished=np.ones(b, bool),
+        prefix_behaviour=np.zeros((b, r), np.float32),
+        prefix_version=np.zeros((b, r), np.int32),
+        prompt_ids=np.array([g.prompt_id for g, _ in samples], np.int64),
+        sample_index=np.array([x.index for _, x in samples], np.int32),
+        deferrals=np.array([step - g.version for g, _ in samples], np.int32),
+        active=np.ones(b, bool),
+        must_finish=np.array([g.version + bound <= step for g, _ in samples]),
+        drop_if_left=np.zeros(b, bool),
+        entries=[None] * b,
+    )
+    host = HostRollout(
+        np.full((b, r), rollout.pad_id, np.int32), np.zeros((b, r), np.float32),
+        np.zeros(b, np.int32), np.zeros(b, np.int32),
+    )  # fmt: skip
+    for i, (g, x) in enumerate(samples):
+        n, seq = len(x.tokens), g.prompt + x.tokens
+        slots.context[i, : len(seq)], slots.prompt_len[i] = seq, len(g.prompt)
+        slots.prefix_len[i] = sum(v < step for v in x.versions)
+        slots.prefix_behaviour[i, :n], slots.prefix_version[i, :n] = x.behaviour, x.versions
+        host.tokens[i, :n], host.num_generated[i] = x.tokens, n
+        host.finish_step[i] = x.finished_at
+        if x.scored_at == step:
+            host.logprobs[i, :n] = x.old
+    return slots, host
+
+
+def old_logprobs(k: Kernels, params, view: ResponseBatch, slots: SlotBatch, step, groups):
+    """[B, R] this step's log-probs of every batch token: the view's, and for the samples the
+    pool has none of this step's for (``Sample.scored_at``), one packed forward of the actor
+    (its packed scoring program, ``actor_spec``) over those samples alone."""
+    samples = [x for g in groups for x in g.samples]
+    stale = [i for i, x in enumerate(samples) if x.scored_at != step]
+    if not stale:
+        return view.logprobs
+    rows, r = np.asarray(stale, np.int32), k.rollout
+    lengths = slots.prompt_len[rows] + np.asarray(to_host(view.num_generated))[rows]
+    plans = plan_packing(lengths, r.prompt_width + r.max_response_len)
+    prompts = slots.context[:, : r.prompt_width]
+    made = gather_batch_sequences(view, on_device(rows), prompts, slots.prompt_len, pad_id=r.pad_id)
+    out, at, spec = view.logprobs, on_device(rows), k.actor_spec
+    for plan in plans:
+        batch = packed_inputs(*made, slots.prompt_len[rows], plan)
+        k.planned("sync scoring", ("packed",), "actor")
+        out, marker = oppo_sync_scoring(
+            params, out, batch, at, spec=spec, pad_id=r.pad_id, num_slots=out.shape[0]
+        )
+        tokens = ("scoring", plan.computed_tokens, plan.real_tokens)
+        k.recorder.dispatched("score actor", marker, tokens=tokens)
+    return out
+
+
+def refill_scorers(engine, train_state, slots: SlotBatch, lengths: np.ndarray) -> StepScorers:
+    """The step's scorers over the batch ``slots``; the reward functions take every sequence
+    now (each slot's whole response, ``lengths`` tokens, ended)."""
+    k = engine.kernels
+    params = ScorerParams(
+        reference=engine.ref_params,
+        critic=critic_params(engine, train_state),
+        reward=engine.reward_params if k.scorer_specs.reward is not None else None,
+    )
+    ended = dataclasses.replace(slots, prefix_len=np.asarray(lengths, np.int32))
+    rewards = engine.rewards.start(ended) if engine.rewards is not None else None
+    return StepScorers(k, engine.placement, params, rewards)
+
+
+def experience_admission(slots: SlotBatch) -> Admission:
+    """The batch's prompts, carried-token counts and behaviour log-probs on the device, as
+    ``ppo.experience`` reads an admission (prompt columns only)."""
+    p = slots.context.shape[1] - slots.prefix_behaviour.shape[1]
+    arrays = (
+        slots.context[:, :p], slots.prompt_len, slots.prefix_len, slots.prefix_finished,
+        slots.prefix_behaviour, slots.prompt_ids.astype(np.int32), slots.sample_index,
+        slots.active, slots.must_finish,
+    )  # fmt: skip
+    return Admission(*map(on_device, arrays))
+
+
+def sampled_in(step: int, groups) -> int:
+    """Tokens the samples of ``groups`` (every group the step decoded: trained, dropped and in
+    flight) sampled in step ``step``."""
+    return sum(x.versions.count(step) for g in groups for x in g.samples)

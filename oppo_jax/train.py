@@ -191,10 +191,7 @@ def _run(cfg: Config, out: Path, ckpt_dir: Path, resume, progress, warmup, stop)
     report = {}
     if warmup is None:
         warmup = os.environ.get(WARMUP_ENV, "on").strip().lower() != "off"
-    if warmup and host.refill is not None:  # its programs are not in the compile plan yet
-        print("warm-up: not built for refilling runs (rollout.refill_every); each step compiles "
-              "the programs it meets first", flush=True)  # fmt: skip
-    elif warmup and host.step < cfg.train.steps:
+    if warmup and host.step < cfg.train.steps:
         stop.before_start = "the warm-up, which compiles the run's programs"
         report, ctx = warm_up(ctx, schedule, host, train_state, progress)
         (out / "warmup.json").write_text(json.dumps(report, indent=2))

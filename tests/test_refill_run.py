@@ -80,3 +80,26 @@ def test_settings_refill_cannot_run_are_refused(extra, message):
     args = ["pipeline.mode=oppo", "pipeline.overcommit=1", "rollout.refill_every=8", *extra]
     with pytest.raises(ConfigError, match=message):
         load_config(None, args)
+
+
+@pytest.mark.slow  # two demo runs
+def test_keep_and_replay_sample_the_same_tokens_when_the_weights_stay(demo_cache, tmp_path):
+    """carry_kv keep (the rows' keys and values kept across the update) against replay (re-
+    prefilled under the new weights), with a learning rate of 0: the weights never change, so
+    both continue every row from the same context and sample the same tokens, step by step.
+    Their old log-probs come from different programs (keep: the packed forward; replay: the
+    replay prefill), so the losses agree to float32 rounding, not to the bit."""
+    zero_lr = ("optim.actor_lr=0.0", "train.steps=3", "pipeline.chunk_size=8")
+    keep = _run(tmp_path, "keep", "rollout.carry_kv=keep", *zero_lr)
+    replay = _run(tmp_path, "replay", *zero_lr)
+    same = ("reward", "gold", "response_len_mean", "response_len_max", "carried", "dropped",
+            "staleness_0", "staleness_1", "staleness_2")  # fmt: skip
+    rows = lambda records: [  # noqa: E731
+        {**{k: r[k] for k in same}, "decode": r["efficiency"].get("decode")} for r in records
+    ]
+    assert rows(keep) == rows(replay)
+    # keep replays nothing: less admission work from the second step on
+    assert keep[1]["efficiency"]["admission"] > replay[1]["efficiency"]["admission"]
+    assert keep[1]["carried"] > 0  # rows were in flight across a step boundary
+    for a, b in zip(keep, replay, strict=True):
+        assert a["policy_loss"] == pytest.approx(b["policy_loss"], rel=1e-4, abs=1e-6)

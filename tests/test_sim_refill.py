@@ -190,7 +190,8 @@ def test_the_projection_prints_every_assumption(capsys):
         "log-normal, median 103, σ 0.94",  # lengths and their distribution
         "1 PPO epoch(s)",
         "trained: actor (critic-free) (LoRA rank 64",
-        "refill every 32 tokens, S = 112 rows, prompt prefilled once per group, carry_kv keep",
+        # carry_kv from the config (rollout.carry_kv, replay by default)
+        "refill every 32 tokens, S = 112 rows, prompt prefilled once per group, carry_kv replay",
         "max staleness 2 version(s) (finish when due)",  # the config's rollout.max_staleness
         "median 512: log-normal, median 512",
         "refill (S = B, prompt per sample, replay)",

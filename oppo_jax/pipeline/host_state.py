@@ -54,8 +54,9 @@ def _update_keys(seed, first):
 
 
 def refill_rollout(cfg: Config) -> Rollout | None:
-    """A refilling run's rollout before its first step (None: refill off): B + Δ·G rows, the
-    pool's rule from the config."""
+    """A refilling run's rollout before its first step (None: refill off; the carrying
+    schedules refill, the others ignore the setting): B + Δ·G rows, the pool's rule from the
+    config."""
     r, p = cfg.rollout, cfg.pipeline
     if not r.refill_every:
         return None
@@ -110,7 +111,7 @@ class HostState:
                 p.adaptive_overcommit and schedule.carry,
             ),
             buffer=CarryBuffer(),
-            refill=refill_rollout(cfg),
+            refill=refill_rollout(cfg) if schedule.carry else None,
         )
 
     def plan(self, cfg: Config) -> StepPlan:

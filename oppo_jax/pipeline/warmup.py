@@ -39,6 +39,10 @@ from oppo_jax.pipeline.step_scorers import batch_sequences, keep_rows, restore_r
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
 from oppo_jax.scoring.carried import FROZEN
 
+REFILL_NOT_WARMED = (
+    "warm-up: not built for refilling runs (rollout.refill_every); each step compiles the "
+    "programs it meets first"
+)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compilation or a cache read
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the persistent cache
 _lock = threading.Lock()
@@ -280,7 +284,14 @@ def warm_up(ctx, schedule, host, state, progress: bool = True):
     warm-up's report (seconds, shapes, compilations and their seconds, in all and by task)
     and ``ctx`` with the registry in its kernels: from then on a kernel asked for at a shape
     the plan did not list raises ``UnplannedProgram``. The train state is read for its
-    shapes and shardings only."""
+    shapes and shardings only.
+
+    A refilling run (``host.refill``) is not warmed up: its programs are not in the compile
+    plan yet, so its steps compile the shapes they meet first (the report says so)."""
+    if host.refill is not None:
+        if progress:
+            print(REFILL_NOT_WARMED, flush=True)
+        return {"warmup_skipped": REFILL_NOT_WARMED}, ctx
     shapes = warmup_shapes(ctx, host, schedule)
     run = host_run(ctx, schedule, host, state)
     planned = sum(f.programs for f in plan_programs(run.shapes))

@@ -1,13 +1,13 @@
 """Every row busy (issue 44), priced: continuous refill under group-atomic carry.
 
-The engine does not refill yet; this tells it what each mechanism buys. A refilling step
-decodes S fixed rows. When a sequence ends, its row is free at the next refill point (every
-``every`` tokens, a multiple of C) and takes a sample of an admitted group, or of a new prompt's
-group admitted there (its G samples take free rows; the ones that find none wait, first in line
-at the next refill point). The step's rollout ends at the cut: the decode position where B/G
-groups are complete (a group with its last member) and, with ``on_stale="finish"``, every group
-due this step too. The batch: complete groups by (due step, completion, admission), B/G of
-them; every other group decodes on into the next step, in its rows.
+The engine refills by this policy (docs/REFILL.md); this prices what each mechanism buys. A
+refilling step decodes S fixed rows. When a sequence ends, its row is free at the next refill
+point (every ``every`` tokens, a multiple of C) and takes a sample of an admitted group, or of a
+new prompt's group admitted there (its G samples take free rows; the ones that find none wait,
+first in line at the next refill point). The step's rollout ends at the cut: the decode position
+where B/G groups are complete (a group with its last member) and, with ``on_stale="finish"``,
+every group due this step too. The batch: complete groups by (due step, completion, admission),
+B/G of them; every other group decodes on into the next step, in its rows.
 
 - **Shared prompt prefill**: a group's prompt is prefilled once, at admission, and its KV copied
   into each sample's row (2·P KV positions moved); off, each sample's prompt is prefilled when
@@ -50,9 +50,9 @@ ON_STALE = ("finish", "drop")  # a group due this step: the cut waits for it, or
 
 @dataclasses.dataclass(frozen=True)
 class Refill:
-    """The settings of continuous refill (module docstring); simulator-only until the engine
-    refills (``oppo-jax sim --refill-every/--slots/--shared-prefill/--carry-kv/
-    --max-staleness/--on-stale``)."""
+    """The settings of continuous refill (module docstring; ``oppo-jax sim --refill-every/
+    --slots/--shared-prefill/--carry-kv/--max-staleness/--on-stale``; the engine's
+    ``rollout.refill_every``, docs/REFILL.md)."""
 
     every: int = 32  # tokens between refill points, a multiple of C
     slots: int | None = None  # S, rows decoded; None: B + Δ·G (the carrying schedule's)

@@ -192,8 +192,8 @@ def format_refill_map(result: dict) -> list[str]:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """``oppo-jax sim``'s refill options (simulator-only: the engine does not refill yet)."""
-    g = parser.add_argument_group("every row busy (refill, --project; simulator-only)")
+    """``oppo-jax sim``'s refill options (the engine's rollout.refill_every and its settings)."""
+    g = parser.add_argument_group("every row busy (refill, --project)")
     g.add_argument("--no-refill", action="store_true", help="skip the refill table and map")
     g.add_argument("--refill-every", type=int, default=None, help="tokens between refill points")
     g.add_argument("--slots", type=int, default=None, help="S, rows decoded (default B)")
@@ -206,7 +206,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 # The refill settings the projection uses when neither a flag nor the config gives them.
 DEFAULT = Refill(every=32, slots=None, shared_prefill=True, carry_kv="keep", max_staleness=4)
-# Config keys the engine will read (rollout.*), taken when a config has them; flags win.
+# Config keys (rollout.*), taken when a config has them (the engine reads refill_every,
+# carry_kv, max_staleness and on_stale; the others are the simulator's); flags win.
 _KEYS = {
     "every": "refill_every",
     "shared_prefill": "shared_prefill",
@@ -230,7 +231,8 @@ def settings(args, projection, config_rollout=None) -> tuple[Refill, dict]:
         key = _KEYS[field]
         if flag is not None:
             values[field], sources[field] = flag, "flag"
-        elif config_rollout is not None and getattr(config_rollout, key, None) is not None:
+        elif config_rollout is not None and getattr(config_rollout, key, None) not in (None, 0):
+            # (rollout.refill_every 0 is "off": the projection prices the default then)
             values[field], sources[field] = getattr(config_rollout, key), f"rollout.{key}"
         else:
             values[field], sources[field] = getattr(DEFAULT, field), "default"
@@ -250,7 +252,7 @@ def report(args, projection, progress=None) -> dict:
     refill, sources = settings(args, projection, rollout)
     refill.check(dataclasses.replace(projection.workload, chunk_size=refill.every))
     w = projection.workload
-    print("PROJECTION refill settings (simulator-only; each with where it came from):")
+    print("PROJECTION refill settings (each with where it came from):")
     print(f"  {refill.describe(w)}; C = {math.gcd(w.chunk_size, refill.every)} in refill rows"
           " (a divisor of refill_every)")  # fmt: skip
     print("  from: " + ", ".join(f"{k} {v}" for k, v in sources.items()))

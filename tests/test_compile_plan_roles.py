@@ -90,12 +90,12 @@ def test_slots_count_groups_and_groups_do_not_compact():
     assert run_shapes(load_config("bench_longtail_cpu"), backend="cpu").compaction_floor
 
 
-def test_the_grpo_bench_keeps_the_ppo_benchs_slots_with_no_scorer():
-    """configs/bench_grpo_longtail_cpu.yaml: 4 prompts x G = 4 and Δ = 2 groups start the PPO
-    long-tail bench's 24 sequences; β = 0, critic-free and a reward function: nothing scores;
-    no slot compaction (groups)."""
+def test_the_grpo_bench_refills_b_rows_with_no_scorer():
+    """configs/bench_grpo_longtail_cpu.yaml: 4 prompts x G = 4, its carrying schedules refilling
+    B = 16 rows (Δ = 0); β = 0, critic-free and a reward function: nothing scores; no slot
+    compaction (groups); the PPO long-tail bench's lengths."""
     grpo, ppo = load_config("bench_grpo_longtail_cpu"), load_config("bench_longtail_cpu")
     shapes = run_shapes(grpo, backend="cpu")
-    assert shapes.slots == run_shapes(ppo, backend="cpu").slots == 24
+    assert grpo.rollout.refill_every and grpo.pipeline.overcommit == 0 and shapes.slots == 16
     assert shapes.scorers == () and shapes.compaction_floor is None
     assert grpo.rollout.length_median == ppo.rollout.length_median

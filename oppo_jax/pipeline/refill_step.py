@@ -70,8 +70,8 @@ def run_refill_step(engine, schedule, plan, train_state, run: Rollout, prompts, 
     work.close_refill_decode(steps, plan.chunk_size, real)
     events, wall = k.recorder.stop()
     metrics, selection = {**stats, **update_metrics}, Selection(rows, steps)
-    result = StepResult(metrics, selection, slots, host, events, wall, batch, work)
-    result.refill = {"dropped": len(dropped), "in_flight_groups": len(run.pool.groups)}
+    refill = {"dropped": len(dropped), "in_flight_groups": len(run.pool.groups)}
+    result = StepResult(metrics, selection, slots, host, events, wall, batch, work, refill)
     in_flight = [s for g in run.pool.groups for s in g.samples]
     return train_state, in_flight, result
 

@@ -12,6 +12,7 @@ every sample, and the host's decisions against the simulator's policy on the sam
 """
 
 import collections
+import json
 
 import jax
 import jax.numpy as jnp
@@ -118,16 +119,19 @@ def test_a_refilled_sample_decodes_as_if_admitted_alone_and_chunks_change_nothin
 _READY = jax.jit(lambda a, m, t, g, f: CutRule(a, m, t, g).ready(f))
 
 
-def _drive(rule: RefillRule, lengths, seed: int, steps: int) -> tuple[list[dict], Pool]:
+def _drive(rule: RefillRule, lengths, seed: int, steps: int, resume_at=None):
     """``Pool`` driven by a host stand-in for the device: each sample's response length drawn
     as the simulator draws it (``LengthSource``, G per new group in admission order), every
     held row one token a position, the interval stopped by the real ``CutRule`` on the pool's
-    arrays. Returns the simulator's per-step record keys, and the pool."""
+    arrays. Before step ``resume_at`` the pool goes through its checkpoint's JSON (a resume).
+    Returns the simulator's per-step record keys, and the pool."""
     source, pool = LengthSource(lengths, seed), Pool(rule)
     length, made, finish, position = {}, {}, {}, 0
     prompts = ListPrompts([(i, [2 + i % 50]) for i in range(10_000)])
     records, admitted = [], set()
     for step in range(steps):
+        if step == resume_at:
+            pool = Pool.from_state(rule, json.loads(json.dumps(pool.state())))
         steps_run = tokens = 0
         while True:
             for row, (g, s) in list(pool.holder().items()):
@@ -187,20 +191,22 @@ SIM_KEYS = ("decode_steps", "decode_tokens", "staleness", "dropped_groups", "in_
     max_staleness=st.integers(0, 3),
     on_stale=st.sampled_from(["finish", "drop"]),
     seed=st.integers(0, 1000),
+    resume_at=st.one_of(st.none(), st.integers(1, 7)),
 )
 def test_the_pool_decides_as_the_simulator_and_keeps_the_issues_invariants(
-    group_size, batch_groups, extra_rows, every, max_staleness, on_stale, seed
+    group_size, batch_groups, extra_rows, every, max_staleness, on_stale, seed, resume_at
 ):
     """Same lengths, same choices: the decode positions, tokens, batches' lengths and staleness,
-    drops and groups in flight of every step equal the simulator's (``sim.refill``). And the
-    issue's properties: no group split, every update B/G whole groups, no trained token staler
-    than the bound, every admitted group trained once, dropped or still in flight."""
+        drops and groups in flight of every step equal the simulator's (``sim.refill``). And the
+        issue's properties: no group split, every update B/G whole groups, no trained token staler
+        than the bound, every admitted group trained once, dropped or still in flight, across a
+    resume (the pool through its checkpoint's JSON) too."""
     rows = batch_groups * group_size + extra_rows
     rows -= rows % group_size if rows > group_size else 0
     rule = RefillRule(rows, every, batch_groups, group_size, max_staleness, on_stale)
     lengths = np.random.default_rng(seed).lognormal(np.log(12), 0.9, 300).clip(1, 80).astype(int)
     steps = 8
-    records, pool = _drive(rule, lengths, seed, steps)
+    records, pool = _drive(rule, lengths, seed, steps, resume_at)
     w = Workload(batch_groups * group_size, chunk_size=every, prompt_len=4, capacity=80,
                  placement="colocated", steps=steps, seed=seed, group_size=group_size)  # fmt: skip
     refill = Refill(every, rows, True, "keep", max_staleness, on_stale)

@@ -78,11 +78,8 @@ def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> N
     prompts = np.full((q, r.prompt_width), r.pad_id, np.int32)
     prompt_len, prompt_id = np.zeros(q, np.int32), np.zeros(q, np.int32)
     for i, g in enumerate(groups):
-        prompts[i, : len(g.prompt)], prompt_len[i], prompt_id[i] = (
-            g.prompt,
-            len(g.prompt),
-            g.prompt_id,
-        )
+        prompts[i, : len(g.prompt)] = g.prompt
+        prompt_len[i], prompt_id[i] = len(g.prompt), g.prompt_id
     k.planned("refill prompts", (q,))
     store, marker = oppo_refill_prompts(
         params, *map(jax.device_put, (prompts, prompt_len, prompt_id)), cfg=k.spec.actor, rollout=r
@@ -115,17 +112,21 @@ def place(k: Kernels, state: DecodeState, placed: list[Placement], stores: Store
     return state
 
 
-def harvest(state: DecodeState, pool: Pool, step: int, replayed: bool) -> None:
+def harvest(state: DecodeState, pool: Pool, step: int, replayed: bool) -> np.ndarray:
     """Read the rows' finish flags; every held row whose sample has finished leaves its response
     to the pool, which frees the row (one small read, and the rows' tokens when any finished).
-    ``replayed``: this step's admission replayed the rows' earlier tokens."""
-    finished, finish_step = map(np.asarray, to_host((state.finished, state.finish_step)))
-    done = [row for row in pool.holder() if finished[row]]
+    ``replayed``: this step's admission replayed the rows' earlier tokens. Returns each row's
+    context length (the cache's, read with the flags)."""
+    finished, finish_step, context = map(
+        np.asarray, to_host((state.finished, state.finish_step, state.cache.length))
+    )
+    held = pool.holder()
+    done = [row for row in held if finished[row]]
     if done:
-        held = pool.holder()
         read_rows(state, {row: held[row][1] for row in done}, step, replayed)
         for row in done:
             pool.harvest(row, int(finish_step[row]))
+    return context
 
 
 def read_rows(state: DecodeState, samples: dict, step: int, replayed: bool) -> None:
@@ -144,11 +145,13 @@ def interval_rule(pool: Pool, step: int) -> CutRule:
     return CutRule(put(active), put(must), put(np.int32(target)), put(group))
 
 
-def longest_context(state: DecodeState, pool: Pool) -> int:
-    """The longest context (prompt + response) of a held row, read with the cache lengths."""
-    lengths = np.asarray(to_host(state.cache.length))
-    rows = list(pool.holder())
-    return int(lengths[rows].max()) if rows else 1
+def longest_context(context: np.ndarray, pool: Pool, placed: list[Placement]) -> int:
+    """The longest context (prompt + response) of a held row: ``context`` as read at the refill
+    point, a row placed there its prompt's."""
+    now = {row: int(context[row]) for row in pool.holder()}
+    groups = {g.gid: g for g in pool.groups}
+    now.update({p.row: len(groups[p.gid].prompt) for p in placed})
+    return max(now.values(), default=1)
 
 
 @dataclasses.dataclass
@@ -174,7 +177,7 @@ def refill_rollout(
     if every % chunk_size:
         raise ValueError(f"refill every {every} tokens: not a multiple of C = {chunk_size}")
     while True:
-        harvest(state, pool, step, replayed)
+        context = harvest(state, pool, step, replayed)
         if pool.cut_ready(step):  # rows decoding on: their responses so far, for the carry
             read_rows(state, {row: x for row, (_, x) in pool.holder().items()}, step, replayed)
             run.state = state
@@ -187,7 +190,7 @@ def refill_rollout(
         stores.forget_placed(pool)
         if not pool.holder():
             raise RuntimeError("refill: no row decodes and the batch cannot be taken")
-        rule, longest = interval_rule(pool, step), longest_context(state, pool)
+        rule, longest = interval_rule(pool, step), longest_context(context, pool, placed)
         for i in range(every // chunk_size):
             width = k.chunk_width(longest, chunk_size, i)
             state, _ = k.decode_tokens(params, state, rule, chunk_size, width)

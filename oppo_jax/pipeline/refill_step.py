@@ -158,23 +158,28 @@ def batch_of(groups: list[Group], rollout, step: int, bound: int):
 
 def old_logprobs(k: Kernels, params, view: ResponseBatch, slots: SlotBatch, step, groups):
     """[B, R] this step's log-probs of every batch token: the view's, and for the samples the
-    pool has none of this step's for (``Sample.scored_at``), one packed forward of the actor
-    (its packed scoring program, ``actor_spec``) over those samples alone."""
+    pool has none of this step's for (``Sample.scored_at``), the actor's packed forward (its
+    packed scoring program, ``actor_spec``). The call packs all B sequences, one shape every
+    step: a sample that has its log-probs enters as its first token alone, and its row is not
+    written."""
     samples = [x for g in groups for x in g.samples]
-    stale = [i for i, x in enumerate(samples) if x.scored_at != step]
-    if not stale:
+    stale = np.array([x.scored_at != step for x in samples])
+    if not stale.any():
         return view.logprobs
-    rows, r = np.asarray(stale, np.int32), k.rollout
-    lengths = slots.prompt_len[rows] + np.asarray(to_host(view.num_generated))[rows]
-    plans = plan_packing(lengths, r.prompt_width + r.max_response_len)
+    r, b = k.rollout, len(samples)
+    generated = np.where(stale, np.asarray(to_host(view.num_generated)), 0).astype(np.int32)
+    prompt_len = np.where(stale, slots.prompt_len, 1).astype(np.int32)
+    plans = plan_packing(prompt_len + generated, r.prompt_width + r.max_response_len)
+    rows = on_device(np.arange(b, dtype=np.int32))
     prompts = slots.context[:, : r.prompt_width]
-    made = gather_batch_sequences(view, on_device(rows), prompts, slots.prompt_len, pad_id=r.pad_id)
-    out, at, spec = view.logprobs, on_device(rows), k.actor_spec
+    sequences, _ = gather_batch_sequences(view, rows, prompts, slots.prompt_len, pad_id=r.pad_id)
+    at = on_device(np.where(stale, np.arange(b), b).astype(np.int32))  # b: not written
+    out, spec, lengths = view.logprobs, k.actor_spec, on_device(generated)
     for plan in plans:
-        batch = packed_inputs(*made, slots.prompt_len[rows], plan)
+        batch = packed_inputs(sequences, lengths, prompt_len, plan)
         k.planned("sync scoring", ("packed",), "actor")
         out, marker = oppo_sync_scoring(
-            params, out, batch, at, spec=spec, pad_id=r.pad_id, num_slots=out.shape[0]
+            params, out, batch, at, spec=spec, pad_id=r.pad_id, num_slots=b
         )
         tokens = ("scoring", plan.computed_tokens, plan.real_tokens)
         k.recorder.dispatched("score actor", marker, tokens=tokens)

@@ -142,6 +142,9 @@ def _drive(rule: RefillRule, lengths, seed: int, steps: int, resume_at=None):
             if pool.cut_ready(step):
                 break
             _, new = pool.refill(step, prompts)
+            # what sizes the prompt store (RefillRule.store_rows): one group waits at most
+            assert sum(any(x.waiting for x in g.samples) for g in pool.groups) <= 1
+            assert len(new) + 1 <= rule.store_rows
             for g in new:
                 admitted.add(g.gid)
                 for s in g.samples:

@@ -12,6 +12,7 @@ import pytest
 
 from oppo_jax.base.errors import ConfigError
 from oppo_jax.config import load_config
+from oppo_jax.run.log import read_metrics
 from oppo_jax.train import train
 from tests.run_fixtures import metric_values, small_demo_config
 from tests.test_grpo_groups import GRPO
@@ -23,9 +24,9 @@ REFILL = (
 )  # fmt: skip
 
 
-def _run(tmp_path, name, *extra, resume=False):
+def _run(tmp_path, name, *extra, resume=False, warmup=False):
     cfg = small_demo_config(*GRPO, *REFILL, *extra)
-    train(cfg, tmp_path / name, resume=resume, progress=False, warmup=False)
+    train(cfg, tmp_path / name, resume=resume, progress=False, warmup=warmup)
     return metric_values(tmp_path / name / "metrics.jsonl")
 
 
@@ -36,7 +37,9 @@ def _burn_cpus(n: int = 2):
 
 @pytest.mark.slow  # four demo runs
 def test_a_refilling_run_is_its_config_and_seed_alone(demo_cache, tmp_path):
-    full = _run(tmp_path, "full", "pipeline.chunk_size=4")
+    # warmed up: every program of the refilling step is in the registry, none compiles after
+    full = _run(tmp_path, "full", "pipeline.chunk_size=4", warmup=True)
+    assert [r["compiles"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")] == [0] * 4
     # refill kept the rows busy and groups straddled the cuts
     assert all(r["efficiency"]["decode"] > 0.5 for r in full if r["efficiency"].get("decode"))
     assert full[1]["carried"] > 0 and any(r["staleness_1"] > 0 for r in full)

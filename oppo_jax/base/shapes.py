@@ -30,6 +30,9 @@ FAMILIES = (
     "sync scoring",
     "experience",
     "update",
+    "refill start",  # a refilling run's (rollout.refill_every) empty rows, its prompt stores
+    "refill prompts",  # and the placements of samples into rows
+    "refill place",
 )
 MIN_LIVE_WIDTH = 16  # the narrowest live cache width: shorter contexts share one program
 MIN_ROW_WIDTH = 16  # packed rows' widths are multiples of this many tokens
@@ -65,6 +68,13 @@ def pow2_at_least(n: int | float, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor). Example: 5 -> 8, 16 -> 16, 0 -> 1."""
     n = max(int(np.ceil(n)), floor, 1)
     return 1 << (n - 1).bit_length()
+
+
+def refill_store_rows(rows: int, group_size: int) -> int:
+    """Rows of a refilling run's prompt store: groups one refill point prefills at most (the
+    one group that can wait with samples unplaced, and a group per G free rows, rounded up),
+    as a power of two. Example: 16 rows, G = 4 -> 8."""
+    return pow2_at_least(1 + -(-rows // group_size))
 
 
 def live_width(longest: int | float, capacity: int) -> int:

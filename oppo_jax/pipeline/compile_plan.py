@@ -21,7 +21,9 @@ from oppo_jax.base.shapes import (
     compaction_default,
     compaction_floor,
     live_widths_pay,
+    pow2_at_least,
 )
+from oppo_jax.base.shapes import refill_store_rows as store_rows
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_jax.ppo.estimators import estimator
 from oppo_jax.ppo.packing import packed_shapes
@@ -53,6 +55,9 @@ class RunShapes:
     # programs (same model, mesh and parameter tree; a float32 master of bfloat16 weights is
     # another tree, and so other programs)
     reference_is_actor: bool = False
+    # continuous refill (rollout.refill_every, a carrying schedule): the rows of every prompt
+    # store (``RefillRule.store_rows``); 0: the run does not refill
+    refill_store_rows: int = 0
 
     @property
     def capacity(self) -> int:
@@ -102,6 +107,7 @@ def run_shapes(
     floor = compaction_floor(
         compact, reads, shards, scoring_shards, p.compact_min_slots, r.group_size
     )
+    refills = schedule.carry and r.refill_every > 0
     m = r.batch_size // (cfg.ppo.num_minibatches * cfg.ppo.grad_accum_steps)
     update = packed_shapes(
         m,
@@ -128,6 +134,8 @@ def run_shapes(
         reference_is_actor=p.placement == "colocated"
         and not cfg.model.lora_rank
         and cfg.optim.master_dtype == cfg.model.param_dtype,
+        # RefillRule.store_rows; 0: no refill (off, or a schedule that does not carry)
+        refill_store_rows=store_rows(slots, r.group_size) if refills else 0,
     )
 
 
@@ -166,6 +174,8 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
     whole = (s.capacity,)
     widths = {c: chunk_widths(s.capacity, c) if s.live_prefix else whole for c in s.chunk_sizes}
     chunks = tuple((c, w) for c in s.chunk_sizes for w in widths[c])
+    if s.refill_store_rows:
+        return _refill_programs(s, chunks)
     buckets = (s.slots,)
     if s.compaction_floor is not None:
         buckets += tuple(sorted({b for _, b in compaction_moves(s.slots, s.compaction_floor)}))
@@ -180,6 +190,30 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
         Family("decode", tuple((b, c, w) for b in buckets for c, w in chunks), 1),
         Family("streamed scoring", chunks if s.stream else (), len(s.scorers)),
         Family("sync scoring", () if s.stream else ("packed",), len(s.scorers)),
+        Family("experience", ("batch",), 1),
+        Family("update", (s.update[0],), 1),
+    ]
+    return [f for f in families if f.programs]
+
+
+def _refill_programs(s: RunShapes, chunks: tuple) -> list[Family]:
+    """A refilling run's families (``pipeline.refill_step``): its empty rows; the replay of
+    the rows in flight (every row may hold one; prompts not shared); the prompt stores (a
+    power-of-two bucket of groups each, ``RefillRule.store_rows`` at most) and the placements
+    into rows (a power-of-two bucket of rows); the decode at S rows; the batch's packed
+    scoring, the actor's old log-probs among them; the batch and the update."""
+    replay = replay_shapes(s.slots, s.slots, (s.prompt_width, s.response_len))
+    stores = tuple(1 << i for i in range(s.refill_store_rows.bit_length()))
+    places = tuple(1 << i for i in range(pow2_at_least(s.slots).bit_length()))
+    families = [
+        Family("refill start", ("rows",), 1),
+        Family("admission prefill", ("prompts",), 1),
+        Family("replay", tuple(replay), 1),
+        Family("decode start", ("slots",), 1),
+        Family("refill prompts", stores, 1),
+        Family("refill place", places, 1),
+        Family("decode", tuple((s.slots, c, w) for c, w in chunks), 1),
+        Family("sync scoring", ("packed",), len(s.scorers) + 1),
         Family("experience", ("batch",), 1),
         Family("update", (s.update[0],), 1),
     ]

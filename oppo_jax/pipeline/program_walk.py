@@ -38,12 +38,13 @@ from oppo_jax.pipeline.kernels import (
     oppo_sync_scoring,
 )
 from oppo_jax.pipeline.placement import Placement
+from oppo_jax.pipeline.refill_loop import oppo_refill_place, oppo_refill_prompts, oppo_refill_start
 from oppo_jax.pipeline.registry import Registry, abstract_like
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
 from oppo_jax.ppo.update import batch_shardings
 from oppo_jax.rollout.admission import Admission
-from oppo_jax.rollout.decode import CutRule
+from oppo_jax.rollout.decode import CutRule, ResponseBatch
 from oppo_jax.scoring.carried import REPLAY_CHUNK
 from oppo_jax.scoring.packed import PackedBatch
 from oppo_jax.scoring.stream import ScorerOutputs, padding_plan
@@ -134,6 +135,8 @@ def walk_programs(run: AbstractRun, build: Build) -> None:
 def _walk(run: AbstractRun, build: Build) -> None:
     k, s = run.kernels, run.shapes
     planned = {f.name: f.shapes for f in plan_programs(s)}
+    if s.refill_store_rows:
+        return _walk_refill(run, build, planned)
     admission = _admission(s.slots, s.prompt_width, s.response_len, s.carry)
     decoding = _actor_admission(run, build, admission, planned.get("replay", ()))
     chunks = _decode(run, build, admission, decoding, planned["decode"])
@@ -152,10 +155,51 @@ def _walk(run: AbstractRun, build: Build) -> None:
     _update(run, build, batch, planned["update"][0])
 
 
-def _actor_admission(run: AbstractRun, build: Build, admission: Admission, replays) -> Any:
-    """The actor's prompt prefill, its replays of carried prefixes, the decode state."""
+def _walk_refill(run: AbstractRun, build: Build, planned: dict) -> None:
+    """A refilling step's programs (``pipeline.refill_step``), in its order: the rows (empty,
+    or those in flight replayed), the prompt stores and the placements into rows, the decode,
+    the batch's packed scoring (the actor's old log-probs too), the batch and the update."""
     k, s, actor = run.kernels, run.shapes, run.params["actor"]
-    g = _shared(run)
+    i32, flag, rows = jnp.int32, jnp.bool_, s.slots
+    key = sds((), jax.random.key(0).dtype)
+    empty = Kernel.of(oppo_refill_start, cfg=k.spec.actor, rollout=k.rollout, rows=rows)
+    build("refill start", ("rows",), "actor", empty, (key,))
+    admission = _admission(rows, s.prompt_width, s.response_len, True)
+    decoding = _actor_admission(run, build, admission, planned["replay"], group_size=1)
+    statics = dict(cfg=k.spec.actor, rollout=k.rollout, rows=s.refill_store_rows)
+    for q in planned["refill prompts"]:
+        args = (actor, sds((q, s.prompt_width), i32), sds((q,), i32), sds((q,), i32))
+        store, _ = build(
+            "refill prompts", (q,), "actor", Kernel.of(oppo_refill_prompts, **statics), args
+        )
+    for m in planned["refill place"]:
+        args = (decoding, store, sds((m,), i32), sds((m,), i32), sds((m,), i32))
+        place = Kernel.of(oppo_refill_place, rollout=k.rollout)
+        decoding, _ = build("refill place", (m,), "actor", place, args)
+    rule = CutRule(sds((rows,), flag), sds((rows,), flag), sds((), i32), sds((rows,), i32))
+    for _, size, width in planned["decode"]:
+        decode = Kernel.of(oppo_decode, **k.decode_settings(size, width if s.live_prefix else None))
+        build("decode", (rows, size, width), "actor", decode, (actor, decoding, rule))
+    b = s.batch_size
+    scored = _on_generation(run, _sync_scoring(run, build, b, actor_too=True), b)
+    # the old log-probs as ``refill_step.old_logprobs`` leaves them: replicated, scoring mesh
+    repl = NamedSharding(run.placement.scoring_mesh, PartitionSpec())
+    view = ResponseBatch(sds((b, s.response_len), i32), sds((b, s.response_len), jnp.float32, repl),
+                         sds((b,), i32))  # fmt: skip
+    batch_admission = _admission(b, s.prompt_width, s.response_len, False)
+    fn = Kernel.of(oppo_experience, spec=k.spec, rollout=k.rollout)
+    args = (view, sds((b,), i32), batch_admission, scored, sds((), jnp.float32))
+    batch, _ = build("experience", ("batch",), "actor", fn, args)
+    _update(run, build, batch, planned["update"][0])
+
+
+def _actor_admission(
+    run: AbstractRun, build: Build, admission: Admission, replays, group_size=None
+) -> Any:
+    """The actor's prompt prefill (each group's prompt once where ``group_size``, default the
+    run's sharing, says), its replays of carried prefixes, the decode state."""
+    k, s, actor = run.kernels, run.shapes, run.params["actor"]
+    g = _shared(run) if group_size is None else group_size
     prefill = Kernel.of(
         oppo_admission_prefill, spec=k.actor_spec, prompt_width=s.prompt_width, group_size=g
     )
@@ -248,22 +292,25 @@ def _scoring_copy(place: Placement, tree):
     return _replicated_on(place.scoring_mesh, tree) if place.disaggregated else tree
 
 
-def _on_generation(run: AbstractRun, scored: ScorerOutputs) -> ScorerOutputs:
+def _on_generation(run: AbstractRun, scored: ScorerOutputs, slots=None) -> ScorerOutputs:
     """The scorers' outputs as ``Placement.to_generation`` and the reward functions hand them
-    to the batch (functions' scores: a host array)."""
+    to the batch (functions' scores: a host array), over ``slots`` rows (default S)."""
     place = run.placement
     if place.disaggregated:
         scored = _replicated_on(place.groups.generation, scored)
     if run.kernels.reward_model is None:  # reward functions alone score
-        scored = scored.replace(scores=sds((run.shapes.slots,), jnp.float32))
+        scored = scored.replace(scores=sds((slots or run.shapes.slots,), jnp.float32))
     return scored
 
 
-def _sync_scoring(run: AbstractRun, build: Build) -> ScorerOutputs:
-    """Each scorer's packed call over the batch after the cut (``scoring.packed``)."""
+def _sync_scoring(run: AbstractRun, build: Build, slots=None, actor_too=False) -> ScorerOutputs:
+    """Each scorer's packed call over the batch after the cut (``scoring.packed``), writing
+    outputs over ``slots`` rows (default S); ``actor_too``: and the actor's, its old
+    log-probs (a refilling step's)."""
     k, s = run.kernels, run.shapes
     repl = NamedSharding(run.placement.scoring_mesh, PartitionSpec())
     b, full = s.batch_size, s.prompt_width + s.response_len
+    slots = slots or s.slots
     n, t = score_rows_per_call(b), score_width(full)
     i32 = jnp.int32
     batch = PackedBatch(
@@ -271,10 +318,11 @@ def _sync_scoring(run: AbstractRun, build: Build) -> ScorerOutputs:
         sds((n, t), i32, repl), sds((n, t), i32, repl), sds((b,), i32, repl), sds((b,), i32, repl),
     )  # fmt: skip
     out = {}
-    for role in s.scorers:
-        spec = getattr(k.scorer_specs, role)
-        shape = (s.slots,) if spec.kind == "score" else (s.slots, s.response_len)
-        kernel = Kernel.of(oppo_sync_scoring, spec=spec, pad_id=k.rollout.pad_id, num_slots=s.slots)
+    specs = {role: getattr(k.scorer_specs, role) for role in s.scorers}
+    specs |= {"actor": k.actor_spec} if actor_too else {}
+    for role, spec in specs.items():
+        shape = (slots,) if spec.kind == "score" else (slots, s.response_len)
+        kernel = Kernel.of(oppo_sync_scoring, spec=spec, pad_id=k.rollout.pad_id, num_slots=slots)
         args = (run.params[role], sds(shape, jnp.float32, repl), batch, sds((b,), i32, repl))
         out[role], _ = build("sync scoring", ("packed",), role, kernel, args)
     return ScorerOutputs(out.get("reference"), out.get("critic"), out.get("reward"))

@@ -28,6 +28,8 @@ import dataclasses
 
 import numpy as np
 
+from oppo_jax.base.shapes import refill_store_rows as store_rows
+
 ON_STALE = ("finish", "drop")
 
 
@@ -113,6 +115,14 @@ class RefillRule:
             raise ValueError(f"refill: need S >= G, every >= 1, max_staleness >= 0: {self}")
         if self.on_stale not in ON_STALE:
             raise ValueError(f"refill: on_stale {self.on_stale!r} not in {ON_STALE}")
+
+    @property
+    def store_rows(self) -> int:
+        """Groups whose prompts one refill point prefills, at most, as a power of two (the
+        prompt store's one shape): the one group that can wait with samples unplaced (a new
+        group is admitted only while rows are free, so only the last one admitted can wait),
+        and a group per G free rows, rounded up."""
+        return store_rows(self.rows, self.group_size)
 
     @property
     def max_untrained(self) -> int:

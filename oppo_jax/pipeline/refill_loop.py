@@ -28,11 +28,12 @@ from oppo_jax.rollout.decode import CutRule, DecodeState
 from oppo_jax.rollout.refill import PromptStore, empty_rows, place_samples, prefill_store
 
 
-@kernel_jit("cfg", "rollout")
-def oppo_refill_prompts(params, prompts, prompt_len, prompt_id, *, cfg, rollout):
-    """``prefill_store`` of Q prompts: (PromptStore, marker)."""
+@kernel_jit("cfg", "rollout", "rows")
+def oppo_refill_prompts(params, prompts, prompt_len, prompt_id, *, cfg, rollout, rows):
+    """``prefill_store`` of Q prompts into a store of ``rows`` rows: (PromptStore, marker).
+    One program per Q bucket; every store has one shape."""
     with tracing_rules(rollout.mesh):
-        store = prefill_store(cfg, params, prompts, prompt_len, prompt_id, rollout)
+        store = prefill_store(cfg, params, prompts, prompt_len, prompt_id, rollout, rows)
         return store, store.cache.length + 0
 
 
@@ -45,7 +46,7 @@ def oppo_refill_place(state, store, rows, source, sample_index, *, rollout):
 
 
 @kernel_jit("cfg", "rollout", "rows")
-def oppo_refill_empty(base_key, *, cfg, rollout, rows):
+def oppo_refill_start(base_key, *, cfg, rollout, rows):
     """``empty_rows``: the state a refilling rollout starts from."""
     with tracing_rules(rollout.mesh):
         return empty_rows(cfg, rollout, rows, base_key)
@@ -56,6 +57,7 @@ class Stores:
     """The prompt stores of groups with samples still waiting for a row: gid -> (store, its
     index in the store)."""
 
+    rows: int  # rows of every store (``RefillRule.store_rows``)
     of: dict[int, tuple[PromptStore, int]] = dataclasses.field(default_factory=dict)
 
     def forget_placed(self, pool: Pool) -> None:
@@ -66,7 +68,7 @@ class Stores:
 
 def start_rows(k: Kernels, base_key, rows: int) -> DecodeState:
     """A refilling run's first decode state: ``rows`` empty rows."""
-    return oppo_refill_empty(base_key, cfg=k.spec.actor, rollout=k.rollout, rows=rows)
+    return oppo_refill_start(base_key, cfg=k.spec.actor, rollout=k.rollout, rows=rows)
 
 
 def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> None:
@@ -74,6 +76,9 @@ def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> N
     of a power-of-two bucket of rows (the padding rows hold empty prompts)."""
     if not groups:
         return
+    most = stores.rows
+    if len(groups) > most:  # Pool's admission keeps it within RefillRule.store_rows
+        raise RuntimeError(f"refill: {len(groups)} prompts to prefill at once, room for {most}")
     r, q = k.rollout, pow2_at_least(len(groups))
     prompts = np.full((q, r.prompt_width), r.pad_id, np.int32)
     prompt_len, prompt_id = np.zeros(q, np.int32), np.zeros(q, np.int32)
@@ -81,9 +86,8 @@ def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> N
         prompts[i, : len(g.prompt)] = g.prompt
         prompt_len[i], prompt_id[i] = len(g.prompt), g.prompt_id
     k.planned("refill prompts", (q,))
-    store, marker = oppo_refill_prompts(
-        params, *map(jax.device_put, (prompts, prompt_len, prompt_id)), cfg=k.spec.actor, rollout=r
-    )
+    arrays = map(jax.device_put, (prompts, prompt_len, prompt_id))
+    store, marker = oppo_refill_prompts(params, *arrays, cfg=k.spec.actor, rollout=r, rows=most)
     real = int(prompt_len.sum())
     k.recorder.dispatched("prefill actor", marker, tokens=("admission", q * r.prompt_width, real))
     for i, g in enumerate(groups):
@@ -161,7 +165,11 @@ class Rollout:
 
     state: DecodeState | None  # None: not started, or resumed (the rows are rebuilt)
     pool: Pool
-    stores: Stores = dataclasses.field(default_factory=Stores)
+    stores: Stores | None = None  # None: empty ones of the pool's ``store_rows``
+
+    def __post_init__(self):
+        if self.stores is None:
+            self.stores = Stores(self.pool.rule.store_rows)
 
 
 def refill_rollout(

@@ -21,8 +21,12 @@ What differs from a carrying step without refill:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.carry import HostRollout, Selection, SlotBatch
@@ -31,7 +35,7 @@ from oppo_jax.pipeline.placement import GENERATION
 from oppo_jax.pipeline.refill import Group, Pool
 from oppo_jax.pipeline.refill_loop import Rollout, refill_rollout, start_rows
 from oppo_jax.pipeline.step import StepResult, critic_params, on_device
-from oppo_jax.pipeline.step_scorers import StepScorers, gather_batch_sequences, packed_inputs
+from oppo_jax.pipeline.step_scorers import StepScorers, batch_sequences, packed_inputs
 from oppo_jax.rollout.admission import Admission
 from oppo_jax.rollout.decode import ResponseBatch
 from oppo_jax.scoring.carried import plan_replay
@@ -54,8 +58,10 @@ def run_refill_step(engine, schedule, plan, train_state, run: Rollout, prompts, 
     real = sampled_in(plan.step, [*groups, *dropped, *run.pool.groups])
     slots, host = batch_of(groups, k.rollout, plan.step, engine.max_staleness)
     rows = np.arange(len(host.num_generated), dtype=np.int32)
-    view = ResponseBatch(*map(on_device, (host.tokens, host.logprobs, host.num_generated)))
-    view = view.replace(logprobs=old_logprobs(k, actor, view, slots, plan.step, groups))
+    # the old log-probs where their packed call leaves them (one program downstream)
+    logprobs = jax.device_put(host.logprobs, scoring_replicated(engine))
+    view = ResponseBatch(on_device(host.tokens), logprobs, on_device(host.num_generated))
+    view = view.replace(logprobs=old_logprobs(engine, actor, view, slots, plan.step, groups))
     scorers = refill_scorers(engine, train_state, slots, host.num_generated)
     scorers.score_packed(view, rows, slots)
     kl_coef = np.float32(plan.kl_coef)
@@ -156,12 +162,13 @@ def batch_of(groups: list[Group], rollout, step: int, bound: int):
     return slots, host
 
 
-def old_logprobs(k: Kernels, params, view: ResponseBatch, slots: SlotBatch, step, groups):
+def old_logprobs(engine, params, view: ResponseBatch, slots: SlotBatch, step, groups):
     """[B, R] this step's log-probs of every batch token: the view's, and for the samples the
     pool has none of this step's for (``Sample.scored_at``), the actor's packed forward (its
     packed scoring program, ``actor_spec``). The call packs all B sequences, one shape every
     step: a sample that has its log-probs enters as its first token alone, and its row is not
     written."""
+    k: Kernels = engine.kernels
     samples = [x for g in groups for x in g.samples]
     stale = np.array([x.scored_at != step for x in samples])
     if not stale.any():
@@ -170,11 +177,11 @@ def old_logprobs(k: Kernels, params, view: ResponseBatch, slots: SlotBatch, step
     generated = np.where(stale, np.asarray(to_host(view.num_generated)), 0).astype(np.int32)
     prompt_len = np.where(stale, slots.prompt_len, 1).astype(np.int32)
     plans = plan_packing(prompt_len + generated, r.prompt_width + r.max_response_len)
-    rows = on_device(np.arange(b, dtype=np.int32))
-    prompts = slots.context[:, : r.prompt_width]
-    sequences, _ = gather_batch_sequences(view, rows, prompts, slots.prompt_len, pad_id=r.pad_id)
-    at = on_device(np.where(stale, np.arange(b), b).astype(np.int32))  # b: not written
-    out, spec, lengths = view.logprobs, k.actor_spec, on_device(generated)
+    # where the packed scoring's inputs live (``step_scorers.batch_sequences``: replicated)
+    sequences, _ = batch_sequences(k, engine.placement, view, np.arange(b, dtype=np.int32), slots)
+    put = functools.partial(jax.device_put, device=sequences.sharding)
+    at = put(np.where(stale, np.arange(b), b).astype(np.int32))  # b: not written
+    out, spec, lengths = put(view.logprobs), k.actor_spec, put(generated)
     for plan in plans:
         batch = packed_inputs(sequences, lengths, prompt_len, plan)
         k.planned("sync scoring", ("packed",), "actor")
@@ -184,6 +191,12 @@ def old_logprobs(k: Kernels, params, view: ResponseBatch, slots: SlotBatch, step
         tokens = ("scoring", plan.computed_tokens, plan.real_tokens)
         k.recorder.dispatched("score actor", marker, tokens=tokens)
     return out
+
+
+def scoring_replicated(engine) -> NamedSharding:
+    """Where the batch's packed scoring keeps its inputs and outputs: replicated over the
+    scoring mesh (``step_scorers.batch_sequences``)."""
+    return NamedSharding(engine.placement.scoring_mesh, P())
 
 
 def refill_scorers(engine, train_state, slots: SlotBatch, lengths: np.ndarray) -> StepScorers:

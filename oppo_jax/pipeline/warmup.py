@@ -33,16 +33,14 @@ from oppo_jax.parallel.targets import Target
 from oppo_jax.pipeline.carry import CarryBuffer, admit, prompt_sharing
 from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_programs, run_shapes
 from oppo_jax.pipeline.program_walk import AbstractRun, registry_build, walk_programs
+from oppo_jax.pipeline.refill_step import scoring_replicated
 from oppo_jax.pipeline.registry import Registry, compile_program
 from oppo_jax.pipeline.step import admit_rule, device_admission, rollout_shape
 from oppo_jax.pipeline.step_scorers import batch_sequences, keep_rows, restore_rows
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
+from oppo_jax.rollout.decode import ResponseBatch
 from oppo_jax.scoring.carried import FROZEN
 
-REFILL_NOT_WARMED = (
-    "warm-up: not built for refilling runs (rollout.refill_every); each step compiles the "
-    "programs it meets first"
-)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compilation or a cache read
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a program read from the persistent cache
 _lock = threading.Lock()
@@ -141,7 +139,7 @@ def warmup_shapes(ctx, host, schedule) -> WarmupShapes:
     replay = families["replay"].shapes if "replay" in families else ()
     kept = kept_rows(shapes)
     moves = ()
-    if floor is not None:
+    if floor is not None and not shapes.refill_store_rows:  # a refilling decode never compacts
         moves = compaction_moves(slots, floor)
     return WarmupShapes(
         chunk_sizes=shapes.chunk_sizes,
@@ -198,6 +196,23 @@ def compile_batch_sequences(ctx, host, state) -> None:
     decoding, _ = k.prefill_actor(state.actor_model_params, admission, ctx.engine.sample_key, (), g)
     rows = np.arange(host.plan(ctx.cfg).batch_size, dtype=np.int32)
     jax.block_until_ready(batch_sequences(k, ctx.engine.placement, decoding, rows, slots))
+
+
+def compile_refill_sequences(ctx, host) -> None:
+    """The batch's sequences gathered from a refilling step's B responses
+    (``rollout.decode.ResponseBatch``) for its packed scoring, as ``refill_step`` does."""
+    k, b = ctx.engine.kernels, host.plan(ctx.cfg).batch_size
+    r = k.rollout
+    logprobs = np.zeros((b, r.max_response_len), np.float32)
+    view = ResponseBatch(
+        jax.device_put(np.zeros((b, r.max_response_len), np.int32)),
+        jax.device_put(logprobs, scoring_replicated(ctx.engine)),  # as the step places them
+        jax.device_put(np.ones(b, np.int32)),
+    )
+    slots = _slots(ctx, host)
+    slots = dataclasses.replace(slots, context=slots.context[:b], prompt_len=slots.prompt_len[:b])
+    rows = np.arange(b, dtype=np.int32)
+    jax.block_until_ready(batch_sequences(k, ctx.engine.placement, view, rows, slots))
 
 
 def chunk_widths(kernels, chunk_size: int) -> tuple[int | None, ...]:
@@ -261,7 +276,9 @@ def _helper_tasks(ctx, schedule, host, state, shapes: WarmupShapes) -> list:
 
     if shapes.compaction_moves:
         tasks += [(f"compaction chunk {c}", lambda c=c: compaction(c)) for c in shapes.chunk_sizes]
-    if not schedule.stream and k.scorer_specs.present():
+    if host.refill is not None:  # the batch's sequences, for its packed scoring
+        tasks.append(("batch sequences", lambda: compile_refill_sequences(ctx, host)))
+    elif not schedule.stream and k.scorer_specs.present():
         tasks.append(("batch sequences", lambda: compile_batch_sequences(ctx, host, state)))
     plan = host.plan(ctx.cfg)  # the update's plan draws its minibatch shuffles on the device
     tasks.append(("update plan", lambda: k.update.permutations(plan.update_key, plan.batch_size)))
@@ -286,12 +303,7 @@ def warm_up(ctx, schedule, host, state, progress: bool = True):
     the plan did not list raises ``UnplannedProgram``. The train state is read for its
     shapes and shardings only.
 
-    A refilling run (``host.refill``) is not warmed up: its programs are not in the compile
-    plan yet, so its steps compile the shapes they meet first (the report says so)."""
-    if host.refill is not None:
-        if progress:
-            print(REFILL_NOT_WARMED, flush=True)
-        return {"warmup_skipped": REFILL_NOT_WARMED}, ctx
+    A refilling run (``host.refill``) walks its own step's programs (``program_walk``)."""
     shapes = warmup_shapes(ctx, host, schedule)
     run = host_run(ctx, schedule, host, state)
     planned = sum(f.programs for f in plan_programs(run.shapes))

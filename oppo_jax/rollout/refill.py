@@ -16,6 +16,7 @@ whichever row it takes and whenever it takes it, as long as the weights are the 
 from __future__ import annotations
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -69,15 +70,23 @@ def prefill_store(
     prompt_len: Int[Array, " Q"],
     prompt_id: Int[Array, " Q"],
     rollout: RolloutSpec,
+    rows: int | None = None,
 ) -> PromptStore:
     """Each of Q prompts prefilled once (``admission.prompt_prefill``, in a fresh cache of
-    P + R columns per prompt), with the logits its samples' first tokens are drawn from.
-    Rows past the real prompts (prompt_len 0) are padding and never placed."""
+    P + R columns per prompt), with the logits its samples' first tokens are drawn from, in
+    a store of ``rows`` >= Q rows (None: Q), so that a store has one shape however many
+    prompts filled it. Rows past the real prompts (prompt_len 0) are padding, never placed."""
     admission = Admission.fresh(prompts, prompt_len, rollout.max_response_len, prompt_id)
     shape = (rollout.prompt_width, rollout.max_response_len)
     cache, last_hidden = prompt_prefill(cfg, params, admission, shape, rollout.mesh)
     next_logits = apply_head(cfg, params, last_hidden).astype(jnp.float32)
-    return PromptStore(cache, next_logits, admission.prompt_id)
+    store = PromptStore(cache, next_logits, admission.prompt_id)
+    extra = (rows or prompts.shape[0]) - prompts.shape[0]
+    if extra <= 0:
+        return store
+    # the store's axis: 1 of the keys and values [L, Q, ...], 0 elsewhere
+    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+    return jax.tree.map(lambda x: pad(x, 1 if x.ndim == 5 else 0), store)
 
 
 def place_samples(

@@ -99,3 +99,18 @@ def test_the_grpo_bench_refills_b_rows_with_no_scorer():
     assert grpo.rollout.refill_every and grpo.pipeline.overcommit == 0 and shapes.slots == 16
     assert shapes.scorers == () and shapes.compaction_floor is None
     assert grpo.rollout.length_median == ppo.rollout.length_median
+
+
+@pytest.mark.parametrize("config", ["qwen2.5-7b_gh200x1_lora_grpo", "qwen2.5-7b_gh200x1_lora"])
+def test_the_7b_configs_refilling_stay_within_the_compile_budget(config):
+    """With refill on (every 512 positions, a multiple of each chunk candidate; fixed Δ, one
+    mesh), the refilling step's programs (``compile_plan._refill_programs``) for the GH200:
+    the stores and placements in power-of-four buckets keep both within the 32 programs.
+    `oppo-jax compile-plan` compiles them for sm_90a deviceless (24 and 28, BENCHMARKS.md)."""
+    refill = ["rollout.refill_every=512", "pipeline.adaptive_overcommit=false",
+              "pipeline.placement=colocated", "mesh.scoring_devices=0"]  # fmt: skip
+    shapes = run_shapes(load_config(config, refill), None, "gpu")
+    families = {f.name: f for f in plan_programs(shapes)}
+    assert {"refill start", "refill prompts", "refill place"} <= set(families)
+    assert families["refill place"].shapes == (1, 4, 16, 64, shapes.slots)  # S: 120 or 128
+    assert sum(f.programs for f in families.values()) <= 32

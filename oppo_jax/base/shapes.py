@@ -70,6 +70,21 @@ def pow2_at_least(n: int | float, floor: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def pow4_bucket(n: int, most: int) -> int:
+    """The smallest power of four >= ``n``, or ``most`` when that is smaller: a refill
+    program's bucket of prompts or rows (coarser than powers of two: fewer programs, at most
+    4x the rows). Example: (5, 128) -> 16, (100, 128) -> 128."""
+    bucket = 1
+    while bucket < n:
+        bucket *= 4
+    return min(bucket, most)
+
+
+def pow4_buckets(most: int) -> tuple[int, ...]:
+    """Every ``pow4_bucket`` up to ``most``. Example: 128 -> (1, 4, 16, 64, 128)."""
+    return tuple(sorted({pow4_bucket(n, most) for n in range(1, most + 1)}))
+
+
 def refill_store_rows(rows: int, group_size: int) -> int:
     """Rows of a refilling run's prompt store: groups one refill point prefills at most (the
     one group that can wait with samples unplaced, and a group per G free rows, rounded up),

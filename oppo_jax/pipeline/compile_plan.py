@@ -21,7 +21,7 @@ from oppo_jax.base.shapes import (
     compaction_default,
     compaction_floor,
     live_widths_pay,
-    pow2_at_least,
+    pow4_buckets,
 )
 from oppo_jax.base.shapes import refill_store_rows as store_rows
 from oppo_jax.pipeline.schedule import Schedule
@@ -199,12 +199,12 @@ def plan_programs(shapes: RunShapes) -> list[Family]:
 def _refill_programs(s: RunShapes, chunks: tuple) -> list[Family]:
     """A refilling run's families (``pipeline.refill_step``): its empty rows; the replay of
     the rows in flight (every row may hold one; prompts not shared); the prompt stores (a
-    power-of-two bucket of groups each, ``RefillRule.store_rows`` at most) and the placements
-    into rows (a power-of-two bucket of rows); the decode at S rows; the batch's packed
-    scoring, the actor's old log-probs among them; the batch and the update."""
+    bucket of groups each, ``RefillRule.store_rows`` at most) and the placements into rows (a
+    bucket of rows); the decode at S rows; the batch's packed
+    scoring, the actor's old log-probs among them; the batch and the update. The stores and
+    the placements come in power-of-four buckets (``shapes.pow4_bucket``)."""
     replay = replay_shapes(s.slots, s.slots, (s.prompt_width, s.response_len))
-    stores = tuple(1 << i for i in range(s.refill_store_rows.bit_length()))
-    places = tuple(1 << i for i in range(pow2_at_least(s.slots).bit_length()))
+    stores, places = pow4_buckets(s.refill_store_rows), pow4_buckets(s.slots)
     families = [
         Family("refill start", ("rows",), 1),
         Family("admission prefill", ("prompts",), 1),

@@ -9,8 +9,8 @@ an interval does not depend on how it is chunked, so C changes no token and no d
 
 The programs it adds (each recorded by the step's ``StepRecorder`` like every kernel): the
 store prefill of the groups admitted at a point (``refill_prompts``, Q groups in a
-power-of-two bucket) and the placement of samples into rows (``refill_place``, M rows in a
-power-of-two bucket, the rows given as data).
+power-of-four bucket, ``shapes.pow4_bucket``) and the placement of samples into rows
+(``refill_place``, M rows in a power-of-four bucket, the rows given as data).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from oppo_jax.base.shapes import pow2_at_least
+from oppo_jax.base.shapes import pow4_bucket
 from oppo_jax.parallel.sharding import to_host, tracing_rules
 from oppo_jax.pipeline.kernels import Kernels, kernel_jit
 from oppo_jax.pipeline.refill import Group, Placement, Pool
@@ -72,14 +72,15 @@ def start_rows(k: Kernels, base_key, rows: int) -> DecodeState:
 
 
 def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> None:
-    """Prefill the prompts of the groups admitted at a refill point, once each, into one store
-    of a power-of-two bucket of rows (the padding rows hold empty prompts)."""
+    """Prefill the prompts of the groups admitted at a refill point, once each, in a
+    power-of-four bucket (the padding rows hold empty prompts), into one store of
+    ``stores.rows`` rows."""
     if not groups:
         return
     most = stores.rows
     if len(groups) > most:  # Pool's admission keeps it within RefillRule.store_rows
         raise RuntimeError(f"refill: {len(groups)} prompts to prefill at once, room for {most}")
-    r, q = k.rollout, pow2_at_least(len(groups))
+    r, q = k.rollout, pow4_bucket(len(groups), most)
     prompts = np.full((q, r.prompt_width), r.pad_id, np.int32)
     prompt_len, prompt_id = np.zeros(q, np.int32), np.zeros(q, np.int32)
     for i, g in enumerate(groups):
@@ -96,7 +97,7 @@ def prefill_groups(k: Kernels, params, groups: list[Group], stores: Stores) -> N
 
 def place(k: Kernels, state: DecodeState, placed: list[Placement], stores: Stores):
     """Place the samples of ``placed`` into their rows: one call per store they come from, of
-    a power-of-two bucket of rows (padding entries name row S: dropped)."""
+    a power-of-four bucket of rows (padding entries name row S: dropped)."""
     by_store: dict[int, list[tuple[Placement, int]]] = {}
     held: dict[int, PromptStore] = {}
     for p in placed:
@@ -105,7 +106,7 @@ def place(k: Kernels, state: DecodeState, placed: list[Placement], stores: Store
         held[id(store)] = store
     s = state.tokens.shape[0]
     for key, entries in by_store.items():
-        m = pow2_at_least(len(entries))
+        m = pow4_bucket(len(entries), s)
         rows, source, sample = np.full(m, s, np.int32), np.zeros(m, np.int32), np.zeros(m, np.int32)
         for i, (p, index) in enumerate(entries):
             rows[i], source[i], sample[i] = p.row, index, p.sample_index

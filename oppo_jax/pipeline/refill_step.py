@@ -14,8 +14,9 @@ What differs from a carrying step without refill:
   refilling rows (``oppo`` and ``inter`` then run alike);
 - PPO's old log-probs: a token sampled in this step has the one its decode recorded, and a row
   replayed at the step's start has this step's for its earlier tokens; a sample that finished
-  in an earlier step (or a kept row's) gets this step's by one packed forward of the actor over
-  those samples (``old_logprobs``). The behaviour log-probs are those recorded at sampling.
+  in an earlier step (or a kept row's) gets this step's from one packed forward of the actor
+  (``old_logprobs``: a call of one shape, the others entering as one token each). The
+  behaviour log-probs are those recorded at sampling.
 """
 
 from __future__ import annotations

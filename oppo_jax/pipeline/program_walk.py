@@ -167,19 +167,26 @@ def _walk_refill(run: AbstractRun, build: Build, planned: dict) -> None:
     admission = _admission(rows, s.prompt_width, s.response_len, True)
     decoding = _actor_admission(run, build, admission, planned["replay"], group_size=1)
     statics = dict(cfg=k.spec.actor, rollout=k.rollout, rows=s.refill_store_rows)
+    stores = []  # one per bucket: their shapes agree, their shardings may not
     for q in planned["refill prompts"]:
         args = (actor, sds((q, s.prompt_width), i32), sds((q,), i32), sds((q,), i32))
-        store, _ = build(
-            "refill prompts", (q,), "actor", Kernel.of(oppo_refill_prompts, **statics), args
-        )
+        fn = Kernel.of(oppo_refill_prompts, **statics)
+        stores.append(build("refill prompts", (q,), "actor", fn, args)[0])
+    place = Kernel.of(oppo_refill_place, rollout=k.rollout)
     for m in planned["refill place"]:
-        args = (decoding, store, sds((m,), i32), sds((m,), i32), sds((m,), i32))
-        place = Kernel.of(oppo_refill_place, rollout=k.rollout)
-        decoding, _ = build("refill place", (m,), "actor", place, args)
+        for store in stores:  # equal lowerings are one program (``registry_build``)
+            args = (decoding, store, sds((m,), i32), sds((m,), i32), sds((m,), i32))
+            placed, _ = build("refill place", (m,), "actor", place, args)
+        decoding = placed
     rule = CutRule(sds((rows,), flag), sds((rows,), flag), sds((), i32), sds((rows,), i32))
+    decoded = decoding
     for _, size, width in planned["decode"]:
         decode = Kernel.of(oppo_decode, **k.decode_settings(size, width if s.live_prefix else None))
-        build("decode", (rows, size, width), "actor", decode, (actor, decoding, rule))
+        decoded, _ = build("decode", (rows, size, width), "actor", decode, (actor, decoding, rule))
+    for m in planned["refill place"]:  # later refill points place into a decoded state
+        for store in stores:
+            args = (decoded, store, sds((m,), i32), sds((m,), i32), sds((m,), i32))
+            build("refill place", (m,), "actor", place, args)
     b = s.batch_size
     scored = _on_generation(run, _sync_scoring(run, build, b, actor_too=True), b)
     # the old log-probs as ``refill_step.old_logprobs`` leaves them: replicated, scoring mesh

@@ -4,16 +4,20 @@ them beside processes loading every core), whatever the chunk size dividing refi
 a resume with refilled groups in flight equals the run it interrupted. PPO (G = 1, a critic,
 the reward model, the reference) trains through the same path."""
 
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from oppo_jax.base.errors import ConfigError
 from oppo_jax.config import load_config
+from oppo_jax.models.hf_io import read_config
 from oppo_jax.run.log import read_metrics
 from oppo_jax.train import train
+from tests import tolerances
 from tests.run_fixtures import metric_values, small_demo_config
 from tests.test_grpo_groups import GRPO
 
@@ -67,7 +71,7 @@ def test_ppo_with_a_critic_reward_model_and_reference_refills(demo_cache, tmp_pa
     records = metric_values(tmp_path / "ppo" / "metrics.jsonl")
     assert all(np.isfinite(r["value_loss"]) and np.isfinite(r["policy_loss"]) for r in records)
     assert all(r["kl"] != 0.0 for r in records[1:])  # the reference scored the batch
-    assert records[-1]["carried"] >= 0
+    assert any(r["carried"] > 0 for r in records)  # groups decoded on across a step boundary
 
 
 @pytest.mark.parametrize(
@@ -104,5 +108,11 @@ def test_keep_and_replay_sample_the_same_tokens_when_the_weights_stay(demo_cache
     # keep replays nothing: less admission work from the second step on
     assert keep[1]["efficiency"]["admission"] > replay[1]["efficiency"]["admission"]
     assert keep[1]["carried"] > 0  # rows were in flight across a step boundary
+    # The loss's bound: each path's old log-probs are a forward chain of n float32 summands
+    # (tokens of the batch, P + R keys), ``tolerances.loss_tolerance``, the terms log-probs.
+    actor, r = read_config(Path(demo_cache) / "demo" / "actor"), small_demo_config().rollout
+    width = r.max_prompt_len + r.max_response_len
+    n = tolerances.chain_summands((actor,), r.batch_size * width, width)
+    rtol, atol = tolerances.loss_tolerance(n, math.log(actor.vocab_size))
     for a, b in zip(keep, replay, strict=True):
-        assert a["policy_loss"] == pytest.approx(b["policy_loss"], rel=1e-4, abs=1e-6)
+        np.testing.assert_allclose(a["policy_loss"], b["policy_loss"], rtol=rtol, atol=atol)

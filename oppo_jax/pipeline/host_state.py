@@ -62,9 +62,13 @@ def refill_rollout(cfg: Config) -> Rollout | None:
         return None
     g = r.group_size
     rule = RefillRule(
-        r.batch_size + p.overcommit * g, r.refill_every, r.batch_size // g, g,
-        r.max_staleness, r.on_stale,
-    )  # fmt: skip
+        rows=r.batch_size + p.overcommit * g,
+        every=r.refill_every,
+        batch_groups=r.batch_size // g,
+        group_size=g,
+        max_staleness=r.max_staleness,
+        on_stale=r.on_stale,
+    )
     return Rollout(None, Pool(rule))
 
 

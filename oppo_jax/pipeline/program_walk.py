@@ -191,8 +191,11 @@ def _walk_refill(run: AbstractRun, build: Build, planned: dict) -> None:
     scored = _on_generation(run, _sync_scoring(run, build, b, actor_too=True), b)
     # the old log-probs as ``refill_step.old_logprobs`` leaves them: replicated, scoring mesh
     repl = NamedSharding(run.placement.scoring_mesh, PartitionSpec())
-    view = ResponseBatch(sds((b, s.response_len), i32), sds((b, s.response_len), jnp.float32, repl),
-                         sds((b,), i32))  # fmt: skip
+    view = ResponseBatch(
+        tokens=sds((b, s.response_len), i32),
+        logprobs=sds((b, s.response_len), jnp.float32, repl),
+        num_generated=sds((b,), i32),
+    )
     batch_admission = _admission(b, s.prompt_width, s.response_len, False)
     fn = Kernel.of(oppo_experience, spec=k.spec, rollout=k.rollout)
     args = (view, sds((b,), i32), batch_admission, scored, sds((), jnp.float32))

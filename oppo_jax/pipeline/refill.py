@@ -63,9 +63,6 @@ class Sample:
         if replayed or seen == 0:
             self.old, self.scored_at = [float(x) for x in logprobs[:n]], step
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass
 class Group:
@@ -83,7 +80,7 @@ class Group:
         return all(s.finished_at is not None for s in self.samples)
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "samples": [s.to_json() for s in self.samples]}
+        return dataclasses.asdict(self)  # the samples too, as dicts
 
     @classmethod
     def from_json(cls, state: dict) -> Group:

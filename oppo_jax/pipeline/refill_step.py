@@ -62,7 +62,8 @@ def run_refill_step(engine, schedule, plan, train_state, run: Rollout, prompts, 
     # the old log-probs where their packed call leaves them (one program downstream)
     logprobs = jax.device_put(host.logprobs, scoring_replicated(engine))
     view = ResponseBatch(on_device(host.tokens), logprobs, on_device(host.num_generated))
-    view = view.replace(logprobs=old_logprobs(engine, actor, view, slots, plan.step, groups))
+    old = old_logprobs(engine, actor, view, slots, host.num_generated, plan.step, groups)
+    view = view.replace(logprobs=old)
     scorers = refill_scorers(engine, train_state, slots, host.num_generated)
     scorers.score_packed(view, rows, slots)
     kl_coef = np.float32(plan.kl_coef)
@@ -97,7 +98,7 @@ def resume_rows(k: Kernels, params, run: Rollout, key, carry_kv: str) -> bool:
     shape = (k.rollout.prompt_width, k.rollout.max_response_len)
     replay = plan_replay(held["context"], held["prompt_len"], held["prefix_len"], shape)
     real = int(held["prompt_len"].sum() + held["prefix_len"].sum())
-    admission = Admission(**{name: on_device(x) for name, x in held.items()})
+    admission = admission_on_device(held)
     run.state, _ = k.prefill_actor(params, admission, key, replay, 1, real)
     run.stores.of.clear()  # their prompts' keys and values were the old weights'
     return True
@@ -117,11 +118,16 @@ def held_rows(pool: Pool, rollout) -> dict[str, np.ndarray]:
         prompt_len[row], prefix_len[row] = len(g.prompt), len(x.tokens)
         prompt_id[row], sample_index[row], active[row] = g.prompt_id, x.index, True
     return dict(
-        context=context, prompt_len=prompt_len, prefix_len=prefix_len,
-        prefix_finished=np.zeros(s, bool), prefix_behaviour=np.zeros((s, r), np.float32),
-        prompt_id=prompt_id, sample_index=sample_index, active=active,
+        context=context,
+        prompt_len=prompt_len,
+        prefix_len=prefix_len,
+        prefix_finished=np.zeros(s, bool),
+        prefix_behaviour=np.zeros((s, r), np.float32),
+        prompt_id=prompt_id,
+        sample_index=sample_index,
+        active=active,
         must_finish=np.zeros(s, bool),
-    )  # fmt: skip
+    )
 
 
 def batch_of(groups: list[Group], rollout, step: int, bound: int):
@@ -148,9 +154,11 @@ def batch_of(groups: list[Group], rollout, step: int, bound: int):
         entries=[None] * b,
     )
     host = HostRollout(
-        np.full((b, r), rollout.pad_id, np.int32), np.zeros((b, r), np.float32),
-        np.zeros(b, np.int32), np.zeros(b, np.int32),
-    )  # fmt: skip
+        tokens=np.full((b, r), rollout.pad_id, np.int32),
+        logprobs=np.zeros((b, r), np.float32),
+        num_generated=np.zeros(b, np.int32),
+        finish_step=np.zeros(b, np.int32),
+    )
     for i, (g, x) in enumerate(samples):
         n, seq = len(x.tokens), g.prompt + x.tokens
         slots.context[i, : len(seq)], slots.prompt_len[i] = seq, len(g.prompt)
@@ -163,8 +171,9 @@ def batch_of(groups: list[Group], rollout, step: int, bound: int):
     return slots, host
 
 
-def old_logprobs(engine, params, view: ResponseBatch, slots: SlotBatch, step, groups):
-    """[B, R] this step's log-probs of every batch token: the view's, and for the samples the
+def old_logprobs(engine, params, view: ResponseBatch, slots: SlotBatch, lengths, step, groups):
+    """[B, R] this step's log-probs of every batch token (``lengths``: the host's response
+    lengths of the view's rows): the view's, and for the samples the
     pool has none of this step's for (``Sample.scored_at``), the actor's packed forward (its
     packed scoring program, ``actor_spec``). The call packs all B sequences, one shape every
     step: a sample that has its log-probs enters as its first token alone, and its row is not
@@ -175,7 +184,7 @@ def old_logprobs(engine, params, view: ResponseBatch, slots: SlotBatch, step, gr
     if not stale.any():
         return view.logprobs
     r, b = k.rollout, len(samples)
-    generated = np.where(stale, np.asarray(to_host(view.num_generated)), 0).astype(np.int32)
+    generated = np.where(stale, np.asarray(lengths), 0).astype(np.int32)
     prompt_len = np.where(stale, slots.prompt_len, 1).astype(np.int32)
     plans = plan_packing(prompt_len + generated, r.prompt_width + r.max_response_len)
     # where the packed scoring's inputs live (``step_scorers.batch_sequences``: replicated)
@@ -218,12 +227,24 @@ def experience_admission(slots: SlotBatch) -> Admission:
     """The batch's prompts, carried-token counts and behaviour log-probs on the device, as
     ``ppo.experience`` reads an admission (prompt columns only)."""
     p = slots.context.shape[1] - slots.prefix_behaviour.shape[1]
-    arrays = (
-        slots.context[:, :p], slots.prompt_len, slots.prefix_len, slots.prefix_finished,
-        slots.prefix_behaviour, slots.prompt_ids.astype(np.int32), slots.sample_index,
-        slots.active, slots.must_finish,
-    )  # fmt: skip
-    return Admission(*map(on_device, arrays))
+    return admission_on_device(
+        dict(
+            context=slots.context[:, :p],
+            prompt_len=slots.prompt_len,
+            prefix_len=slots.prefix_len,
+            prefix_finished=slots.prefix_finished,
+            prefix_behaviour=slots.prefix_behaviour,
+            prompt_id=slots.prompt_ids.astype(np.int32),
+            sample_index=slots.sample_index,
+            active=slots.active,
+            must_finish=slots.must_finish,
+        )
+    )
+
+
+def admission_on_device(fields: dict[str, np.ndarray]) -> Admission:
+    """An ``Admission`` of host arrays named by its fields, moved to the device."""
+    return Admission(**{name: on_device(x) for name, x in fields.items()})
 
 
 def sampled_in(step: int, groups) -> int:

@@ -17,6 +17,7 @@ TRL's experimental GSPO-token trainer (its stop-gradient form, "sequence_token")
 ``sequence_sum`` with seq_mean against ``RLOOTrainer._compute_loss``.
 """
 
+import dataclasses
 import importlib.util
 import inspect
 import textwrap
@@ -412,6 +413,21 @@ def test_loss_matches_trl_compute_loss(trl, agg, beta, eps_high, accum):
 def test_on_policy_loss_matches_trl(trl, agg):
     """μ = 1: TRL takes π_old = π_θ detached; ours reads π_old = the same numbers."""
     compare(trl, agg, beta=0.04, eps_high=0.28, accum=2, on_policy=True, seed=11)
+
+
+@pytest.mark.parametrize("agg", list(LOSS_TYPES))
+def test_one_epoch_takes_old_from_the_forward_as_trl(trl, agg):
+    """One epoch of one minibatch (``PPOConfig.old_is_first_forward``): TRL is given no π_old
+    (``per_token_logps.detach()``), and ours is given π_old far from π_θ, which it must not
+    read; losses and gradients agree."""
+    ppo = dataclasses.replace(grpo_config(agg, 0.04, 0.28, 2), ppo_epochs=1)
+    case = loss_case(13, 2, on_policy=True)
+    stub = LossStub(LOSS_TYPES[agg], 0.04, (0.2, 0.28), 2, 0.0, "token")
+    want = trl_loss(trl, case, stub, on_policy=True)
+    case.old = (case.logp + 0.5).astype(np.float32)  # unread: ratios would leave the clip band
+    check_close(our_loss(ppo, case, 0.04, 13), want)
+    assert not dataclasses.replace(ppo, ppo_epochs=2).old_is_first_forward
+    assert not dataclasses.replace(ppo, num_minibatches=2).old_is_first_forward
 
 
 @pytest.mark.parametrize("agg", list(LOSS_TYPES))

@@ -14,6 +14,7 @@ import pytest
 
 from oppo_jax.base.errors import ConfigError
 from oppo_jax.config import load_config
+from oppo_jax.config.schema import PPOConfig
 from oppo_jax.models.hf_io import read_config
 from oppo_jax.run.log import read_metrics
 from oppo_jax.train import train
@@ -72,6 +73,59 @@ def test_ppo_with_a_critic_reward_model_and_reference_refills(demo_cache, tmp_pa
     assert all(np.isfinite(r["value_loss"]) and np.isfinite(r["policy_loss"]) for r in records)
     assert all(r["kl"] != 0.0 for r in records[1:])  # the reference scored the batch
     assert any(r["carried"] > 0 for r in records)  # groups decoded on across a step boundary
+
+
+@pytest.mark.slow  # two demo runs
+def test_oppo_starts_reward_functions_as_samples_end(demo_cache, tmp_path, monkeypatch):
+    """Under refill, ``oppo`` (streaming) submits a sample's reward functions at the refill
+    point that harvests it, while rows decode on; ``inter`` submits them at the cut. The
+    scores, and so every metric, are the same: a result counts only for its tokens."""
+    import oppo_jax.pipeline.refill_step as refill_step
+    from oppo_jax.rewards.runner import RewardFunctions
+
+    during = []  # per submit: was the rollout decoding?
+    decoding = [False]
+    rollout, submit = refill_step.refill_rollout, RewardFunctions.submit
+
+    def refill_rollout(*args, **kwargs):
+        decoding[0] = True
+        try:
+            return rollout(*args, **kwargs)
+        finally:
+            decoding[0] = False
+
+    def recorded_submit(self, *args, **kwargs):
+        during.append(decoding[0])
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(refill_step, "refill_rollout", refill_rollout)
+    monkeypatch.setattr(RewardFunctions, "submit", recorded_submit)
+    oppo = _run(tmp_path, "oppo", "pipeline.chunk_size=4")
+    in_oppo, during[:] = list(during), []
+    inter = _run(tmp_path, "inter", "pipeline.chunk_size=4", "pipeline.mode=inter")
+    assert sum(in_oppo) > len(in_oppo) // 2 and not any(during)
+    assert oppo == inter
+
+
+@pytest.mark.slow  # two demo runs
+def test_one_epoch_skips_the_old_logprob_pass_nothing_reads(demo_cache, tmp_path, monkeypatch):
+    """One epoch of one minibatch, no correction, no reference: π_old is the update's own
+    forward (``PPOConfig.old_is_first_forward``) and nothing else reads the batch's old
+    log-probs, so a refilling step skips the actor's pass over tokens sampled under earlier
+    weights. Forcing the pass must change nothing but the tokens it computes."""
+    extra = ("ppo.ppo_epochs=1", "ppo.off_policy_correction=none", "pipeline.chunk_size=4")
+    skipped = _run(tmp_path, "skipped", *extra)
+    monkeypatch.setattr(PPOConfig, "reads_old_logprobs", property(lambda self: True))
+    forced = _run(tmp_path, "forced", *extra)
+    scoring = [[r["tokens_computed"]["scoring"] for r in x] for x in (skipped, forced)]
+    assert sum(scoring[0]) == 0 and sum(scoring[1]) > 0  # the pass ran in one run only
+    assert any(r["staleness_1"] > 0 for r in skipped)  # tokens sampled under earlier weights
+    counts = ("efficiency", "tokens_computed", "tokens_real")
+    assert [_without(r, counts) for r in skipped] == [_without(r, counts) for r in forced]
+
+
+def _without(record: dict, keys) -> dict:
+    return {k: v for k, v in record.items() if k not in keys}
 
 
 @pytest.mark.parametrize(

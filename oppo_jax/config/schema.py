@@ -152,6 +152,23 @@ class PPOConfig:
         loaded or run."""
         return self.kl_coef > 0 or self.adaptive_kl
 
+    @property
+    def old_is_first_forward(self) -> bool:
+        """One epoch of one minibatch: the update's forward of every token runs at the step's own
+        parameters, so π_old of its ratio is that forward, detached (TRL's GRPO with
+        num_iterations 1 and generation aligned to the optimizer step: ``per_token_logps.detach()``,
+        no separate old-log-prob pass)."""
+        return self.ppo_epochs == 1 and self.num_minibatches == 1
+
+    @property
+    def reads_old_logprobs(self) -> bool:
+        """Something reads the batch's π_old log-probs: the update's ratio (unless
+        ``old_is_first_forward``), the off-policy correction's metrics, or a KL term (in the
+        reward, and the rollout's KL statistic). Where nothing does, a refilling step skips the
+        actor's pass over tokens sampled under earlier weights (``refill_step.old_logprobs``)."""
+        correction = self.off_policy_correction != "none"
+        return not self.old_is_first_forward or correction or self.uses_reference
+
 
 @dataclass(frozen=True)
 class OptimConfig:

@@ -58,6 +58,9 @@ class RunShapes:
     # continuous refill (rollout.refill_every, a carrying schedule): the rows of every prompt
     # store (``RefillRule.store_rows``); 0: the run does not refill
     refill_store_rows: int = 0
+    # a refilling step's actor pass for the old log-probs of tokens sampled under earlier
+    # weights (``PPOConfig.reads_old_logprobs``)
+    refill_old_logprobs: bool = False
 
     @property
     def capacity(self) -> int:
@@ -136,6 +139,7 @@ def run_shapes(
         and cfg.optim.master_dtype == cfg.model.param_dtype,
         # RefillRule.store_rows; 0: no refill (off, or a schedule that does not carry)
         refill_store_rows=store_rows(slots, r.group_size) if refills else 0,
+        refill_old_logprobs=refills and cfg.ppo.reads_old_logprobs,
     )
 
 
@@ -200,8 +204,8 @@ def _refill_programs(s: RunShapes, chunks: tuple) -> list[Family]:
     """A refilling run's families (``pipeline.refill_step``): its empty rows; the replay of
     the rows in flight (every row may hold one; prompts not shared); the prompt stores (a
     bucket of groups each, ``RefillRule.store_rows`` at most) and the placements into rows (a
-    bucket of rows); the decode at S rows; the batch's packed
-    scoring, the actor's old log-probs among them; the batch and the update. The stores and
+    bucket of rows); the decode at S rows; the batch's packed scoring, the actor's old
+    log-probs among them where they are read; the batch and the update. The stores and
     the placements come in power-of-four buckets (``shapes.pow4_bucket``)."""
     replay = replay_shapes(s.slots, s.slots, (s.prompt_width, s.response_len))
     stores, places = pow4_buckets(s.refill_store_rows), pow4_buckets(s.slots)
@@ -213,7 +217,7 @@ def _refill_programs(s: RunShapes, chunks: tuple) -> list[Family]:
         Family("refill prompts", stores, 1),
         Family("refill place", places, 1),
         Family("decode", tuple((s.slots, c, w) for c, w in chunks), 1),
-        Family("sync scoring", ("packed",), len(s.scorers) + 1),
+        Family("sync scoring", ("packed",), len(s.scorers) + int(s.refill_old_logprobs)),
         Family("experience", ("batch",), 1),
         Family("update", (s.update[0],), 1),
     ]

@@ -158,7 +158,8 @@ def _walk(run: AbstractRun, build: Build) -> None:
 def _walk_refill(run: AbstractRun, build: Build, planned: dict) -> None:
     """A refilling step's programs (``pipeline.refill_step``), in its order: the rows (empty,
     or those in flight replayed), the prompt stores and the placements into rows, the decode,
-    the batch's packed scoring (the actor's old log-probs too), the batch and the update."""
+    the batch's packed scoring (the actor's old log-probs too, where read), the batch and the
+    update."""
     k, s, actor = run.kernels, run.shapes, run.params["actor"]
     i32, flag, rows = jnp.int32, jnp.bool_, s.slots
     key = sds((), jax.random.key(0).dtype)
@@ -188,7 +189,8 @@ def _walk_refill(run: AbstractRun, build: Build, planned: dict) -> None:
             args = (decoded, store, sds((m,), i32), sds((m,), i32), sds((m,), i32))
             build("refill place", (m,), "actor", place, args)
     b = s.batch_size
-    scored = _on_generation(run, _sync_scoring(run, build, b, actor_too=True), b)
+    scored = _sync_scoring(run, build, b, actor_too=s.refill_old_logprobs)
+    scored = _on_generation(run, scored, b)
     # the old log-probs as ``refill_step.old_logprobs`` leaves them: replicated, scoring mesh
     repl = NamedSharding(run.placement.scoring_mesh, PartitionSpec())
     view = ResponseBatch(

@@ -9,14 +9,16 @@ order (``selection.batch`` = 0..B-1), so the run's records read it as any step's
 
 What differs from a carrying step without refill:
 - the batch is read from the pool, not from the rows: the scorers (reference, critic, reward
-  model) score it after the cut, packed (``StepScorers.score_packed``), and the reward
-  functions take every sequence at the cut; chunk streaming to the scorers is not built for
-  refilling rows (``oppo`` and ``inter`` then run alike);
+  model) score it after the cut, packed (``StepScorers.score_packed``); chunk streaming to the
+  scorer models is not built for refilling rows. The reward functions of a sample start as it
+  ends under ``oppo`` (``rewards_on_end``), at the cut under ``inter``;
 - PPO's old log-probs: a token sampled in this step has the one its decode recorded, and a row
   replayed at the step's start has this step's for its earlier tokens; a sample that finished
   in an earlier step (or a kept row's) gets this step's from one packed forward of the actor
-  (``old_logprobs``: a call of one shape, the others entering as one token each). The
-  behaviour log-probs are those recorded at sampling.
+  (``old_logprobs``: a call of one shape, the others entering as one token each), unless
+  nothing reads them (``PPOConfig.reads_old_logprobs``: one epoch of one minibatch takes π_old
+  from the update's own forward, as TRL does). The behaviour log-probs are those recorded at
+  sampling.
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ from oppo_jax.scoring.stream import ScorerParams
 def run_refill_step(engine, schedule, plan, train_state, run: Rollout, prompts, timeline):
     """One step of a refilling run; see the module docstring. ``run`` (the rows and their
     pool) is updated in place and lives on into the next step."""
-    del schedule  # inter and oppo alike: the batch is scored after the cut
     k: Kernels = engine.kernels
     work = k.recorder.start(timeline, GENERATION, engine.placement.scoring_group)
     actor = train_state.actor_model_params
     replayed = resume_rows(k, actor, run, engine.sample_key, engine.carry_kv)
     start = int(np.asarray(to_host(run.state.step)))
-    refill_rollout(k, actor, run, plan.step, prompts, plan.chunk_size, replayed)
+    on_end = rewards_on_end(engine, run) if schedule.stream else None
+    refill_rollout(k, actor, run, plan.step, prompts, plan.chunk_size, replayed, on_end)
     steps = int(np.asarray(to_host(run.state.step))) - start
     groups, dropped = run.pool.take_batch(plan.step)
+    started = started_rewards(run, groups)
     real = sampled_in(plan.step, [*groups, *dropped, *run.pool.groups])
     slots, host = batch_of(groups, k.rollout, plan.step, engine.max_staleness)
     rows = np.arange(len(host.num_generated), dtype=np.int32)
@@ -64,7 +67,7 @@ def run_refill_step(engine, schedule, plan, train_state, run: Rollout, prompts, 
     view = ResponseBatch(on_device(host.tokens), logprobs, on_device(host.num_generated))
     old = old_logprobs(engine, actor, view, slots, host.num_generated, plan.step, groups)
     view = view.replace(logprobs=old)
-    scorers = refill_scorers(engine, train_state, slots, host.num_generated)
+    scorers = refill_scorers(engine, train_state, slots, host.num_generated, started)
     scorers.score_packed(view, rows, slots)
     kl_coef = np.float32(plan.kl_coef)
     scored = scorers.outputs(view, rows)
@@ -181,8 +184,8 @@ def old_logprobs(engine, params, view: ResponseBatch, slots: SlotBatch, lengths,
     k: Kernels = engine.kernels
     samples = [x for g in groups for x in g.samples]
     stale = np.array([x.scored_at != step for x in samples])
-    if not stale.any():
-        return view.logprobs
+    if not stale.any() or not k.spec.ppo.reads_old_logprobs:
+        return view.logprobs  # (where unread, a stale sample's entries are zeros)
     r, b = k.rollout, len(samples)
     generated = np.where(stale, np.asarray(lengths), 0).astype(np.int32)
     prompt_len = np.where(stale, slots.prompt_len, 1).astype(np.int32)
@@ -209,9 +212,10 @@ def scoring_replicated(engine) -> NamedSharding:
     return NamedSharding(engine.placement.scoring_mesh, P())
 
 
-def refill_scorers(engine, train_state, slots: SlotBatch, lengths: np.ndarray) -> StepScorers:
+def refill_scorers(engine, train_state, slots: SlotBatch, lengths, started) -> StepScorers:
     """The step's scorers over the batch ``slots``; the reward functions take every sequence
-    now (each slot's whole response, ``lengths`` tokens, ended)."""
+    (each slot's whole response, ``lengths`` tokens, ended) whose functions have not started
+    (``started``: slot -> (tokens, future))."""
     k = engine.kernels
     params = ScorerParams(
         reference=engine.ref_params,
@@ -219,8 +223,34 @@ def refill_scorers(engine, train_state, slots: SlotBatch, lengths: np.ndarray) -
         reward=engine.reward_params if k.scorer_specs.reward is not None else None,
     )
     ended = dataclasses.replace(slots, prefix_len=np.asarray(lengths, np.int32))
-    rewards = engine.rewards.start(ended) if engine.rewards is not None else None
+    rewards = engine.rewards.start(ended, started) if engine.rewards is not None else None
     return StepScorers(k, engine.placement, params, rewards)
+
+
+def rewards_on_end(engine, run: Rollout):
+    """A streaming schedule's (``oppo``) intra-step overlap under refill: each sample's reward
+    functions start on the host's threads as it ends, at the refill point that harvests it,
+    while the rows decode on (``inter`` starts them at the cut). A result is used only for the
+    tokens it was computed on, so timing changes no score. None without reward functions."""
+    rewards = engine.rewards
+    if rewards is None:
+        return None
+
+    def on_end(group: Group, sample) -> None:
+        future = rewards.submit(group.prompt_id, group.prompt, sample.tokens)
+        run.ended[(group.gid, sample.index)] = (tuple(sample.tokens), future)
+
+    return on_end
+
+
+def started_rewards(run: Rollout, groups: list[Group]) -> dict:
+    """The batch's reward functions started as its samples ended, by batch slot (its groups'
+    samples in order); the run forgets every group's that is not in flight any more."""
+    keys = [(g.gid, x.index) for g in groups for x in g.samples]
+    started = {i: run.ended[key] for i, key in enumerate(keys) if key in run.ended}
+    live = {g.gid for g in run.pool.groups}
+    run.ended = {key: v for key, v in run.ended.items() if key[0] in live}
+    return started
 
 
 def experience_admission(slots: SlotBatch) -> Admission:

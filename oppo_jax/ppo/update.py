@@ -181,20 +181,20 @@ def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainStat
 
 def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
     """The actor's loss from per-token log-probs, padded or packed (``weights``), each token's
-    surrogate weighted by the off-policy correction (``off_policy.correction_weight``)."""
-    is_weight = correction_weight(ppo, mb.old_logp, mb.behaviour_logp, mb.mask, weights)
+    surrogate weighted by the off-policy correction (``off_policy.correction_weight``). π_old is
+    the batch's ``old_logp``, or this forward detached where ``ppo.old_is_first_forward``."""
+    old = jax.lax.stop_gradient(logp) if ppo.old_is_first_forward else mb.old_logp
+    is_weight = correction_weight(ppo, old, mb.behaviour_logp, mb.mask, weights)
     clip = ppo.cliprange if ppo.cliprange_high is None else (ppo.cliprange, ppo.cliprange_high)
     if ppo.importance_sampling_level != "token":  # one ratio per sequence (GSPO, TRL's RLOO)
         # w ≥ 0 scales a token's clipped term as it scales its advantage: max(−wA·s, −wA·c) =
         # w·max(−A·s, −A·c) (exact for MIS's 0/1; TIS is refused at these levels)
         adv = mb.advantages if is_weight is None else is_weight * mb.advantages
         level = ppo.importance_sampling_level
-        pg, aux = sequence_policy_loss(
-            logp, mb.old_logp, adv, mb.mask, clip, ppo.loss_agg, level, weights
-        )
+        pg, aux = sequence_policy_loss(logp, old, adv, mb.mask, clip, ppo.loss_agg, level, weights)
     else:
         pg, aux = policy_loss(
-            logp, mb.old_logp, mb.advantages, mb.mask, clip, ppo.loss_agg, is_weight, weights
+            logp, old, mb.advantages, mb.mask, clip, ppo.loss_agg, is_weight, weights
         )
     # The entropy is a token mean whatever the loss's aggregation (TRL's GRPO); dapo's
     # normalizer is the minibatch's tokens, as its loss's.

@@ -67,9 +67,11 @@ class RewardFunctions:
         weights = np.asarray([f.weight for f in self.functions], np.float64)
         return raw @ weights if len(self.functions) else np.zeros(raw.shape[0])
 
-    def start(self, slots) -> StepRewards:
-        """A collector for one step's slots (a ``SlotBatch``)."""
-        return StepRewards(self, slots)
+    def start(self, slots, started: dict | None = None) -> StepRewards:
+        """A collector for one step's slots (a ``SlotBatch``); ``started``: slot -> (tokens,
+        future) of sequences whose functions were submitted already (a refilling run's, as
+        they ended)."""
+        return StepRewards(self, slots, started)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -78,15 +80,16 @@ class RewardFunctions:
 class StepRewards:
     """One step's sequences, followed chunk by chunk; see the module docstring."""
 
-    def __init__(self, owner: RewardFunctions, slots):
+    def __init__(self, owner: RewardFunctions, slots, started: dict | None = None):
         self.owner, self.slots = owner, slots
         self.reader = cf.ThreadPoolExecutor(1, thread_name_prefix="reward-reader")
         p, n = slots.prompt_len, slots.prefix_len
         self.responses = [list(slots.context[s, p[s] : p[s] + n[s]]) for s in range(len(p))]
-        self.futures: dict[int, tuple[tuple, cf.Future]] = {}
+        self.futures: dict[int, tuple[tuple, cf.Future]] = dict(started or {})
         self.metrics: dict[str, float] = {}
         for s in np.flatnonzero(slots.active & slots.prefix_finished):
-            self._submit(int(s))  # carried in already complete: score it at once
+            if int(s) not in self.futures:
+                self._submit(int(s))  # carried in already complete: score it at once
 
     def _submit(self, s: int) -> None:
         p, tokens = self.slots.prompt_len[s], tuple(self.responses[s])

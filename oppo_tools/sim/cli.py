@@ -17,7 +17,7 @@ Lengths come from a file (JSON list, or numbers separated by spaces, commas or n
 task's long-tailed mixture) or ``longtail`` (log-normal, median 103, σ 0.94, capped at R).
 ``--validate`` checks the simulator against a bench: fitted on some steps (even ones, or the
 first half), it predicts the median step times of the others.
-A projection also prices every row busy (issue 44, not built in the engine yet: ``refill``):
+A projection also prices every row busy (issue 44; the engine runs the same policy, docs/REFILL.md):
 continuous refill, shared prompt prefill, ``keep`` vs ``replay``, bounded staleness, each beside
 its bound, and the regime map with and without refill (``--refill-every``, ``--slots``,
 ``--shared-prefill``, ``--carry-kv``, ``--max-staleness``, ``--on-stale``; ``--no-refill``).

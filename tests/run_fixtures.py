@@ -47,3 +47,11 @@ def sigterm_in_first_step(monkeypatch) -> None:
         return real(*args)
 
     monkeypatch.setattr(train_module, "run_step", run_step)
+
+
+# configs/qwen2.5-7b_gh200x1_lora_grpo.yaml as it was before it refilled: Δ adaptive from 2 up
+# to 4 groups (the projections and reports of a carrying schedule without refill)
+GH200_GRPO_UNREFILLED = (
+    "rollout.refill_every=0", "pipeline.adaptive_overcommit=true", "pipeline.overcommit=2",
+    "pipeline.overcommit_max=4",
+)  # fmt: skip

@@ -8,6 +8,7 @@ from oppo_jax.config import load_config
 from oppo_jax.pipeline.compile_plan import plan_programs, run_shapes, scorer_roles
 from oppo_jax.pipeline.schedule import Schedule
 from oppo_tools.compile_report import total_programs
+from tests.run_fixtures import GH200_GRPO_UNREFILLED
 
 
 def _programs(name: str, mode: str, backend: str, *sets: str) -> int:
@@ -44,9 +45,11 @@ COUNTS = [
     ("qwen2.5-7b_gh200x1_lora", "gpu", 10, 27),
     ("qwen2.5-7b_gh200x4", "gpu", 10, 27),
     ("qwen2.5-7b_tpu-v5p-8", "tpu", 10, 27),
-    # no scorer at all: admission, decode start, 4 replay row buckets, 3 decodes, experience,
-    # update (sync: 3 decodes, no scoring)
-    ("qwen2.5-7b_gh200x1_lora_grpo", "gpu", 7, 11),
+    # no scorer at all, C = 32 alone: sync admission, decode start, the decode, experience,
+    # update; oppo refills: its empty rows, admission, 6 replay row buckets, decode start, 3
+    # prompt-store and 5 placement buckets, the decode, experience, update (compiled for sm_90a
+    # deviceless: 20, docs/REFILL.md)
+    ("qwen2.5-7b_gh200x1_lora_grpo", "gpu", 5, 20),
     # the reference (bf16) beside the float32 master actor: its own admission and 4 replay
     # row buckets, its streamed chunks 3 more (one per chunk size), its sync scoring 1
     ("qwen2.5-7b_tpu-v5p-8_grpo", "tpu", 8, 19),
@@ -77,7 +80,7 @@ def test_grpo_configs_within_their_ppo_configs_budget():
 
 
 def test_slots_count_groups_and_groups_do_not_compact():
-    cfg = load_config("qwen2.5-7b_gh200x1_lora_grpo")
+    cfg = load_config("qwen2.5-7b_gh200x1_lora_grpo", list(GH200_GRPO_UNREFILLED))
     shapes = run_shapes(cfg, backend="gpu")
     assert shapes.slots == 112 + 4 * 8 and shapes.max_carried == 32  # Δ_max = 4 groups of 8
     assert run_shapes(cfg, Schedule.named("intra"), "gpu").slots == 112
@@ -101,14 +104,20 @@ def test_the_grpo_bench_refills_b_rows_with_no_scorer():
     assert grpo.rollout.length_median == ppo.rollout.length_median
 
 
-@pytest.mark.parametrize("config", ["qwen2.5-7b_gh200x1_lora_grpo", "qwen2.5-7b_gh200x1_lora"])
-def test_the_7b_configs_refilling_stay_within_the_compile_budget(config):
-    """With refill on (every 512 positions, a multiple of each chunk candidate; fixed Δ, one
-    mesh), the refilling step's programs (``compile_plan._refill_programs``) for the GH200:
-    the stores and placements in power-of-four buckets keep both within the 32 programs.
-    `oppo-jax compile-plan` compiles them for sm_90a deviceless (24 and 28, BENCHMARKS.md)."""
-    refill = ["rollout.refill_every=512", "pipeline.adaptive_overcommit=false",
+PPO_REFILL = ["rollout.refill_every=512", "pipeline.adaptive_overcommit=false",
               "pipeline.placement=colocated", "mesh.scoring_devices=0"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, refill",
+    [("qwen2.5-7b_gh200x1_lora_grpo", []), ("qwen2.5-7b_gh200x1_lora", PPO_REFILL)],
+)
+def test_the_7b_configs_refilling_stay_within_the_compile_budget(config, refill):
+    """The GRPO config as shipped refills (every 32 positions); the PPO one with refill turned
+    on (every 512 positions, a multiple of each chunk candidate; fixed Δ, one mesh). The
+    refilling step's programs (``compile_plan._refill_programs``) for the GH200: the stores
+    and placements in power-of-four buckets keep both within the 32 programs.
+    `oppo-jax compile-plan` compiles them for sm_90a deviceless (20 and 28, BENCHMARKS.md)."""
     shapes = run_shapes(load_config(config, refill), None, "gpu")
     families = {f.name: f for f in plan_programs(shapes)}
     assert {"refill start", "refill prompts", "refill place"} <= set(families)

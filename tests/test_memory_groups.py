@@ -10,6 +10,7 @@ from oppo_jax.models.model_config import ModelConfig
 from oppo_tools.memory.cli import config_memory_report, format_table
 from oppo_tools.memory.report import Lowering, ReportModels, ReportSettings, RunShapes
 from oppo_tools.memory.report import memory_report as report
+from tests.run_fixtures import GH200_GRPO_UNREFILLED
 
 MODEL = ModelConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -73,14 +74,16 @@ def _state(name: str, *sets: str) -> dict:
 def test_the_grpo_configs_report_their_roles_and_slots():
     """Slots are B + Δ_max·G (Δ counts groups); G changes no sequence's bytes, so two runs
     with the same B + Δ·G hold the same state, and more groups in flight hold more cache."""
-    gh200 = _state("qwen2.5-7b_gh200x1_lora_grpo")
+    gh200 = _state("qwen2.5-7b_gh200x1_lora_grpo", *GH200_GRPO_UNREFILLED)
     assert gh200["roles"] == [] and gh200["shapes"]["slots"] == 112 + 4 * 8
     assert gh200["bytes"]["critic_params"] == gh200["bytes"]["reward_params"] == 0
     assert gh200["bytes"]["reference_params"] > 0  # the LoRA actor's bf16 base
-    same = _state("qwen2.5-7b_gh200x1_lora_grpo", "rollout.group_size=16",
+    same = _state("qwen2.5-7b_gh200x1_lora_grpo", *GH200_GRPO_UNREFILLED, "rollout.group_size=16",
                   "pipeline.overcommit_max=2")  # fmt: skip
     assert same["shapes"]["slots"] == 144 and same["bytes"] == gh200["bytes"]
-    fewer = _state("qwen2.5-7b_gh200x1_lora_grpo", "pipeline.overcommit_max=2")
+    fewer = _state(
+        "qwen2.5-7b_gh200x1_lora_grpo", *GH200_GRPO_UNREFILLED, "pipeline.overcommit_max=2"
+    )
     caches = (fewer["bytes"]["kv_caches"]["actor"], gh200["bytes"]["kv_caches"]["actor"])
     assert caches[0] * 144 == pytest.approx(caches[1] * 128, rel=1e-3)
     tpu = _state("qwen2.5-7b_tpu-v5p-8_grpo")

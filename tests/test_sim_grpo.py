@@ -15,6 +15,7 @@ from oppo_tools.sim.group_map import format_group_map, group_length_median, grou
 from oppo_tools.sim.lengths import LogNormal
 from oppo_tools.sim.project import Projection, build_projection
 from oppo_tools.sim.roofline import project_cost_model
+from tests.run_fixtures import GH200_GRPO_UNREFILLED
 
 GH200 = "qwen2.5-7b_gh200x1_lora_grpo"
 TPU = "qwen2.5-7b_tpu-v5p-8_grpo"
@@ -71,7 +72,7 @@ def test_critic_free_steps_train_one_model_and_score_with_what_they_have():
 
 
 def test_grpo_configs_project_their_groups_and_scorers():
-    p = build_projection("qwen2.5-7b:gh200", GH200)
+    p = build_projection("qwen2.5-7b:gh200", GH200, GH200_GRPO_UNREFILLED)
     w, t = p.workload, p.train
     assert (w.batch, w.group_size, w.delta, w.slots) == (112, 8, 2, 128)
     assert t.trained == ("actor",) and t.n_scorers == 0 and t.lora_rank == 64
@@ -92,7 +93,7 @@ def test_grpo_configs_project_their_groups_and_scorers():
 def test_without_scorers_intra_is_sync_and_the_cut_pays():
     """GRPO at β = 0 with a rule reward, colocated: nothing scores on the device, so streaming
     hides nothing (intra = sync); carrying still cuts the long tail."""
-    p = build_projection("qwen2.5-7b:gh200", GH200, (), {"steps": 12})
+    p = build_projection("qwen2.5-7b:gh200", GH200, GH200_GRPO_UNREFILLED, {"steps": 12})
     cost, w = p.cost_model(), p.workload
     lengths = LogNormal(512, 0.94, 4096).sample()
     w = w.__class__(**{**w.__dict__, "capacity": 4096})

@@ -190,9 +190,9 @@ def test_the_projection_prints_every_assumption(capsys):
         "log-normal, median 103, σ 0.94",  # lengths and their distribution
         "1 PPO epoch(s)",
         "trained: actor (critic-free) (LoRA rank 64",
-        # carry_kv from the config (rollout.carry_kv, replay by default)
-        "refill every 32 tokens, S = 112 rows, prompt prefilled once per group, carry_kv replay",
-        "max staleness 2 version(s) (finish when due)",  # the config's rollout.max_staleness
+        # every, carry_kv and the staleness bound from the config (rollout.*)
+        "refill every 32 tokens, S = 112 rows, prompt prefilled once per group, carry_kv keep",
+        "max staleness 3 version(s) (finish when due)",
         "median 512: log-normal, median 512",
         "refill (S = B, prompt per sample, replay)",
         "+ shared prompt prefill",
@@ -200,7 +200,9 @@ def test_the_projection_prints_every_assumption(capsys):
         "+ S = 2B rows",
     ):
         assert text in out, text
-    assert out.count("×] eff") == 14  # every refill row, both columns, with its bound
+    # every refill row, both columns, with its bound: 4 settings and the bounds 1, 2, 4, 8 but
+    # the config's own (3 here: none left out)
+    assert out.count("×] eff") == 16
     assert main([*argv, "--no-refill"]) == 0
     assert "refill" not in capsys.readouterr().out
 

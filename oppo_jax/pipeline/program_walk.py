@@ -376,4 +376,12 @@ def registry_build(registry: Registry, compile_one: Callable) -> Build:
 
 
 def _aval_key(x) -> tuple:
-    return (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None)))
+    """Shape, dtype and layout: the sharding as the compiler reads it (its HLO sharding and
+    devices), so two spellings of one layout (XLA:GPU hands a decode's outputs back as
+    P('tensor', 'fsdp') where its inputs were P('fsdp', 'tensor'), on a mesh of one device)
+    are one program, as XLA compiles them."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and hasattr(sharding, "_to_xla_hlo_sharding"):
+        devices = tuple(d.id for d in sharding._device_assignment)
+        sharding = (str(sharding._to_xla_hlo_sharding(len(x.shape))), devices)
+    return (tuple(x.shape), str(x.dtype), str(sharding))

@@ -63,6 +63,17 @@ def test_a_refilling_run_is_its_config_and_seed_alone(demo_cache, tmp_path):
 
 
 @pytest.mark.slow  # one demo run
+def test_a_warmed_up_refilling_run_on_a_mesh_compiles_nothing_after(demo_cache, tmp_path):
+    """Rows over 2 devices: the refill points' host arrays (row lists, the interval's stop
+    rule, the replay's admission) reach their programs as host arrays, so no small program
+    reslices a one-device array over the mesh after the warm-up (5 did)."""
+    records = _run(tmp_path, "mesh", "pipeline.chunk_size=4", "train.steps=3", "mesh.data=2",
+                   warmup=True)  # fmt: skip
+    assert [r["compiles"] for r in read_metrics(tmp_path / "mesh" / "metrics.jsonl")] == [0] * 3
+    assert any(r["carried"] > 0 for r in records)  # a step resumed rows (the replay ran)
+
+
+@pytest.mark.slow  # one demo run
 def test_ppo_with_a_critic_reward_model_and_reference_refills(demo_cache, tmp_path):
     cfg = small_demo_config(
         "pipeline.mode=inter", "pipeline.overcommit=2", "pipeline.adaptive_overcommit=false",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from oppo_jax.base.shapes import pow4_bucket
@@ -149,7 +148,7 @@ def read_rows(state: DecodeState, samples: dict, step: int, replayed: bool) -> N
 def interval_rule(pool: Pool, step: int) -> CutRule:
     """The device's stop rule until the next refill point (``Pool.cut_rule``)."""
     active, must, target, group = pool.cut_rule(step)
-    return CutRule(*jax.device_put((active, must, np.int32(target), group)))
+    return CutRule(active, must, np.int32(target), group)  # host arrays: the decode places them
 
 
 def longest_context(context: np.ndarray, pool: Pool, placed: list[Placement]) -> int:

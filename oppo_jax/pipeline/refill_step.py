@@ -101,7 +101,7 @@ def resume_rows(k: Kernels, params, run: Rollout, key, carry_kv: str) -> bool:
     shape = (k.rollout.prompt_width, k.rollout.max_response_len)
     replay = plan_replay(held["context"], held["prompt_len"], held["prefix_len"], shape)
     real = int(held["prompt_len"].sum() + held["prefix_len"].sum())
-    admission = admission_on_device(held)
+    admission = host_admission(held)
     run.state, _ = k.prefill_actor(params, admission, key, replay, 1, real)
     run.stores.of.clear()  # their prompts' keys and values were the old weights'
     return True
@@ -257,7 +257,7 @@ def experience_admission(slots: SlotBatch) -> Admission:
     """The batch's prompts, carried-token counts and behaviour log-probs on the device, as
     ``ppo.experience`` reads an admission (prompt columns only)."""
     p = slots.context.shape[1] - slots.prefix_behaviour.shape[1]
-    return admission_on_device(
+    return host_admission(
         dict(
             context=slots.context[:, :p],
             prompt_len=slots.prompt_len,
@@ -272,9 +272,10 @@ def experience_admission(slots: SlotBatch) -> Admission:
     )
 
 
-def admission_on_device(fields: dict[str, np.ndarray]) -> Admission:
-    """An ``Admission`` of host arrays named by its fields, moved to the device."""
-    return Admission(**{name: on_device(x) for name, x in fields.items()})
+def host_admission(fields: dict[str, np.ndarray]) -> Admission:
+    """An ``Admission`` of the host arrays named by its fields: the programs that take it
+    transfer them to their own shardings (no reslicing program on a mesh)."""
+    return Admission(**{name: np.asarray(x) for name, x in fields.items()})
 
 
 def sampled_in(step: int, groups) -> int:

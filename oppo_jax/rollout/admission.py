@@ -14,7 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from oppo_jax.models.heads import gather_rows
 from oppo_jax.models.kv_cache import KVCache, init_cache
@@ -26,17 +26,19 @@ from oppo_jax.rollout.prefill_chunks import chunked_prefill, prefill_chunk
 
 @flax.struct.dataclass
 class Admission:
-    """The device-side inputs of one step's slots, in admission order (carried first)."""
+    """The inputs of one step's slots, in admission order (carried first): device arrays, or
+    the host's NumPy arrays, which the jitted programs taking them transfer to their own
+    shardings (an array put on one device would be resliced over a mesh by a small program)."""
 
-    context: Int[Array, "S W"]  # prompt then carried response prefix, right-padded
-    prompt_len: Int[Array, " S"]
-    prefix_len: Int[Array, " S"]  # response tokens carried in (0 for new prompts)
-    prefix_finished: Bool[Array, " S"]  # carried in already complete
-    prefix_behaviour: Float[Array, "S R"]  # log-probs recorded when the prefix was sampled
-    prompt_id: Int[Array, " S"]  # the prompt's id (its sampling key depends on it)
-    sample_index: Int[Array, " S"]  # which of the prompt's samples this is
-    active: Bool[Array, " S"]  # the slot holds a sequence
-    must_finish: Bool[Array, " S"]  # the sequence may not be carried again
+    context: Int[ArrayLike, "S W"]  # prompt then carried response prefix, right-padded
+    prompt_len: Int[ArrayLike, " S"]
+    prefix_len: Int[ArrayLike, " S"]  # response tokens carried in (0 for new prompts)
+    prefix_finished: Bool[ArrayLike, " S"]  # carried in already complete
+    prefix_behaviour: Float[ArrayLike, "S R"]  # log-probs recorded when the prefix was sampled
+    prompt_id: Int[ArrayLike, " S"]  # the prompt's id (its sampling key depends on it)
+    sample_index: Int[ArrayLike, " S"]  # which of the prompt's samples this is
+    active: Bool[ArrayLike, " S"]  # the slot holds a sequence
+    must_finish: Bool[ArrayLike, " S"]  # the sequence may not be carried again
 
     @property
     def num_slots(self) -> int:

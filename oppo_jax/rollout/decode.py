@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from oppo_jax.models.heads import apply_head
 from oppo_jax.models.kv_cache import KVCache
@@ -205,12 +205,14 @@ class ChunkTokens:
 @flax.struct.dataclass
 class CutRule:
     """When a rollout may stop: ``target`` groups complete (every active member finished),
-    and every must-finish slot finished. Without ``group`` each slot is its own group."""
+    and every must-finish slot finished. Without ``group`` each slot is its own group. The
+    host may hand its NumPy arrays in as they are: the jitted decode transfers them to its
+    own shardings (a single-device array would be resliced over a mesh by a small program)."""
 
-    active: Bool[Array, " S"]  # slots holding a sequence this step
-    must_finish: Bool[Array, " S"]  # slots whose sequence may not be carried again
-    target: Int[Array, ""]  # B / G, groups the step needs
-    group: Int[Array, " S"] | None = None  # each slot's group id, in [0, S)
+    active: Bool[ArrayLike, " S"]  # slots holding a sequence this step
+    must_finish: Bool[ArrayLike, " S"]  # slots whose sequence may not be carried again
+    target: Int[ArrayLike, ""]  # B / G, groups the step needs
+    group: Int[ArrayLike, " S"] | None = None  # each slot's group id, in [0, S)
 
     def ready(self, finished: Bool[Array, " S"]) -> Bool[Array, ""]:
         if self.group is None:

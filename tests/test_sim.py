@@ -317,6 +317,20 @@ def test_calibrate_from_bench_needs_stage_times():
         calibrate_from_bench(bench)
     bench["schedules"]["sync"]["records"] = [_synthetic_records(FIXED, PADDED, "disaggregated")]
     assert calibrate_from_bench(bench).decode_a == pytest.approx(FIXED.decode_a, rel=1e-6)
+    # a refilling lane's timeline is the refill loop's (no actor prefill at its start): the fit
+    # leaves it out when the config refills, and reads it (and fails on it) when it does not
+    refill_events = [
+        [
+            {**r, "trace": {**r["trace"], "events": [["admit rows", "generation", 0.0, 0.001]]}}
+            for r in lane
+        ]
+        for lane in bench["schedules"]["sync"]["records"]
+    ]
+    bench["schedules"]["oppo"] = {"step_time_s": [[0.1]], "records": refill_events}
+    with pytest.raises(KeyError):
+        calibrate_from_bench(bench)
+    bench["workload"]["config"]["rollout"]["refill_every"] = 16
+    assert calibrate_from_bench(bench).decode_a == pytest.approx(FIXED.decode_a, rel=1e-6)
 
 
 def _recorded_benches() -> list:

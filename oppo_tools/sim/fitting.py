@@ -317,9 +317,13 @@ def bench_records(bench_json: dict) -> dict[str, list[dict]]:
 
 
 def calibrate_from_bench(bench_json: dict) -> CostModel:
-    """Fit a CostModel to the per-step records of a ``bench.json`` (every schedule's)."""
+    """Fit a CostModel to the per-step records of a ``bench.json``: every schedule's, but a
+    refilling one's (``rollout.refill_every`` in a carrying schedule: its timeline is the
+    refill loop's, which this fit does not model; the simulator prices refill itself)."""
     rollout = bench_json.get("workload", {}).get("config", {}).get("rollout", {})
-    records = [r for rs in bench_records(bench_json).values() for r in rs if "stage_time_s" in r]
+    refills = ("inter", "oppo") if rollout.get("refill_every", 0) else ()
+    lanes = {n: rs for n, rs in bench_records(bench_json).items() if n not in refills}
+    records = [r for rs in lanes.values() for r in rs if "stage_time_s" in r]
     if not records:
         raise ValueError(
             "bench.json has step times but no per-stage times (stage_time_s): "

@@ -62,13 +62,15 @@ def test_a_refilling_run_is_its_config_and_seed_alone(demo_cache, tmp_path):
     assert [r | {"chunk_size": 4} for r in c8] == full  # and only the setting itself differs
 
 
-@pytest.mark.slow  # one demo run
-def test_a_warmed_up_refilling_run_on_a_mesh_compiles_nothing_after(demo_cache, tmp_path):
-    """Rows over 2 devices: the refill points' host arrays (row lists, the interval's stop
-    rule, the replay's admission) reach their programs as host arrays, so no small program
-    reslices a one-device array over the mesh after the warm-up (5 did)."""
-    records = _run(tmp_path, "mesh", "pipeline.chunk_size=4", "train.steps=3", "mesh.data=2",
-                   warmup=True)  # fmt: skip
+@pytest.mark.slow  # one demo run each
+@pytest.mark.parametrize("refill", ["rollout.refill_every=8", "rollout.refill_every=0"])
+def test_a_warmed_up_carrying_run_on_a_mesh_compiles_nothing_after(demo_cache, tmp_path, refill):
+    """Rows over 2 devices, with refill and without: the host's arrays (admissions, stop
+    rules, the refill points' row lists) reach their programs as host arrays, so no small
+    program reslices a one-device array over the mesh after the warm-up (5 did with refill,
+    3 without)."""
+    records = _run(tmp_path, "mesh", refill, "pipeline.chunk_size=4", "train.steps=3",
+                   "mesh.data=2", warmup=True)  # fmt: skip
     assert [r["compiles"] for r in read_metrics(tmp_path / "mesh" / "metrics.jsonl")] == [0] * 3
     assert any(r["carried"] > 0 for r in records)  # a step resumed rows (the replay ran)
 

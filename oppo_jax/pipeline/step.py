@@ -211,9 +211,10 @@ def cut_rule(admission: Admission, plan: StepPlan) -> CutRule:
     """The decode's stop rule: B/G complete groups (slot s in group s // G; G = 1: B
     sequences, each its own group, the rule without group ids)."""
     g, slots = plan.group_size, admission.num_slots
-    # Host values moved over: eager device ops would be programs to compile.
-    group = None if g == 1 else on_device(np.arange(slots, dtype=np.int32) // g)
-    target = on_device(plan.batch_size // g, np.int32)
+    # Host values: eager device ops would be programs to compile, and an array put on one
+    # device would be resliced over a mesh; the decode transfers these to its shardings.
+    group = None if g == 1 else np.arange(slots, dtype=np.int32) // g
+    target = np.asarray(plan.batch_size // g, np.int32)
     return CutRule(admission.active, admission.must_finish, target, group)
 
 
@@ -252,19 +253,21 @@ def admission_replay(slots: SlotBatch, rollout) -> list[ReplayChunk]:
 
 
 def device_admission(slots: SlotBatch) -> Admission:
-    """The slots as device arrays for the admission kernels, after checking that carried
-    sequences come first (``SlotBatch.check_carried_first``)."""
+    """The slots for the admission kernels, after checking that carried sequences come first
+    (``SlotBatch.check_carried_first``): host arrays, which each program taking them transfers
+    to its own shardings (put on one device first, they were resliced over a mesh by small
+    programs compiled after the warm-up)."""
     slots.check_carried_first()
     return Admission(
-        context=on_device(slots.context),
-        prompt_len=on_device(slots.prompt_len),
-        prefix_len=on_device(slots.prefix_len),
-        prefix_finished=on_device(slots.prefix_finished),
-        prefix_behaviour=on_device(slots.prefix_behaviour),
-        prompt_id=on_device(slots.prompt_ids, np.int32),
-        sample_index=on_device(slots.sample_index),
-        active=on_device(slots.active),
-        must_finish=on_device(slots.must_finish),
+        context=np.asarray(slots.context),
+        prompt_len=np.asarray(slots.prompt_len),
+        prefix_len=np.asarray(slots.prefix_len),
+        prefix_finished=np.asarray(slots.prefix_finished),
+        prefix_behaviour=np.asarray(slots.prefix_behaviour),
+        prompt_id=np.asarray(slots.prompt_ids, np.int32),
+        sample_index=np.asarray(slots.sample_index),
+        active=np.asarray(slots.active),
+        must_finish=np.asarray(slots.must_finish),
     )
 
 

@@ -81,6 +81,14 @@ def fresh_slots(pairs, prompt_width, response_len, extra_slots=0):
     return admit(CarryBuffer(), ListPrompts(pairs), rule, prompt_width, response_len)
 
 
+def eager_admission(slots):
+    """``step.slot_admission`` on the device: the host arrays it hands to jitted programs
+    would fail the type checks of functions these tests call outside jit."""
+    from oppo_jax.pipeline.step import slot_admission
+
+    return jax.tree.map(jnp.asarray, slot_admission(slots))
+
+
 def reward_scores(cfg, params, tokens, seq_len):
     """Reference: a score-head model's output at each row's last valid token, from one full
     forward pass (what streamed reward scoring must equal)."""

@@ -11,13 +11,12 @@ from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.pipeline.program_walk import shape_checks_off
-from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import Admission, RolloutSpec, SamplingConfig, prefill_chunks
 from oppo_jax.rollout.admission import prefill_hidden, prompt_prefill
 from oppo_jax.rollout.prefill_chunks import chunked_prefill, prefill_chunk
 from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
 from tests.oracles import prefill_and_start, scan_decode
-from tests.ppo_fixtures import ACTOR, CRITIC
+from tests.ppo_fixtures import ACTOR, CRITIC, eager_admission
 from tests.test_replay_admission import EOS, P, R, _assert_caches_close, _slots
 from tests.xla_flags import compile_as_in_production
 
@@ -59,7 +58,7 @@ def test_chunked_actor_admission_equals_one_call(tiny_chunks, monkeypatch, fsdp)
     rollout = RolloutSpec(SamplingConfig(temperature=0.7), P, R, EOS, mesh=mesh)
     s = _slots()  # 3 carried (their prompts only here), 3 new, 2 empty
     s.prefix_len[:], s.prefix_finished[:] = 0, False
-    admission = device_admission(s)
+    admission = eager_admission(s)
 
     def run():
         state = prefill_and_start(ACTOR, params, admission, jax.random.key(7), rollout)
@@ -83,7 +82,7 @@ def test_chunked_scorer_admission_equals_one_call(tiny_chunks, monkeypatch, kind
     model = ACTOR if kind == "logprob" else CRITIC
     spec = ScorerSpec(model, kind, R, temperature=0.7)
     params = init_params(model, jax.random.key(1))
-    admission = device_admission(_slots())
+    admission = eager_admission(_slots())
     chunked = scorer_admit(spec, params, admission, P)
     monkeypatch.setattr(prefill_chunks, "PREFILL_TOKEN_BUDGET", 1 << 20)
     whole = scorer_admit(spec, params, admission, P)

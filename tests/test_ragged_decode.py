@@ -33,7 +33,7 @@ from oppo_jax.parallel.sharding import (
 )
 from oppo_jax.pipeline.kernels import build_kernels
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.step import device_admission
+from oppo_jax.pipeline.step import slot_admission
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.lengths import LengthSpec
@@ -259,7 +259,7 @@ def _sharded_decode(attention: str, shape: tuple[int, int, int] | None):
     kernels = build_kernels(spec, rollout, reward_model=CRITIC)
     rng = np.random.default_rng(0)
     pairs = [(i, rng.integers(2, 64, rng.integers(1, P + 1))) for i in range(7)]
-    admission = device_admission(fresh_slots(pairs, P, R, extra_slots=slots - 7))
+    admission = slot_admission(fresh_slots(pairs, P, R, extra_slots=slots - 7))
     state, _ = kernels.prefill_actor(actor, admission, jax.random.key(5), ())
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(7))
     for _ in range(2):

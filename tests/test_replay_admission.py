@@ -13,7 +13,6 @@ from oppo_jax.models.heads import scores_at
 from oppo_jax.models.kv_cache import init_cache
 from oppo_jax.parallel.sharding import make_mesh
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
-from oppo_jax.pipeline.step import device_admission
 from oppo_jax.rollout import RolloutSpec, SamplingConfig
 from oppo_jax.rollout.admission import prefill_hidden
 from oppo_jax.rollout.decode import ChunkTokens, admit_decode
@@ -25,7 +24,7 @@ from oppo_jax.scoring.carried import (
 )
 from oppo_jax.scoring.stream import ScorerSpec, score_chunk, scorer_admit
 from tests.oracles import critic_values, policy_logprobs, replay, scan_decode
-from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts
+from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, eager_admission
 
 P, R, EOS, T = 5, 32, (20,), 0.7
 
@@ -105,7 +104,7 @@ def test_replayed_actor_admission_equals_one_pass(chunk):
     params = init_params(ACTOR, jax.random.key(0))
     s = _slots()
     rollout = RolloutSpec(SamplingConfig(temperature=T), P, R, EOS)
-    admission = device_admission(s)
+    admission = eager_admission(s)
     plan = plan_replay(s.context, s.prompt_len, s.prefix_len, (P, R), chunk)
     spec = ScorerSpec(ACTOR, "logprob", R, T)
     state = replay(spec, params, scorer_admit(spec, params, admission, P), plan)
@@ -152,7 +151,7 @@ def test_replayed_scorer_admission_equals_one_pass(kind):
     spec = ScorerSpec(model, kind, R, temperature=T)
     params = init_params(model, jax.random.key(1))
     s = _slots()
-    admission = device_admission(s)
+    admission = eager_admission(s)
     plan = plan_replay(s.context, s.prompt_len, s.prefix_len, (P, R), chunk=4)
     state = replay(spec, params, scorer_admit(spec, params, admission, P), plan)
     np.testing.assert_array_equal(state.num_fed, s.prefix_len)
@@ -177,7 +176,7 @@ def test_replay_on_sharded_slots_equals_one_device(fsdp):
     mesh = make_mesh(1, fsdp, 1, jax.devices()[:fsdp])
     params = init_params(CRITIC, jax.random.key(1))
     s = _slots()
-    admission = device_admission(s)
+    admission = eager_admission(s)
     plan = plan_replay(s.context, s.prompt_len, s.prefix_len, (P, R), chunk=4)
     got = []
     for m in (None, mesh):
@@ -194,7 +193,7 @@ def test_replay_chunk_touches_only_its_rows():
     """A chunk over the leading 4 rows leaves the other slots' state exactly as it was."""
     spec = ScorerSpec(ACTOR, "logprob", R, T)
     params = init_params(ACTOR, jax.random.key(0))
-    admission = device_admission(_slots())
+    admission = eager_admission(_slots())
     before = scorer_admit(spec, params, admission, P)
     chunk = ReplayChunk(np.full((4, 4), 33, np.int32), np.array([4, 0, 2, 1], np.int32), 16)
     after = replay(spec, params, jax.tree.map(jnp.copy, before), [chunk])
@@ -211,8 +210,8 @@ def test_slots_out_of_the_carried_first_order_are_refused():
     s = _slots()
     s.prefix_len[4] = 1  # a new prompt's slot claims a prefix
     with pytest.raises(AssertionError, match="must fill the leading slots"):
-        device_admission(s)
+        eager_admission(s)
     s = _slots()
     s.deferrals[[0, 3]] = s.deferrals[[3, 0]]  # a carried sequence after a new one
     with pytest.raises(AssertionError, match="must fill the leading slots"):
-        device_admission(s)
+        eager_admission(s)

@@ -20,7 +20,7 @@ from oppo_jax.parallel.sharding import (
 from oppo_jax.pipeline.carry import AdmitRule, Carried, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import build_kernels, oppo_decode, oppo_streamed_scoring
 from oppo_jax.pipeline.placement import Placement
-from oppo_jax.pipeline.step import device_admission
+from oppo_jax.pipeline.step import slot_admission
 from oppo_jax.rollout import Admission, SamplingConfig
 from oppo_jax.rollout.decode import CutRule
 from oppo_jax.rollout.spec import RolloutSpec
@@ -81,7 +81,7 @@ def _rollout(placement: Placement | None, num_sequences: int):
     rng = np.random.default_rng(0)
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(num_sequences)]
     slots = fresh_slots(pairs, P, R, extra_slots=num_slots - num_sequences)
-    admission = device_admission(slots)
+    admission = slot_admission(slots)
     state, _ = kernels.prefill_actor(actor, admission, jax.random.key(5), ())
     rule = CutRule(jnp.asarray(slots.active), jnp.asarray(slots.must_finish), jnp.int32(1))
     state, chunk = kernels.decode_tokens(actor, state, rule, CHUNK)
@@ -198,7 +198,7 @@ def test_replayed_admission_with_carried_prefixes_shards_and_agrees():
     pairs = [(10 + i, rng.integers(2, 64, 3)) for i in range(5)]
     slots = admit(buffer, ListPrompts(pairs), AdmitRule(8, 8, True, max_staleness=2), P, R)
     assert int(slots.prefix_len[:3].min()) == 5
-    admission = device_admission(slots)
+    admission = slot_admission(slots)
     plan = plan_replay(slots.context, slots.prompt_len, slots.prefix_len, (P, R))
     actor = _models()[0]
     sharded, whole = (
@@ -313,7 +313,7 @@ def test_packed_chunks_on_a_mesh_match_one_device(shape):
               "reward": placement.scoring_params(CRITIC, reward)}  # fmt: skip
     rng = np.random.default_rng(1)
     pairs = [(i, rng.integers(2, 64, rng.integers(2, P + 1))) for i in range(8)]
-    admission = device_admission(fresh_slots(pairs, P, R))
+    admission = slot_admission(fresh_slots(pairs, P, R))
     state, _ = kernels.prefill_actor(on_mesh, admission, jax.random.key(5), ())
     rule = CutRule(admission.active, admission.must_finish, jnp.int32(8))
     state, chunk = kernels.decode_tokens(on_mesh, state, rule, CHUNK)

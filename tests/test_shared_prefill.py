@@ -12,9 +12,8 @@ from oppo_jax.models import init_params
 from oppo_jax.pipeline.accounting import admission_computed, admission_real
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit, prompt_sharing
 from oppo_jax.pipeline.program_walk import shape_checks_off
-from oppo_jax.pipeline.step import device_admission
 from oppo_jax.scoring.stream import ScorerSpec, scorer_admit
-from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts
+from tests.ppo_fixtures import ACTOR, CRITIC, ListPrompts, eager_admission
 
 P, R, G = 6, 8, 3
 
@@ -36,7 +35,7 @@ def test_a_group_prefilled_once_equals_every_slot_prefilled(kind):
     params = init_params(model, jax.random.key(1))
     slots = _grouped_slots(3)
     assert slots.shared_prompts(G) == G
-    admission = device_admission(slots)
+    admission = eager_admission(slots)
     shared = scorer_admit(spec, params, admission, P, group_size=G)
     each = scorer_admit(spec, params, admission, P)
     active = np.asarray(slots.active)
@@ -58,7 +57,7 @@ def test_a_group_size_that_does_not_divide_the_slots_is_refused():
     the prefill does not fall back on its own."""
     spec = ScorerSpec(ACTOR, "logprob", R, temperature=0.7)
     params = init_params(ACTOR, jax.random.key(1))
-    admission = device_admission(_grouped_slots(3))  # 4 groups of 3: 12 slots
+    admission = eager_admission(_grouped_slots(3))  # 4 groups of 3: 12 slots
     assert prompt_sharing(admission.num_slots, 5) == 1
     with pytest.raises(ValueError, match="group_size 5 does not divide the 12 slots"):
         scorer_admit(spec, params, admission, P, group_size=5)
@@ -94,7 +93,7 @@ def test_the_shared_prefill_computes_a_third_of_the_flops():
     slot-by-slot one (the copies are no FLOPs)."""
     spec = ScorerSpec(ACTOR, "logprob", R, temperature=0.7)
     params = init_params(ACTOR, jax.random.key(1))
-    admission = device_admission(_grouped_slots(3, extra_groups=0))
+    admission = eager_admission(_grouped_slots(3, extra_groups=0))
 
     def flops(group_size: int) -> float:
         run = jax.jit(lambda p, a: scorer_admit(spec, p, a, P, group_size=group_size))

@@ -5,7 +5,7 @@ import importlib
 
 _NAMES = {
     **dict.fromkeys(
-        ("run_step", "StepEngine", "StepPlan", "device_admission", "admission_replay"), "step"
+        ("run_step", "StepEngine", "StepPlan", "slot_admission", "admission_replay"), "step"
     ),
     **dict.fromkeys(("AdmitRule", "CarryBuffer", "admit", "select_batch"), "carry"),
     "SCHEDULES": "schedule",

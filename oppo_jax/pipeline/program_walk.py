@@ -96,7 +96,7 @@ def host_array(array) -> jax.ShapeDtypeStruct:
 
 
 def _admission(slots: int, prompt: int, response: int, carry: bool) -> Admission:
-    """The step's admission as the host hands it over (``step.device_admission``): its
+    """The step's admission as the host hands it over (``step.slot_admission``): its
     context P wide, P + R with room for carried prefixes (``carry.admit``)."""
     i32, flag = sds((slots,), jnp.int32), sds((slots,), jnp.bool_)
     context = sds((slots, prompt + (response if carry else 0)), jnp.int32)

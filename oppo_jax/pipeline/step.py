@@ -126,7 +126,7 @@ def run_step(
     # 1. Admit: carried sequences first (FIFO), then new prompts, B + Δ of the slots;
     slots = admit(buffer, prompts, admit_rule(engine, plan), *rollout_shape(k.rollout))
     kept, buffer.kept = buffer.kept, None  # the frozen scorers' rows of the carried sequences
-    admission = device_admission(slots)
+    admission = slot_admission(slots)
     #    the actor prefills them under the current parameters: every prompt (each group's
     #    once), then each carried prefix replayed at its own length (this step's old log-probs).
     actor = train_state.actor_model_params  # with LoRA: the adapters over the frozen base
@@ -252,7 +252,7 @@ def admission_replay(slots: SlotBatch, rollout) -> list[ReplayChunk]:
     return plan_replay(slots.context, slots.prompt_len, slots.prefix_len, shape)
 
 
-def device_admission(slots: SlotBatch) -> Admission:
+def slot_admission(slots: SlotBatch) -> Admission:
     """The slots for the admission kernels, after checking that carried sequences come first
     (``SlotBatch.check_carried_first``): host arrays, which each program taking them transfers
     to its own shardings (put on one device first, they were resliced over a mesh by small

@@ -35,7 +35,7 @@ from oppo_jax.pipeline.compile_plan import compaction_moves, kept_rows, plan_pro
 from oppo_jax.pipeline.program_walk import AbstractRun, registry_build, walk_programs
 from oppo_jax.pipeline.refill_step import scoring_replicated
 from oppo_jax.pipeline.registry import Registry, compile_program
-from oppo_jax.pipeline.step import admit_rule, device_admission, rollout_shape
+from oppo_jax.pipeline.step import admit_rule, rollout_shape, slot_admission
 from oppo_jax.pipeline.step_scorers import batch_sequences, keep_rows, restore_rows
 from oppo_jax.pipeline.warmup_compaction import compile_compaction, scorer_params
 from oppo_jax.rollout.decode import ResponseBatch
@@ -163,7 +163,7 @@ class _Prompts:
 def _admission(ctx, host):
     """A throwaway admission of the run's B + Δ new prompts (two tokens each; the shapes, not
     the values, matter), with the room for carried prefixes a step of the run gives."""
-    return device_admission(_slots(ctx, host))
+    return slot_admission(_slots(ctx, host))
 
 
 def _slots(ctx, host):
@@ -191,7 +191,7 @@ def compile_batch_sequences(ctx, host, state) -> None:
     """The batch's sequences gathered from a decode state for the packed scoring after the
     cut (``step_scorers.batch_sequences``), as a step without streaming does."""
     k, slots = ctx.engine.kernels, _slots(ctx, host)
-    admission = device_admission(slots)
+    admission = slot_admission(slots)
     g = prompt_sharing(slots.num_slots, k.rollout.group_size)  # as the step's admissions
     decoding, _ = k.prefill_actor(state.actor_model_params, admission, ctx.engine.sample_key, (), g)
     rows = np.arange(host.plan(ctx.cfg).batch_size, dtype=np.int32)

@@ -37,7 +37,7 @@ from oppo_jax.data.prompt_set import load_prompt_set
 from oppo_jax.parallel.sharding import to_host
 from oppo_jax.pipeline.carry import AdmitRule, CarryBuffer, admit
 from oppo_jax.pipeline.kernels import oppo_streamed_scoring
-from oppo_jax.pipeline.step import device_admission
+from oppo_jax.pipeline.step import slot_admission
 from oppo_jax.rewards.arith import exact_match
 from oppo_jax.rollout.decode import CutRule
 
@@ -231,7 +231,7 @@ def _decode_part(ctx, k, actor, items, samples, width: int):
     slots = admit(CarryBuffer(), _Fixed(items), rule, r.prompt_width, r.max_response_len, r.pad_id)
     index = np.zeros(slots.num_slots, np.int32)
     index[: len(items)] = samples
-    admission = device_admission(slots).replace(sample_index=jnp.asarray(index))
+    admission = slot_admission(slots).replace(sample_index=jnp.asarray(index))
     decoding = _decode_all(ctx, k, actor, admission)
     ref, rm = _score(ctx, k, admission, decoding)
     tokens, logp, lengths = map(

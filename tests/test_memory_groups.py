@@ -91,3 +91,31 @@ def test_the_grpo_configs_report_their_roles_and_slots():
         "actor", "reference"
     }  # fmt: skip
     assert tpu["bytes"]["critic_params"] == 0 and tpu["bytes"]["optimizer"] > 0
+
+
+def test_a_refilling_run_counts_its_prompt_stores_and_keeps_its_rows_through_the_update():
+    """The 7B GRPO config refills: beside its 112 rows it holds two prompt stores (the one
+    whose group still waits and the one a refill point fills) of 16 prompts each (1 + 112/8,
+    to a power of two), every prompt in a cache of P + R columns with its first token's
+    logits; and its rows decode on through the update, so their cache and the stores stay
+    live there. The bytes are counted here from Qwen2.5-7B's shape, not the report's code."""
+    refill = _state("qwen2.5-7b_gh200x1_lora_grpo")
+    unrefilled = _state("qwen2.5-7b_gh200x1_lora_grpo", "rollout.refill_every=0")
+    layers, kv_heads, head_dim, vocab, width = 28, 4, 128, 152064, 512 + 1024
+    per_prompt = layers * 2 * kv_heads * width * head_dim * 2 + vocab * 4 + 4 + 4  # + length, id
+    caches = refill["bytes"]["kv_caches"]
+    assert caches["actor prompt stores"] == 2 * 16 * per_prompt
+    assert caches["actor"] == 112 * (per_prompt - vocab * 4 - 4)  # the rows, as without refill
+    assert caches["actor"] == unrefilled["bytes"]["kv_caches"]["actor"]
+    assert "actor prompt stores" not in unrefilled["bytes"]["kv_caches"]
+    assert refill["resident"] == unrefilled["resident"] + caches["actor prompt stores"]
+    # The update's live bytes, on a tiny model (its kernel is compiled): a refilling run
+    # drops nothing for it (no scorer caches here); without refill the actor's cache goes.
+    tiny = [
+        config_memory_report(load_config("qwen2.5-7b_gh200x1_lora_grpo", ["model.preset=tiny",
+                             *sets]), kernels=("update",))
+        for sets in ([], ["rollout.refill_every=0"])
+    ]  # fmt: skip
+    assert tiny[0]["kernels"]["update"]["live"] == tiny[0]["resident"]
+    actor = tiny[1]["bytes"]["kv_caches"]["actor"]
+    assert tiny[1]["kernels"]["update"]["live"] == tiny[1]["resident"] - actor > 0

@@ -51,10 +51,16 @@ def oppo_refill_start(base_key, *, cfg, rollout, rows):
         return empty_rows(cfg, rollout, rows, base_key)
 
 
+# Prompt stores alive at once, at most: the one whose group still waits with samples unplaced
+# (a group is admitted only while rows are free, so only the last one admitted can wait) and
+# the one a refill point prefills before placing; ``Stores.forget_placed`` then drops the first.
+STORES_HELD = 2
+
+
 @dataclasses.dataclass
 class Stores:
     """The prompt stores of groups with samples still waiting for a row: gid -> (store, its
-    index in the store)."""
+    index in the store); ``STORES_HELD`` at most."""
 
     rows: int  # rows of every store (``RefillRule.store_rows``)
     of: dict[int, tuple[PromptStore, int]] = dataclasses.field(default_factory=dict)

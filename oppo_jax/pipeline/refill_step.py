@@ -102,6 +102,7 @@ def resume_rows(k: Kernels, params, run: Rollout, key, carry_kv: str) -> bool:
     replay = plan_replay(held["context"], held["prompt_len"], held["prefix_len"], shape)
     real = int(held["prompt_len"].sum() + held["prefix_len"].sum())
     admission = host_admission(held)
+    run.state = None  # the old rows' cache goes before the replay fills a new one
     run.state, _ = k.prefill_actor(params, admission, key, replay, 1, real)
     run.stores.of.clear()  # their prompts' keys and values were the old weights'
     return True

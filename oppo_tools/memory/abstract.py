@@ -11,11 +11,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oppo_jax.models.model_config import ModelConfig
+from oppo_jax.models.kv_cache import init_cache
+from oppo_jax.models.model_config import ModelConfig, preset
 from oppo_jax.parallel.sharding import abstract_params, param_shardings, slot_shardings
+from oppo_jax.pipeline.program_walk import shape_checks_off
 from oppo_jax.pipeline.registry import ProgramMemory
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.update import batch_shardings
+from oppo_jax.rollout.refill import PromptStore
+
+# The resident entry of a refilling run's prompt stores, among the KV caches
+PROMPT_STORES = "actor prompt stores"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +86,23 @@ def abstract_ppo_batch(rows: int, prompt: int, response: int, mesh) -> PPOBatch:
     return PPOBatch(**{n: sds(*s, getattr(sh, n)) for n, s in shapes.items()})
 
 
+def model_config(model: ModelConfig | str, head: str) -> ModelConfig:
+    """``model`` itself, or the preset it names with ``head``."""
+    return preset(model, head=head) if isinstance(model, str) else model
+
+
+def abstract_prompt_store(cfg: ModelConfig, rows: int, width: int) -> PromptStore:
+    """A refilling run's prompt store of ``rows`` prompts in caches of ``width`` columns
+    (``rollout.refill.prefill_store``), abstract."""
+
+    def store():
+        logits = jnp.zeros((rows, cfg.head_out), jnp.float32)
+        return PromptStore(init_cache(cfg, rows, width), logits, jnp.zeros((rows,), jnp.int32))
+
+    with shape_checks_off():  # the dataclass's checks take no ShapeDtypeStruct
+        return jax.eval_shape(store)
+
+
 def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) -> int:
     """Bytes a step holds on a device while ``kernel`` runs, in ``pipeline.step``'s order.
 
@@ -89,11 +112,16 @@ def live_during(kernel: str, resident: int, caches: dict, kept_fraction: float) 
     ``kept_fraction`` of the reference's and reward model's caches). The actor's replay of
     carried prefixes runs on its admitted cache (donated in and out) beside those kept rows.
     Decode and scorer chunks run with every cache resident (a cache per model the run has).
+    A refilling run (its ``PROMPT_STORES`` among the caches) keeps its rows in flight and a
+    store of waiting prompts through the update (``pipeline.refill_step``): the actor's cache
+    and the stores stay.
     """
     if kernel not in ("update", "admission", "replay"):
         return resident
     kept = kept_fraction * (caches.get("reference", 0) + caches.get("reward", 0))
     own = caches["actor"] if kernel == "replay" else 0
+    if PROMPT_STORES in caches:
+        own = caches["actor"] + caches[PROMPT_STORES]
     return resident - sum(caches.values()) + int(kept) + own
 
 

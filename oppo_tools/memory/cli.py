@@ -42,6 +42,7 @@ def config_memory_report(
     no sequence's bytes, only how many slots Δ groups hold), the largest chunk size it may
     use, and the widest replay of carried prefixes."""
     # Higher layers, imported here only: the report itself needs no pipeline.
+    from oppo_jax.base.shapes import refill_store_rows
     from oppo_jax.pipeline.compile_plan import scorer_roles
     from oppo_jax.pipeline.schedule import Schedule
     from oppo_jax.scoring.carried import row_bucket
@@ -63,6 +64,7 @@ def config_memory_report(
     carried = (delta if schedule.carry else 0) * r.group_size  # Δ counts groups
     chunk = max([p.chunk_size, *(p.chunk_candidates if p.chunk_tuning else [])])
     slots = r.batch_size + carried
+    refills = schedule.carry and r.refill_every > 0
     shapes = RunShapes(
         r.batch_size,
         r.max_prompt_len,
@@ -70,6 +72,8 @@ def config_memory_report(
         slots,
         chunk,
         replay_rows=row_bucket(carried, slots),
+        # the prompt stores of a refilling run (rollout.refill_every on a carrying schedule)
+        refill_store_rows=refill_store_rows(slots, r.group_size) if refills else 0,
     )
     scoring = (1, m.scoring_devices, 1) if p.placement == "disaggregated" else None
     settings = ReportSettings(

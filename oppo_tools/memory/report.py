@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from oppo_jax.config import OptimConfig, PPOConfig
 from oppo_jax.models.kv_cache import init_cache
-from oppo_jax.models.model_config import ModelConfig, preset
+from oppo_jax.models.model_config import ModelConfig
 from oppo_jax.parallel import offload
 from oppo_jax.parallel.sharding import (
     abstract_params,
@@ -38,6 +38,7 @@ from oppo_jax.parallel.sharding import (
     slot_shardings,
 )
 from oppo_jax.pipeline.program_walk import shape_checks_off
+from oppo_jax.pipeline.refill_loop import STORES_HELD
 from oppo_jax.ppo.optimizer import make_optimizer
 from oppo_jax.ppo.packed_update import make_update
 from oppo_jax.ppo.packing import padding_indices
@@ -50,13 +51,16 @@ from oppo_jax.run.trained_params import abstract_train_state
 from oppo_jax.scoring.carried import REPLAY_CHUNK, replay_chunk
 from oppo_jax.scoring.stream import ROLES, ScorerSpec, score_chunk, scorer_admit
 from oppo_tools.memory.abstract import (
+    PROMPT_STORES,
     KernelMemory,
     abstract_model_params,
     abstract_ppo_batch,
+    abstract_prompt_store,
     abstract_tree,
     bytes_by_memory,
     describe_model,
     live_during,
+    model_config,
     on_slots,
     per_device_bytes,
     sds,
@@ -79,11 +83,7 @@ class RunShapes:
     slots: int  # S, rollout slots (B + Δ_max·G), before padding to a multiple of data x fsdp
     chunk_size: int  # C, decode steps per chunk (and the scorer chunk's width), tokens
     replay_rows: int = 0  # leading slots of the widest replay of carried prefixes (0: none)
-
-
-def _abstract_state(spec: UpdateSpec, master: str):
-    """Trained parameters and moments in ``master``, LoRA's frozen bases in their own dtype."""
-    return abstract_train_state(spec, master)
+    refill_store_rows: int = 0  # a refilling run's rows of each prompt store (0: no refill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ class _Run:
         state_sh = train_state_shardings(self.spec, self.mesh)
         s, repl = self.shapes, replicated(self.mesh)
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, self.mesh)
-        state = abstract_tree(_abstract_state(self.spec, self.master), state_sh)
+        state = abstract_tree(abstract_train_state(self.spec, self.master), state_sh)
         kl_coef = sds((), jnp.float32, repl)
         packed, (shape, count) = make_update(self.spec, self.mesh), self.packed_update_shape
         ppo = self.spec.ppo
@@ -225,7 +225,7 @@ class _Run:
     def resident(self) -> dict:
         """Bytes per device of everything a step keeps resident."""
         spec, mesh, scoring, s = self.spec, self.mesh, self.scoring_mesh, self.shapes
-        state = _abstract_state(spec, self.master)
+        state = abstract_train_state(spec, self.master)
         state_sh = train_state_shardings(spec, mesh)
 
         def params(cfg, on):
@@ -235,6 +235,13 @@ class _Run:
             width = s.prompt_len + s.response_len
             abstract = jax.eval_shape(lambda: init_cache(cfg, self.slots, width))
             return per_device_bytes(abstract, slot_shardings(abstract, on))
+
+        stores = {}
+        if s.refill_store_rows:  # every store alike (``pipeline.refill_loop.STORES_HELD``)
+            rows = padded_slot_count(s.refill_store_rows, mesh)
+            store = abstract_prompt_store(self.policy, rows, s.prompt_len + s.response_len)
+            one = per_device_bytes(store, slot_shardings(store, mesh))
+            stores = {PROMPT_STORES: STORES_HELD * one}
 
         batch = abstract_ppo_batch(s.batch_size, s.prompt_len, s.response_len, mesh)
         opt, opt_host = bytes_by_memory(
@@ -262,15 +269,12 @@ class _Run:
             "reward_params": params(base(self.reward), scoring) if has["reward"] else 0,
             "kv_caches": {
                 "actor": cache(self.policy, mesh),
+                **stores,
                 **{r: cache(m, scoring) for r, m in scorers.items() if r in roles},
             },
             "ppo_batch": per_device_bytes(batch, [x.sharding for x in jax.tree.leaves(batch)]),
             "host": {"optimizer": opt_host},  # pinned host memory (optim.offload), not device
         }
-
-
-def _model(model: ModelConfig | str, head: str) -> ModelConfig:
-    return preset(model, head=head) if isinstance(model, str) else model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,12 +334,11 @@ def memory_report(
         resident actor cache: an upper bound), ``live`` (what the step holds while it runs,
         ``live_during``) and ``with_live``; ``warmup``: its peak (``warmup_peak``).
     """
-    actor = _model(models.actor, "lm")
-    critic = (
-        actor.replace(head="score") if models.critic is None else _model(models.critic, "score")
-    )
+    actor = model_config(models.actor, "lm")
+    critic = models.critic and model_config(models.critic, "score")
+    critic = critic or actor.replace(head="score")
     plain_critic = critic.replace(lora_rank=0)  # the reward model carries no adapter
-    reward = plain_critic if models.reward is None else _model(models.reward, "score")
+    reward = plain_critic if models.reward is None else model_config(models.reward, "score")
     remat, layers, roles = lowering.remat, lowering.layers, tuple(models.roles)
     critic = critic if "critic" in roles else None  # critic-free: none anywhere
     trained = [m and (m if remat is None else m.replace(remat=remat)) for m in (actor, critic)]

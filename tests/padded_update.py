@@ -20,7 +20,7 @@ from oppo_jax.parallel.sharding import DEFAULT_RULES, ShardingRules, replicated
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite, nan_like
 from oppo_jax.ppo.losses import value_loss
-from oppo_jax.ppo.off_policy import correction_metrics
+from oppo_jax.ppo.off_policy import finish_correction
 from oppo_jax.ppo.packing import host_lengths
 from oppo_jax.ppo.update import (
     TrainState,
@@ -151,8 +151,7 @@ def ppo_update(
         batch_ok = all_finite(batch)
         new_state, stacked = _epochs(spec, layout, batch, key, kl_coef, batch_ok, state)
     new_state, metrics = finish_update(spec, new_state, stacked, batch_ok)
-    metrics |= correction_metrics(spec.ppo, batch.old_logp, batch.behaviour_logp, batch.mask)
-    return new_state, metrics
+    return new_state, finish_correction(spec.ppo, metrics, batch)
 
 
 def jit_keeping_frozen(fn, in_shardings=None, out_shardings=None, name: str = "inner"):

@@ -473,3 +473,35 @@ def test_step_with_packed_update_equals_padded():
     tolerances.assert_same_update(
         bounds, {"actor": actor, "critic": critic}, packed_state, padded_state
     )
+
+
+@pytest.mark.parametrize("kind", ["tis", "mis"])
+def test_one_step_counts_its_correction_against_its_own_forward(root, kind):
+    """One epoch of one minibatch: π_old is the update's own forward, so the correction's
+    metrics come from its weights there, counted over the chunks (``off_policy.
+    finish_correction``), not from the batch's old log-probs (moved 0.5 nats off here, which
+    must not be read). Against ``correction_metrics`` of an independent forward
+    (``tests.oracles``) at the update's start; the padded oracle counts them alike."""
+    import dataclasses
+
+    from oppo_jax.ppo.off_policy import correction_metrics
+
+    actor, critic = _models("qwen2", root)
+    spec = _spec(actor, critic, "dapo")
+    ppo = dataclasses.replace(spec.ppo, num_minibatches=1, off_policy_correction=kind,
+                              mis_lower=0.95, mis_upper=1.05)  # fmt: skip
+    spec = dataclasses.replace(spec, ppo=ppo)
+    assert ppo.old_is_first_forward and ppo.grad_accum_steps == 2  # counts over two chunks
+    batch, key = _batch(spec, actor.params, critic.params), jax.random.key(7)
+    logp, _ = policy_logprobs(spec.actor, actor.params, batch.tokens, batch.prompt_len, R,
+                              spec.temperature)  # fmt: skip
+    batch = batch.replace(old_logp=batch.old_logp + 0.5)
+    want = correction_metrics(ppo, logp, batch.behaviour_logp, batch.mask)
+    misread = correction_metrics(ppo, batch.old_logp, batch.behaviour_logp, batch.mask)
+    if kind == "mis":
+        assert 0 < float(want["is_masked_seq_frac"]) < 1  # the band masks some sequences
+    for update in (make_update(spec), make_padded_update(spec)):
+        _, got = _run(update, spec, actor, critic, batch, key)
+        for name, value in want.items():
+            assert float(got[name]) == pytest.approx(float(value), abs=1e-5), name
+            assert abs(float(misread[name]) - float(value)) > 1e-3 or name != "is_weight_mean"

@@ -120,14 +120,20 @@ def test_oppo_starts_reward_functions_as_samples_end(demo_cache, tmp_path, monke
     assert oppo == inter
 
 
-@pytest.mark.slow  # two demo runs
-def test_one_epoch_skips_the_old_logprob_pass_nothing_reads(demo_cache, tmp_path, monkeypatch):
-    """One epoch of one minibatch, no correction, no reference: π_old is the update's own
-    forward (``PPOConfig.old_is_first_forward``) and nothing else reads the batch's old
-    log-probs, so a refilling step skips the actor's pass over tokens sampled under earlier
-    weights. Forcing the pass must change nothing but the tokens it computes."""
-    extra = ("ppo.ppo_epochs=1", "ppo.off_policy_correction=none", "pipeline.chunk_size=4")
+@pytest.mark.slow  # two demo runs each
+@pytest.mark.parametrize("correction", ["none", "mis"])
+def test_one_epoch_skips_the_old_logprob_pass_nothing_reads(
+    demo_cache, tmp_path, monkeypatch, correction
+):
+    """One epoch of one minibatch, no reference: π_old is the update's own forward
+    (``PPOConfig.old_is_first_forward``), for the ratio and for the off-policy correction
+    (its weights and metrics), and nothing else reads the batch's old log-probs, so a
+    refilling step skips the actor's pass over tokens sampled under earlier weights. Forcing
+    the pass must change nothing but the tokens it computes."""
+    extra = ("ppo.ppo_epochs=1", f"ppo.off_policy_correction={correction}",
+             "pipeline.chunk_size=4")  # fmt: skip
     skipped = _run(tmp_path, "skipped", *extra)
+    assert all(("is_masked_seq_frac" in r) == (correction == "mis") for r in skipped)
     monkeypatch.setattr(PPOConfig, "reads_old_logprobs", property(lambda self: True))
     forced = _run(tmp_path, "forced", *extra)
     scoring = [[r["tokens_computed"]["scoring"] for r in x] for x in (skipped, forced)]

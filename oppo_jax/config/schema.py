@@ -162,12 +162,12 @@ class PPOConfig:
 
     @property
     def reads_old_logprobs(self) -> bool:
-        """Something reads the batch's π_old log-probs: the update's ratio (unless
-        ``old_is_first_forward``), the off-policy correction's metrics, or a KL term (in the
-        reward, and the rollout's KL statistic). Where nothing does, a refilling step skips the
-        actor's pass over tokens sampled under earlier weights (``refill_step.old_logprobs``)."""
-        correction = self.off_policy_correction != "none"
-        return not self.old_is_first_forward or correction or self.uses_reference
+        """Something reads the batch's π_old log-probs: the update's ratio and the off-policy
+        correction (weights and metrics) unless ``old_is_first_forward`` (then the update's
+        forward is π_old for both), or a KL term (in the reward, and the rollout's KL
+        statistic). Where nothing does, a refilling step skips the actor's pass over tokens
+        sampled under earlier weights (``refill_step.old_logprobs``)."""
+        return not self.old_is_first_forward or self.uses_reference
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from oppo_jax.parallel.sharding import (
 from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.finite import all_finite, nan_like, zeros_like
 from oppo_jax.ppo.losses import value_loss
-from oppo_jax.ppo.off_policy import correction_metrics
+from oppo_jax.ppo.off_policy import finish_correction
 from oppo_jax.ppo.packing import (
     PackedMicrobatch,
     PackIndices,
@@ -185,8 +185,7 @@ def ppo_update_packed(
         )
     new_state, metrics = finish_update(spec, new_state, stacked, batch_ok)
     # The off-policy correction's metrics, over the whole batch's trained tokens (once).
-    metrics |= correction_metrics(spec.ppo, batch.old_logp, batch.behaviour_logp, batch.mask)
-    return new_state, metrics
+    return new_state, finish_correction(spec.ppo, metrics, batch)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "layout"), donate_argnames=("trained",))

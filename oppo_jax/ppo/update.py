@@ -49,7 +49,7 @@ from oppo_jax.ppo.batch import PPOBatch
 from oppo_jax.ppo.estimators import kl_estimate
 from oppo_jax.ppo.finite import all_finite
 from oppo_jax.ppo.losses import aggregate, policy_loss, sequence_policy_loss
-from oppo_jax.ppo.off_policy import correction_weight
+from oppo_jax.ppo.off_policy import correction_counts, correction_weight
 
 
 @flax.struct.dataclass
@@ -182,7 +182,8 @@ def init_train_state(spec: UpdateSpec, actor_params, critic_params) -> TrainStat
 def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
     """The actor's loss from per-token log-probs, padded or packed (``weights``), each token's
     surrogate weighted by the off-policy correction (``off_policy.correction_weight``). π_old is
-    the batch's ``old_logp``, or this forward detached where ``ppo.old_is_first_forward``."""
+    the batch's ``old_logp``, or this forward detached where ``ppo.old_is_first_forward``; the
+    correction's counts then join the metrics (``off_policy.finish_correction``)."""
     old = jax.lax.stop_gradient(logp) if ppo.old_is_first_forward else mb.old_logp
     is_weight = correction_weight(ppo, old, mb.behaviour_logp, mb.mask, weights)
     clip = ppo.cliprange if ppo.cliprange_high is None else (ppo.cliprange, ppo.cliprange_high)
@@ -205,6 +206,8 @@ def actor_objective(ppo, logp, entropy, mb, kl_coef, weights=None):
     if not ppo.kl_in_reward:
         kl = kl_estimate(logp, mb.ref_logp, ppo.kl_estimator)
         loss = loss + kl_coef * aggregate(kl, mb.mask, ppo.loss_agg, weights)
+    if ppo.old_is_first_forward and is_weight is not None:  # π_old is this forward: count here
+        aux |= correction_counts(ppo, is_weight, mb.mask, weights)
     return loss, {"policy_loss": pg, "entropy": mean_entropy, **aux}
 
 

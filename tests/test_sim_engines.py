@@ -22,7 +22,12 @@ from oppo_tools.sim import (
 )
 from oppo_tools.sim.engines import Engine, built_for, packed, pow2, recorded_engine
 from oppo_tools.sim.lengths import LogNormal
-from oppo_tools.sim.packing import RAGGED_KEY_BLOCK, RAGGED_KEY_BLOCK_TPU, REPLAY_CHUNK
+from oppo_tools.sim.packing import (
+    RAGGED_KEY_BLOCK,
+    RAGGED_KEY_BLOCK_TPU,
+    REPLAY_CHUNK,
+    shared_prefix_items,
+)
 from oppo_tools.sim.work import StepFacts, _row_pairs, decode_chunks, step_work
 
 # 8 slots, P = 4, R = 64, C = 8; slot 0 carried 30 tokens in (its row bucket: 4 rows at
@@ -293,3 +298,40 @@ def test_validation_of_a_built_engine_bench(engine):
     assert f"{engine.name} engine" in result["cost_model"]["label"]
     for name, row in result["table"].items():
         assert abs(row["error"]) <= 0.15, (name, row)
+
+
+def test_a_shared_prefix_update_counts_each_groups_prompt_once():
+    """The what-if ``shared_prefix_update`` (docs/SHARED_PREFIX_UPDATE.md), by hand on FACTS'
+    batch as three groups of two: responses (32, 3), (5, 9), (12, 1) behind P = 4."""
+    assert shared_prefix_items(4, [3, 5, 9], [0, 1, 2], 16, 3) == [12, 13]  # split at 16
+    assert shared_prefix_items(4, [3, 5, 9], [2, 0], 80, 1) == [7, 13]  # G = 1: one each
+    grouped = dataclasses.replace(FACTS, group_size=2)
+
+    def work(engine):
+        return step_work(engine, grouped, n_scorers=3, trained_scorers=1)
+
+    packed = FIXED.with_features(["packed_update"])
+    shared = packed.with_features(["shared_prefix_update"])
+    # Items 4 + 35, 4 + 14, 4 + 13 = 74 tokens: one row of 80 (per sample: 2 rows of 80).
+    assert (work(packed).update_tokens, work(shared).update_tokens) == (2 * 80, 80)
+    assert work(shared).update_pairs == 80**2  # XLA's attention: every key of the row
+    # Token-proportional: 3 prompts of 4 and 62 response tokens; pairs 3 x 10 for the
+    # prompts and, per response token, the prompt's 4 keys and its own causal ones.
+    active = work(ACTIVE.with_features(["shared_prefix_update"]))
+    r = np.array([32, 3, 5, 9, 12, 1])
+    assert active.update_tokens == 3 * 4 + 62
+    assert active.update_pairs == 3 * 10 + (4 * r + r * (r + 1) / 2).sum()
+    # Without groups (G = 1) the feature changes nothing.
+    assert _work(shared).update_tokens == _work(packed).update_tokens
+
+
+def test_a_projections_what_ifs_reach_every_table_through_its_engine():
+    """``--with`` sets ``Projection.features``: the engine the refill table and the regime maps
+    read (``built_engine``) has them on, over the hardware's own kernels."""
+    from oppo_tools.sim.project import build_projection
+
+    proj = build_projection("qwen2.5-7b:gh200", "qwen2.5-7b_gh200x1_lora_grpo")
+    assert not proj.built_engine.shared_prefix_update
+    engine = dataclasses.replace(proj, features=("shared_prefix_update",)).built_engine
+    assert engine.shared_prefix_update and engine.segment_update_attention  # GPU kernels kept
+    assert engine.name == "built+shared_prefix_update"

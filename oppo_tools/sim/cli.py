@@ -148,8 +148,13 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _engine(args, default: Engine, built: Engine = BUILT) -> Engine:
     base = (built if args.engine == "built" else ENGINES[args.engine]) if args.engine else default
-    names = [x.strip() for x in args.features.split(",")]
-    return base.with_features(FEATURES if "all" in names else names)
+    return base.with_features(_feature_names(args))
+
+
+def _feature_names(args) -> tuple[str, ...]:
+    """``--with``'s features (all of ``FEATURES`` for "all")."""
+    names = tuple(x.strip() for x in args.features.split(",") if x.strip())
+    return FEATURES if "all" in names else names
 
 
 def _print_table(cost: CostModel, engine: Engine, table: dict, rec: dict, tag: str) -> None:
@@ -230,7 +235,10 @@ def _project(args) -> dict:
     progress = _Progress()
     proj = build_projection(args.project, args.config, args.set, given)
     cost = proj.cost_model()
-    # "built" is the engine as built on the projection's hardware (engines.built_for)
+    # "built" is the engine as built on the projection's hardware (engines.built_for), with
+    # --with's what-ifs in every table, map and refill row
+    if not args.engine:
+        proj = dataclasses.replace(proj, features=_feature_names(args))
     built = proj.built_engine
     engines = [_engine(args, built, built)] + ([] if args.engine else [ACTIVE])
     w = proj.workload

@@ -53,6 +53,9 @@ FEATURES = (
     # each group's prompt prefilled once and its K and V copied to the group's other slots
     # (rollout.admission.prompt_prefill), where S is a multiple of G
     "shared_prompt_kv",
+    # the update computes each group's prompt once, its G responses after it attending to it
+    # (docs/SHARED_PREFIX_UPDATE.md: planned, not built)
+    "shared_prefix_update",
 )
 
 
@@ -88,6 +91,9 @@ class Engine:
     replayed_admission: bool = False
     # a prompt prefilled once per group of G slots (S a multiple of G), not once per slot
     shared_prompt_kv: bool = False
+    # the update's items are groups: the prompt once, then its G responses (``sim.work.
+    # update_work``); an item wider than a row splits, its prompt once per part
+    shared_prefix_update: bool = False
 
     def with_features(self, names) -> Engine:
         """This engine with the named ``FEATURES`` switched on (a what-if of ``built``)."""
@@ -95,6 +101,7 @@ class Engine:
         unknown = sorted(set(names) - set(FEATURES))
         if unknown:
             raise ValueError(f"unknown engine feature(s) {unknown}; expected some of {FEATURES}")
+        names = [n for n in names if not getattr(self, n)]  # those already on: no new label
         if not names:
             return self
         label = "+".join([self.name, *sorted(names, key=FEATURES.index)])

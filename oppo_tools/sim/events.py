@@ -187,6 +187,7 @@ def _step(run: _Run, seqs: list[_Seq]):
         chunks=chunks,
         update_groups=w.update_groups,
         shared_prompts=prompt_sharing(f.size, w.group_size),
+        group_size=w.group_size,
     )
     work = step_work(engine, facts, run.cost.n_scorers, run.cost.trained_scorers)
     plan = _plan(run.cost, work, run.schedule.stream, w.placement == "disaggregated")

@@ -90,12 +90,56 @@ def minibatch_rows(lengths, full: int, minis, groups: UpdateGroups, granule: int
     (``oppo_jax.base.shapes.update_chunk_rows``), only those holding sequences run (module
     docstring)."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
-    k, mult, chunks = groups.width_factor, groups.row_multiple, groups.chunks
-    width = engine_shapes.packed_width(full, granule, k)
-    rows = [ffd_rows(lengths[mini], width) for mini in minis]
-    m = minis.shape[1] // chunks
-    height = engine_shapes.update_chunk_rows(m, mult, k)  # the engine's one chunk height
-    return sum(-(-r // height) for r in rows) * height, width
+    width = engine_shapes.packed_width(full, granule, groups.width_factor)
+    return _chunked_rows([lengths[mini] for mini in minis], width, minis.shape[1], groups), width
+
+
+def _chunked_rows(items: list, width: int, per_minibatch: int, groups: UpdateGroups) -> int:
+    """Rows that run when each minibatch's ``items`` (lengths) first-fit decreasing into rows
+    of ``width``, dealt to chunks of the engine's one height, set by the ``per_minibatch``
+    sequences (A·m) the config sized it for; chunks without an item do not run."""
+    m = per_minibatch // groups.chunks
+    height = engine_shapes.update_chunk_rows(m, groups.row_multiple, groups.width_factor)
+    return sum(-(-ffd_rows(it, width) // height) for it in items) * height
+
+
+def shared_prefix_items(prompt: int, responses, members, width: int, group_size: int) -> list:
+    """The item lengths of a shared-prefix update over one minibatch (``members``: its batch
+    rows; row b in group b // G): per group, its prompt once, then its members' responses,
+    greedily in batch order, a new part (its own prompt) where the next would pass ``width``
+    (docs/SHARED_PREFIX_UPDATE.md). Example: prompt 4, one group's responses [3, 5, 9],
+    width 16 -> [4 + 3 + 5, 4 + 9] = [12, 13]."""
+    items, responses = [], np.asarray(responses)
+    for group in np.unique(np.asarray(members) // group_size):
+        part = prompt
+        for b in sorted(i for i in members if i // group_size == group):
+            if part > prompt and part + responses[b] > width:
+                items.append(part)
+                part = prompt
+            part += int(responses[b])
+        items.append(part)
+    return items
+
+
+def shared_update_work(
+    prompt: int, responses, full: int, groups: UpdateGroups, group_size: int, segment: bool
+) -> tuple[float, int, float | None]:
+    """(rows, width, segment-attention pairs or None) of one pass of a shared-prefix update
+    over ``responses`` behind prompts of ``prompt`` (``shared_prefix_items`` per minibatch,
+    drawn as ``update_rows`` draws them); the segment kernel visits an item's key blocks from
+    its start to the diagonal, its members' siblings' among them (masked, so still visited)."""
+    responses = np.asarray(responses)
+    minis = groups.draw(responses.size, seed=int(responses.sum()) + prompt * responses.size)
+    width = engine_shapes.packed_width(full, GRANULE, groups.width_factor)
+    items = [shared_prefix_items(prompt, responses, mini, width, group_size) for mini in minis]
+    rows = _chunked_rows(items, width, minis.shape[1], groups)
+    pairs = None
+    if segment:
+        block = segment_block(width)
+        rows_of = [r for it in items for r in ffd_place(it, width)]
+        pairs = sum(row_segment_pairs(r, width, block) for r in rows_of)
+    passes = 1 if groups.minibatches == 1 else groups.passes
+    return rows / passes, width, None if pairs is None else pairs / passes
 
 
 def minibatch_pairs(lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE):

@@ -114,6 +114,8 @@ class Projection:
     chips: int = 1  # chips per device group, sharded perfectly
     mfu: float = 0.5  # model-FLOPs utilisation of prefills and the update
     sources: tuple[tuple[str, str], ...] = ()  # (setting, where it came from)
+    # engine FEATURES switched on as what-ifs (``--with``), in every table, map and refill row
+    features: tuple[str, ...] = ()
 
     def cost_model(self) -> CostModel:
         """The roofline CostModel (no parameter copy when colocated: the roles share devices)."""
@@ -127,8 +129,9 @@ class Projection:
 
     @property
     def built_engine(self) -> Engine:
-        """This engine as built on the projection's hardware (``engines.built_for``)."""
-        return built_for(parse_spec(self.spec)[1].backend)
+        """This engine as built on the projection's hardware (``engines.built_for``), with
+        the what-if ``features`` switched on."""
+        return built_for(parse_spec(self.spec)[1].backend).with_features(self.features)
 
     def source(self, setting: str) -> str:
         return dict(self.sources).get(setting, "default")

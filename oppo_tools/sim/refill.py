@@ -274,7 +274,9 @@ def _step(run: _Run, step: int) -> dict:
     batch, dropped = _take(run, step)
     lengths = np.array([s.length for g in batch for s in g.samples])
     w = run.w
-    tokens, pairs = update_work(run.engine, w.prompt_len, run.capacity, lengths, w.update_groups)
+    tokens, pairs = update_work(
+        run.engine, w.prompt_len, run.capacity, lengths, w.update_groups, w.group_size
+    )
     gen, sco = sum(led.gen.values()), sum(led.sco.values())
     if w.placement == "disaggregated":
         rollout = max(gen, sco - led.last_score) + led.last_score

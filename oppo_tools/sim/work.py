@@ -48,6 +48,7 @@ class StepFacts:
     update_groups: packing.UpdateGroups = packing.UpdateGroups()
     # slots sharing each prompt's prefill where the engine shares it (``prompt_sharing``)
     shared_prompts: int = 1
+    group_size: int = 1  # G: the batch's lengths hold whole groups, G contiguous each
 
     @classmethod
     def of_trace(cls, trace: dict, chunk: int, chunks: int) -> StepFacts:
@@ -131,7 +132,9 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
         sync = f.slots * f.capacity
         if engine.real_width_scoring:  # the batch's sequences packed, no admission prefill
             sync = packing.score_tokens(sequences, full)
-    update, pairs = update_work(engine, f.prompt_len, f.capacity, f.batch_lengths, f.update_groups)
+    update, pairs = update_work(
+        engine, f.prompt_len, f.capacity, f.batch_lengths, f.update_groups, f.group_size
+    )
     frozen = n_scorers - trained_scorers
     kept = actor
     if engine.kept_scorer_caches:  # the built engine prefills every slot's prompt at P
@@ -155,14 +158,32 @@ def step_work(engine: Engine, facts: StepFacts, n_scorers: int, trained_scorers:
 
 
 def update_work(
-    engine: Engine, prompt_len: int, capacity: int, lengths, groups: packing.UpdateGroups
+    engine: Engine,
+    prompt_len: int,
+    capacity: int,
+    lengths,
+    groups: packing.UpdateGroups,
+    group_size: int = 1,
 ) -> tuple[float, float]:
     """(tokens, query-key pairs) the update computes over a batch of response ``lengths``
-    behind prompts of ``prompt_len``, in rows of P + R (``capacity``) split as ``groups``."""
+    behind prompts of ``prompt_len``, in rows of P + R (``capacity``) split as ``groups``;
+    with ``shared_prefix_update`` and G > 1 (the batch's groups: G contiguous lengths) each
+    group's prompt once (``packing.shared_prefix_items``)."""
+    shared = engine.shared_prefix_update and group_size > 1 and len(lengths)
     sequences = prompt_len + np.asarray(lengths)
+    if engine.token_proportional and shared:  # a prompt's tokens and pairs once per group
+        r, p, n = np.asarray(lengths, float), prompt_len, len(lengths) / group_size
+        return n * p + r.sum(), n * p * (p + 1) / 2 + float((r * p + r * (r + 1) / 2).sum())
     if engine.token_proportional:  # each sequence its own tokens and causal pairs
         return float(sequences.sum()), float((sequences * (sequences + 1) / 2).sum())
     full = prompt_len + capacity
+    if shared and engine.packed_update:
+        segment = engine.segment_update_attention
+        rows, width, pairs = packing.shared_update_work(
+            prompt_len, lengths, full, groups, group_size, segment
+        )
+        pairs = rows * _row_pairs(width, engine.causal_update_attention) if pairs is None else pairs
+        return float(rows * width), float(pairs)
     rows, row_width = sequences.size, full
     if engine.packed_update:
         rows, row_width = packing.update_rows(sequences, full, groups)

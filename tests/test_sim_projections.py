@@ -88,11 +88,12 @@ def test_cli_prints_the_settings_with_every_projection(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["settings"]["train"]["ppo_epochs"] == 2
     assert set(data["engines"]) == {"built", "active"}
-    # A what-if: one feature switched on, the engine named after it.
+    # A what-if: one feature switched on, the engine named after it (one already built, as
+    # the packed update is, adds nothing and no name).
     assert main(["--project", "qwen2.5-7b:gh200", "--steps", "3", "--no-regime-map",
-                 "--engine", "built", "--with", "packed_update", "--candidates-c", "256",
-                 "--candidates-delta", "16"]) == 0  # fmt: skip
-    assert "engine: built+packed_update" in capsys.readouterr().out
+                 "--engine", "built", "--with", "compact_slots,packed_update",
+                 "--candidates-c", "256", "--candidates-delta", "16"]) == 0  # fmt: skip
+    assert "engine: built+compact_slots (" in capsys.readouterr().out
     assert main(["--bench", "x.json", "--config", CONFIG]) == 2
     assert main(["--project", "qwen2.5-7b:gh200", "--with", "warp_drive"]) == 2
 

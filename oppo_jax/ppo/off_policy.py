@@ -77,9 +77,9 @@ def correction_counts(
     """The sums the correction's metrics are ratios of, over these tokens, each named
     ``COUNT_PREFIX`` + what it counts (none without a correction): valid tokens, their
     weights' sum and, for mis, the masked tokens, the sequences with a token and those with a
-    masked token. A sequence is a row of [B, R]
-    arrays, or in the packed layout a segment of ``weights.segments`` (mis sets them; a
-    sequence's slots all sit in one chunk, so the chunks' sums add up)."""
+    masked token. A sequence is a row of [B, R] arrays, or in the packed layout a segment of
+    ``weights.segments`` (mis sets them; a sequence's slots all sit in one chunk, so the
+    chunks' sums add up)."""
     if ppo.off_policy_correction == "none":
         return {}
     f32, valid = jnp.float32, as_bool_mask(mask)
@@ -92,9 +92,9 @@ def correction_counts(
             ids, n = weights.segments, weights.num_segments
             seq_masked = jax.ops.segment_sum(masked.astype(f32), ids, n) > 0
             seq_has = jax.ops.segment_sum(valid.astype(f32), ids, n) > 0
-        counts |= {"masked_tokens": jnp.sum(masked, dtype=f32),
-                   "masked_seqs": jnp.sum(seq_masked, dtype=f32),
-                   "seqs": jnp.sum(seq_has, dtype=f32)}  # fmt: skip
+        counts["masked_tokens"] = jnp.sum(masked, dtype=f32)
+        counts["masked_seqs"] = jnp.sum(seq_masked, dtype=f32)
+        counts["seqs"] = jnp.sum(seq_has, dtype=f32)
     return {COUNT_PREFIX + k: v.astype(f32) for k, v in counts.items()}
 
 

@@ -30,7 +30,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from oppo_jax.data.prompt_set import load_prompt_set
@@ -141,7 +140,7 @@ def _eval_kernels(ctx, greedy: bool):
 def _decode_all(ctx, k, actor, admission):
     """Decode every admitted slot to its end (the cut rule takes them all)."""
     n = int(np.sum(np.asarray(admission.active)))
-    rule = CutRule(admission.active, admission.must_finish, jnp.int32(n))
+    rule = CutRule(admission.active, admission.must_finish, np.int32(n))  # host, as the step's
     key = jax.random.fold_in(ctx.engine.sample_key, EVAL_KEY)
     state, _ = k.prefill_actor(actor, admission, key, ())  # new prompts only: nothing to replay
     chunk_size = ctx.cfg.pipeline.chunk_size
@@ -231,7 +230,7 @@ def _decode_part(ctx, k, actor, items, samples, width: int):
     slots = admit(CarryBuffer(), _Fixed(items), rule, r.prompt_width, r.max_response_len, r.pad_id)
     index = np.zeros(slots.num_slots, np.int32)
     index[: len(items)] = samples
-    admission = slot_admission(slots).replace(sample_index=jnp.asarray(index))
+    admission = slot_admission(slots).replace(sample_index=index)  # host arrays, as the step's
     decoding = _decode_all(ctx, k, actor, admission)
     ref, rm = _score(ctx, k, admission, decoding)
     tokens, logp, lengths = map(

@@ -133,13 +133,16 @@ def shared_update_work(
     width = engine_shapes.packed_width(full, GRANULE, groups.width_factor)
     items = [shared_prefix_items(prompt, responses, mini, width, group_size) for mini in minis]
     rows = _chunked_rows(items, width, minis.shape[1], groups)
-    pairs = None
-    if segment:
-        block = segment_block(width)
-        rows_of = [r for it in items for r in ffd_place(it, width)]
-        pairs = sum(row_segment_pairs(r, width, block) for r in rows_of)
+    pairs = _items_pairs(items, width) if segment else None
     passes = 1 if groups.minibatches == 1 else groups.passes
     return rows / passes, width, None if pairs is None else pairs / passes
+
+
+def _items_pairs(items: list, width: int) -> int:
+    """Query-key pairs the segment attention visits when each minibatch's ``items`` (lengths)
+    first-fit decreasing into rows of ``width`` (``row_segment_pairs`` per row)."""
+    block = segment_block(width)
+    return sum(row_segment_pairs(row, width, block) for it in items for row in ffd_place(it, width))
 
 
 def minibatch_pairs(lengths, full: int, minis, groups: UpdateGroups, granule: int = GRANULE):
@@ -147,12 +150,7 @@ def minibatch_pairs(lengths, full: int, minis, groups: UpdateGroups, granule: in
     minibatch's first-fit rows by ``row_segment_pairs``; the chunks' padding rows, none."""
     lengths, minis = np.asarray(lengths), np.asarray(minis)
     width = engine_shapes.packed_width(full, granule, groups.width_factor)
-    block = segment_block(width)
-    return sum(
-        row_segment_pairs(row, width, block)
-        for mini in minis
-        for row in ffd_place(lengths[mini], width)
-    )
+    return _items_pairs([lengths[mini] for mini in minis], width)
 
 
 def minibatch_slots(lengths, full: int, minis, groups: UpdateGroups = UpdateGroups()) -> int:

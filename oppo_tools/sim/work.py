@@ -177,19 +177,16 @@ def update_work(
     if engine.token_proportional:  # each sequence its own tokens and causal pairs
         return float(sequences.sum()), float((sequences * (sequences + 1) / 2).sum())
     full = prompt_len + capacity
+    segment = engine.packed_update and engine.segment_update_attention
+    rows, row_width, pairs = sequences.size, full, None
     if shared and engine.packed_update:
-        segment = engine.segment_update_attention
-        rows, width, pairs = packing.shared_update_work(
+        rows, row_width, pairs = packing.shared_update_work(
             prompt_len, lengths, full, groups, group_size, segment
         )
-        pairs = rows * _row_pairs(width, engine.causal_update_attention) if pairs is None else pairs
-        return float(rows * width), float(pairs)
-    rows, row_width = sequences.size, full
-    if engine.packed_update:
+    elif engine.packed_update:
         rows, row_width = packing.update_rows(sequences, full, groups)
-    if engine.packed_update and engine.segment_update_attention:
-        pairs = packing.update_segment_pairs(sequences, full, groups)
-    else:
+        pairs = packing.update_segment_pairs(sequences, full, groups) if segment else None
+    if pairs is None:  # every key of a row (XLA), or its causal blocks (splash)
         pairs = rows * _row_pairs(row_width, engine.causal_update_attention)
     return float(rows * row_width), float(pairs)
 
